@@ -1,0 +1,165 @@
+"""Triton GEMM ``y = x · wᵀ`` with one reduction order for every batch size.
+
+Reduction order (the contract).  K is cut into S = ceil(K / SEG_K) segments
+of SEG_K elements; SEG_K and BLOCK_K come from the tuning table keyed by
+(N, K) only, never by M.  For each output element:
+
+    p_s   = Σ over k-steps of segment s, in increasing k, each step one
+            ``tl.dot`` of BLOCK_K (fp32 accumulator, starting from 0)
+    total = ((0 + p_0) + p_1) + ... + p_{S-1}      (fp32 adds, left to right)
+    y     = bf16(total)                            (the only rounding to bf16)
+
+Two schedules compute exactly that arithmetic:
+
+* ``_mm_fused_kernel`` — one program per (BLOCK_M × BLOCK_N) tile walks all S
+  segments and keeps ``total`` in registers (large M: the tiles fill the GPU);
+* ``_mm_split_kernel`` + ``_mm_merge_kernel`` — one program per (tile,
+  segment) writes ``p_s`` in fp32 to a workspace, and the merge adds the S
+  partials left to right (small M: S× more programs to fill 132 SMs).
+
+Both call the same ``_segment_dot``; the schedule is picked from M for speed
+alone and cannot change a bit.  BLOCK_M (64 or 128) is free as well: a row's
+products are the same wgmma k-steps whatever other rows share its tile
+(DESIGN §5 measured BM = 64 and 128 giving identical bits).  BLOCK_M stays
+≥ 64 so Hopper always runs the same wgmma instruction (smaller tiles would
+lower to mma.sync, whose in-instruction summation is not promised equal).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _segment_dot(p_x, p_w, i_m, i_n, M, N, K, k_lo,
+                 stride_xm, stride_xk, stride_wn, stride_wk,
+                 SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IEEE: tl.constexpr):
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + SEG_K, BLOCK_K):
+        m_k = (k0 + o_k) < K
+        b_x = tl.load(p_x + o_m[:, None] * stride_xm + (k0 + o_k)[None, :] * stride_xk,
+                      mask=(o_m[:, None] < M) & m_k[None, :], other=0.0)
+        b_w = tl.load(p_w + o_n[None, :] * stride_wn + (k0 + o_k)[:, None] * stride_wk,
+                      mask=(o_n[None, :] < N) & m_k[:, None], other=0.0)
+        if IEEE:
+            b_acc = tl.dot(b_x, b_w, b_acc, input_precision="ieee")
+        else:
+            b_acc = tl.dot(b_x, b_w, b_acc)
+    return b_acc
+
+
+@triton.jit
+def _mm_fused_kernel(p_x, p_w, p_y, M, N, K,
+                     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+                     N_SEG, SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+    # grouped tile order for L2 reuse; the order tiles run in never touches a sum
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * n_n)
+    first_m = group * GROUP_M
+    size_m = min(n_m - first_m, GROUP_M)
+    i_m = first_m + (pid % size_m)
+    i_n = (pid % (GROUP_M * n_n)) // size_m
+    b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, N_SEG):
+        b_total += _segment_dot(p_x, p_w, i_m, i_n, M, N, K, s * SEG_K,
+                                stride_xm, stride_xk, stride_wn, stride_wk,
+                                SEG_K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(p_y + o_m[:, None] * stride_ym + o_n[None, :] * stride_yn,
+             b_total.to(p_y.dtype.element_ty), mask=(o_m[:, None] < M) & (o_n[None, :] < N))
+
+
+@triton.jit
+def _mm_split_kernel(p_x, p_w, p_ws, M, N, K,
+                     stride_xm, stride_xk, stride_wn, stride_wk,
+                     SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    i_m, i_n, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b_p = _segment_dot(p_x, p_w, i_m, i_n, M, N, K, s * SEG_K,
+                       stride_xm, stride_xk, stride_wn, stride_wk,
+                       SEG_K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(p_ws + s * M * N + o_m[:, None] * N + o_n[None, :], b_p,
+             mask=(o_m[:, None] < M) & (o_n[None, :] < N))
+
+
+@triton.jit
+def _mm_merge_kernel(p_ws, p_y, M, N, stride_ym, stride_yn, N_SEG, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = o < M * N
+    b_total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, N_SEG):  # left to right, the same adds as the fused kernel
+        b_total += tl.load(p_ws + s * M * N + o, mask=mask, other=0.0)
+    i_m, i_n = o // N, o % N
+    tl.store(p_y + i_m * stride_ym + i_n * stride_yn, b_total.to(p_y.dtype.element_ty), mask=mask)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def reduction_config(N: int, K: int) -> dict:
+    """The parameters that fix the K-reduction: a function of (N, K) only.
+
+    BLOCK_K = 64 and SEG_K = 1024 for every shape today (K ≤ 1024 is one
+    segment).  BLOCK_N = 128.  Changing any of these changes bits, so a
+    tuning table may key them by (N, K) — never by M.
+    """
+    return {"BLOCK_N": 128, "BLOCK_K": 64, "SEG_K": 1024}
+
+
+def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None = None,
+                      schedule: str | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """x (M, K) · w (N, K)ᵀ -> (M, N) in x.dtype.  Strided inputs are fine.
+
+    ``block_m``, ``schedule`` ("fused" or "split") and ``num_warps`` are free
+    launch knobs (defaults picked from M for speed); none changes a bit.
+    """
+    M, K = x.shape
+    N = w.shape[0]
+    cfg = reduction_config(N, K)
+    BN, BK, SEG_K = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SEG_K"]
+    n_seg = triton.cdiv(K, SEG_K)
+    seg_k = SEG_K if n_seg > 1 else triton.cdiv(K, BK) * BK
+    BM = block_m or (64 if M <= 64 else 128)
+    if BM < 64:
+        raise ValueError("block_m below 64 would change the MMA instruction (and bits) on Hopper")
+    nw = num_warps or (4 if BM == 64 else 8)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    ieee = x.dtype == torch.float32
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    if schedule is None:
+        schedule = "split" if (n_seg > 1 and tiles < _num_sms(x.device)) else "fused"
+    if schedule == "split" and n_seg > 1:
+        ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
+        _mm_split_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), n_seg)](
+            x, w, ws, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=3)
+        BLOCK = 1024
+        _mm_merge_kernel[(triton.cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK)
+    elif schedule in ("fused", "split"):
+        _mm_fused_kernel[(tiles,)](
+            x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+            n_seg, SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, IEEE=ieee,
+            num_warps=nw, num_stages=3)
+    else:
+        raise ValueError(f"schedule must be 'fused' or 'split', got {schedule!r}")
+    return y

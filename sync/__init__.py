@@ -1,0 +1,1 @@
+"""Trainer -> server weight synchronisation (versioned, changed blocks only)."""

@@ -1,0 +1,107 @@
+"""matmul: rungs 1-2 (bitwise), accuracy vs float64, gradients, bad input."""
+import pytest
+import torch
+
+from alignzoo.common.ladder import bitwise_equal, rel_err, rung1_repeat, rung2_rows
+from alignzoo.common.matmul import fixed_order_dot, matmul, matmul_bwd, matmul_fwd, matmul_ref
+
+SHAPES = [  # (M, K, N): odd sizes, K past one 1024-segment, K = 12288 (Qwen3-8B down-proj)
+    pytest.param(37, 100, 65, id="M37-K100-N65"),
+    pytest.param(63, 1000, 96, id="M63-K1000-N96"),
+    pytest.param(9, 12288, 33, id="M9-K12288-N33"),
+]
+FEW_CONFIGS_ABOVE_K = 4096  # the CPU path costs K passes per call: fewer configs for K = 12288
+
+
+def _launch_configs(device):
+    if device.type == "cpu":
+        return [{}, {"row_chunk": 4}, {"row_chunk": 1}]
+    return [{}, {"block_m": 64, "schedule": "split"}, {"block_m": 64, "schedule": "fused"},
+            {"block_m": 128, "schedule": "split", "num_warps": 4}, {"block_m": 128, "schedule": "fused"}]
+
+
+def _inputs(M, K, N, device, dtype=torch.bfloat16):
+    x = torch.randn(M, K).to(device, dtype)
+    w = (torch.randn(N, K) / K**0.5).to(device, dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_rows_invariant_to_batch_order_padding_and_launch(device, M, K, N):
+    x, w = _inputs(M, K, N, device)
+    assert rung1_repeat("matmul", matmul_fwd, x, w).passed
+    configs = _launch_configs(device)
+    if device.type == "cpu" and K > FEW_CONFIGS_ABOVE_K:
+        configs = configs[::2]
+    r = rung2_rows("matmul", matmul_fwd, (x,), shared={"w": w}, configs=configs,
+                   batch_sizes=(1, 2, 5, M - 1))
+    assert r.passed, r.detail
+    # and the plain torch.equal form of the same promise, row by row
+    full = matmul_fwd(x, w)
+    for i in (0, M // 2, M - 1):
+        assert torch.equal(matmul_fwd(x[i:i + 1], w), full[i:i + 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(4096, 4096), (12288, 4096), (4096, 12288), (1000, 100)], ids=str)
+def test_gpu_every_m_gives_the_same_rows(N, K):
+    """cuBLAS changes bits for M <= 128 (DESIGN §5); ours may not, at any M."""
+    dev = torch.device("cuda")
+    x, w = _inputs(8192, K, N, dev)
+    ref = matmul_fwd(x, w)
+    for M in (1, 3, 8, 64, 65, 127, 256, 1024, 4096):
+        assert torch.equal(matmul_fwd(x[:M], w), ref[:M]), f"M={M}"
+        assert torch.equal(matmul_fwd(x[-M:], w), ref[-M:]), f"M={M} (tail rows)"
+
+
+def test_check_catches_a_batch_dependent_split(device):
+    """A split-K whose split count follows M (what cuBLAS does) must be caught.
+    fp32 in and out: a bf16 output rounding would hide most one-ulp changes."""
+    x, w = _inputs(40, 1000, 48, torch.device("cpu"), torch.float32)
+
+    def split_by_batch(x, w):
+        splits = 1 if x.shape[0] < 8 else 4
+        parts = [fixed_order_dot(xs, ws) for xs, ws in zip(x.chunk(splits, 1), w.chunk(splits, 1))]
+        return torch.stack(parts).sum(0).to(x.dtype)
+
+    r = rung2_rows("bad", split_by_batch, (x,), shared={"w": w})
+    assert not r.passed and r.differing > 0
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, 5e-3), (torch.float32, 1e-6)], ids=["bf16", "fp32"])
+def test_accuracy_against_float64(device, dtype, bound):
+    x, w = _inputs(50, 1000, 70, device, dtype)
+    # bf16: one output rounding (2^-9 relative); fp32: K=1000 fp32 adds
+    assert rel_err(matmul_fwd(x, w), matmul_ref(x, w)) < bound
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)], ids=["bf16", "fp32"])
+def test_gradients_against_float64_autograd(device, dtype, bound):
+    x, w = _inputs(33, 100, 65, device, dtype)
+    x3 = x.reshape(3, 11, 100).requires_grad_()
+    wr = w.clone().requires_grad_()
+    dy = torch.randn(3, 11, 65).to(device, dtype)
+    matmul(x3, wr).backward(dy)
+    xd, wd = x3.detach().double().requires_grad_(), w.double().requires_grad_()
+    (xd @ wd.t()).backward(dy.double())
+    assert rel_err(x3.grad, xd.grad) < bound
+    assert rel_err(wr.grad, wd.grad) < bound
+
+
+def test_backward_is_deterministic_run_to_run(device):
+    x, w = _inputs(45, 300, 70, device)
+    dy = torch.randn(45, 70).to(device, torch.bfloat16)
+    a, b = matmul_bwd(x, w, dy), matmul_bwd(x, w, dy)
+    assert bitwise_equal(a[0], b[0]) and bitwise_equal(a[1], b[1])
+
+
+def test_bad_input_is_named():
+    x, w = _inputs(4, 16, 8, torch.device("cpu"))
+    with pytest.raises(TypeError, match="w has dtype float32"):
+        matmul(x, w.float())
+    with pytest.raises(TypeError, match="x has dtype int64"):
+        matmul(torch.ones(4, 16, dtype=torch.long), w)
+    with pytest.raises(ValueError, match="x has K=16 but w has shape"):
+        matmul(x, torch.randn(8, 15).bfloat16())
+    with pytest.raises(ValueError, match="must be contiguous"):
+        matmul(x.t(), torch.randn(8, 4).bfloat16())

@@ -1,0 +1,1 @@
+"""Hugging Face checkpoint loading and saving (name maps per model)."""
