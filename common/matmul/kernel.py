@@ -125,15 +125,18 @@ def reduction_config(N: int, K: int) -> dict:
 
 
 def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None = None,
-                      schedule: str | None = None, num_warps: int | None = None) -> torch.Tensor:
+                      schedule: str | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None, _reduction: dict | None = None) -> torch.Tensor:
     """x (M, K) · w (N, K)ᵀ -> (M, N) in x.dtype.  Strided inputs are fine.
 
-    ``block_m``, ``schedule`` ("fused" or "split") and ``num_warps`` are free
-    launch knobs (defaults picked from M for speed); none changes a bit.
+    ``block_m``, ``schedule`` ("fused" or "split"), ``num_warps`` and
+    ``num_stages`` are free launch knobs (defaults picked from M for speed);
+    none changes a bit.  ``_reduction`` overrides ``reduction_config`` (for
+    sweeps only: it does change bits).
     """
     M, K = x.shape
     N = w.shape[0]
-    cfg = reduction_config(N, K)
+    cfg = {**reduction_config(N, K), **(_reduction or {})}
     BN, BK, SEG_K = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SEG_K"]
     n_seg = triton.cdiv(K, SEG_K)
     seg_k = SEG_K if n_seg > 1 else triton.cdiv(K, BK) * BK
@@ -141,6 +144,7 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     if BM < 64:
         raise ValueError("block_m below 64 would change the MMA instruction (and bits) on Hopper")
     nw = num_warps or (4 if BM == 64 else 8)
+    ns = num_stages or 3
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
@@ -152,14 +156,14 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
         ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
         _mm_split_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), n_seg)](
             x, w, ws, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=3)
+            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns)
         BLOCK = 1024
         _mm_merge_kernel[(triton.cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK)
     elif schedule in ("fused", "split"):
         _mm_fused_kernel[(tiles,)](
             x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
             n_seg, SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, IEEE=ieee,
-            num_warps=nw, num_stages=3)
+            num_warps=nw, num_stages=ns)
     else:
         raise ValueError(f"schedule must be 'fused' or 'split', got {schedule!r}")
     return y

@@ -1,8 +1,8 @@
 """Triton kernel for the fixed-order reduction tree.
 
 Each program loads the N contributions of BLOCK elements into a
-(N_POW2, BLOCK) float64 tile, pads rows N..N_POW2-1 with -0.0, and halves it
-log2(N_POW2) times by adding rows (2i, 2i+1).  -0.0 is the exact additive
+(BLOCK, N_POW2) float64 tile, pads contributors N..N_POW2-1 with -0.0, and
+halves it log2(N_POW2) times by adding contributors (2i, 2i+1).  -0.0 is the exact additive
 identity (x + -0.0 == x for every x, signed zeros included), so padding
 pairs reproduce "an odd one is carried up unchanged" bit for bit; each level
 is one float64 add per element; the result is rounded once to the output
@@ -19,11 +19,15 @@ import triton.language as tl
 def _tree_kernel(p_in, p_out, N, numel, N_POW2: tl.constexpr, LOG2_N: tl.constexpr, BLOCK: tl.constexpr):
     o_e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     o_n = tl.arange(0, N_POW2)
-    mask = (o_n[:, None] < N) & (o_e[None, :] < numel)
-    b_x = tl.load(p_in + o_n[:, None] * numel + o_e[None, :], mask=mask, other=-0.0).to(tl.float64)
-    b_x = tl.where(o_n[:, None] < N, b_x, -0.0)
+    mask = (o_e[:, None] < numel) & (o_n[None, :] < N)
+    b_x = tl.load(p_in + o_n[None, :] * numel + o_e[:, None], mask=mask, other=0.0).to(tl.float64)  # (BLOCK, N_POW2)
+    # -0.0 from its bit pattern: a float literal or a unary minus may become +0.0
+    b_neg0 = tl.full((BLOCK, N_POW2), -9223372036854775808, tl.int64).to(tl.float64, bitcast=True)
+    b_x = tl.where(o_n[None, :] < N, b_x, b_neg0)
     for i in tl.static_range(LOG2_N):
-        b_x = tl.sum(tl.reshape(b_x, (N_POW2 >> (i + 1), 2, BLOCK)), axis=1)  # rows 2j + 2j+1
+        # contributors 2j and 2j+1 -> one explicit add (a tl.sum could start from +0.0)
+        b_even, b_odd = tl.split(tl.reshape(b_x, (BLOCK, N_POW2 >> (i + 1), 2)))
+        b_x = b_even + b_odd
     b_y = tl.reshape(b_x, (BLOCK,))
     tl.store(p_out + o_e, b_y.to(p_out.dtype.element_ty), mask=o_e < numel)
 
