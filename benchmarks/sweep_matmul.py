@@ -35,7 +35,7 @@ for N, K in [(4096, 4096), (12288, 4096), (4096, 12288), (1024, 4096)]:
         for BM, BN, BK, nw, ns, seg, sched in cands:
             try:
                 f = lambda: matmul_fwd_triton(xm, w, block_m=BM, num_warps=nw, num_stages=ns, schedule=sched,
-                                              _reduction={"BLOCK_N": BN, "BLOCK_K": BK, "SEG_K": seg})
+                                              block_n=BN, block_k=BK, _reduction={"SEG_K": seg})
                 same = torch.equal(f(), ref)
                 res.append((t(f), BM, BN, BK, nw, ns, seg, sched, same))
             except Exception as e:  # out of shared memory etc.

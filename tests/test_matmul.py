@@ -16,8 +16,9 @@ FEW_CONFIGS_ABOVE_K = 4096  # the CPU path costs K passes per call: fewer config
 def _launch_configs(device):
     if device.type == "cpu":
         return [{}, {"row_chunk": 4}, {"row_chunk": 1}]
-    return [{}, {"block_m": 64, "schedule": "split"}, {"block_m": 64, "schedule": "fused"},
-            {"block_m": 128, "schedule": "split", "num_warps": 4}, {"block_m": 128, "schedule": "fused"}]
+    return [{}, {"block_m": 64, "schedule": "split"}, {"block_m": 64, "block_n": 256, "schedule": "fused"},
+            {"block_m": 128, "block_k": 128, "schedule": "split", "num_warps": 4},
+            {"block_m": 128, "block_n": 64, "schedule": "fused", "num_stages": 2}]
 
 
 def _inputs(M, K, N, device, dtype=torch.bfloat16):

@@ -1,8 +1,8 @@
 """Triton GEMM ``y = x · wᵀ`` with one reduction order for every batch size.
 
 Reduction order (the contract).  K is cut into S = ceil(K / SEG_K) segments
-of SEG_K elements; SEG_K and BLOCK_K come from the tuning table keyed by
-(N, K) only, never by M.  For each output element:
+of SEG_K = 1024 elements (``reduction_config``: a function of (N, K) only,
+never of M).  For each output element:
 
     p_s   = Σ over k-steps of segment s, in increasing k, each step one
             ``tl.dot`` of BLOCK_K (fp32 accumulator, starting from 0)
@@ -18,11 +18,15 @@ Two schedules compute exactly that arithmetic:
   partials left to right (small M: S× more programs to fill 132 SMs).
 
 Both call the same ``_segment_dot``; the schedule is picked from M for speed
-alone and cannot change a bit.  BLOCK_M (64 or 128) is free as well: a row's
-products are the same wgmma k-steps whatever other rows share its tile
-(DESIGN §5 measured BM = 64 and 128 giving identical bits).  BLOCK_M stays
-≥ 64 so Hopper always runs the same wgmma instruction (smaller tiles would
-lower to mma.sync, whose in-instruction summation is not promised equal).
+alone and cannot change a bit.  Every output element is the same chain of
+k16 wgmma steps whatever the tile around it, so BLOCK_M, BLOCK_N, BLOCK_K
+(any divisor of SEG_K), num_warps and num_stages are free launch knobs too:
+measured on the H200 (benchmarks/results/2026-11-30-h200-matmul-sweep.txt),
+every combination of BM ∈ {64, 128}, BN ∈ {64, 128, 256}, BK ∈ {64, 128},
+4/8 warps, 3/4 stages and both schedules gave identical bits at SEG_K = 1024,
+while SEG_K = 2048 changed them.  BLOCK_M stays ≥ 64 so Hopper always runs
+wgmma (smaller tiles lower to mma.sync, whose in-instruction summation is not
+promised equal).
 """
 from __future__ import annotations
 
@@ -115,36 +119,43 @@ def _num_sms(device: torch.device) -> int:
 
 
 def reduction_config(N: int, K: int) -> dict:
-    """The parameters that fix the K-reduction: a function of (N, K) only.
+    """The one parameter that fixes the K-reduction's bits: a function of
+    (N, K) only, never of M.  SEG_K = 1024 for every shape today."""
+    return {"SEG_K": 1024}
 
-    BLOCK_K = 64 and SEG_K = 1024 for every shape today (K ≤ 1024 is one
-    segment).  BLOCK_N = 128.  Changing any of these changes bits, so a
-    tuning table may key them by (N, K) — never by M.
-    """
-    return {"BLOCK_N": 128, "BLOCK_K": 64, "SEG_K": 1024}
+
+def launch_config(M: int, N: int, K: int) -> dict:
+    """Bit-neutral tile shape for speed, from the H200 sweep (M buckets)."""
+    if M <= 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 64 if max(N, K) >= 8192 else 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
+    if M <= 512:
+        return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
 
 
 def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None = None,
+                      block_n: int | None = None, block_k: int | None = None,
                       schedule: str | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, _reduction: dict | None = None) -> torch.Tensor:
     """x (M, K) · w (N, K)ᵀ -> (M, N) in x.dtype.  Strided inputs are fine.
 
-    ``block_m``, ``schedule`` ("fused" or "split"), ``num_warps`` and
-    ``num_stages`` are free launch knobs (defaults picked from M for speed);
-    none changes a bit.  ``_reduction`` overrides ``reduction_config`` (for
-    sweeps only: it does change bits).
+    ``block_m``/``block_n``/``block_k``, ``schedule`` ("fused" or "split"),
+    ``num_warps`` and ``num_stages`` are free launch knobs (defaults from
+    ``launch_config``); none changes a bit.  ``_reduction`` overrides
+    ``reduction_config`` (for sweeps only: it does change bits).
     """
     M, K = x.shape
     N = w.shape[0]
-    cfg = {**reduction_config(N, K), **(_reduction or {})}
-    BN, BK, SEG_K = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SEG_K"]
-    n_seg = triton.cdiv(K, SEG_K)
-    seg_k = SEG_K if n_seg > 1 else triton.cdiv(K, BK) * BK
-    BM = block_m or (64 if M <= 64 else 128)
+    SEG_K = {**reduction_config(N, K), **(_reduction or {})}["SEG_K"]
+    lc = launch_config(M, N, K)
+    BM, BN, BK = block_m or lc["BLOCK_M"], block_n or lc["BLOCK_N"], block_k or lc["BLOCK_K"]
+    nw, ns = num_warps or lc["num_warps"], num_stages or lc["num_stages"]
     if BM < 64:
         raise ValueError("block_m below 64 would change the MMA instruction (and bits) on Hopper")
-    nw = num_warps or (4 if BM == 64 else 8)
-    ns = num_stages or 3
+    if SEG_K % BK:
+        raise ValueError(f"block_k={BK} must divide SEG_K={SEG_K}")
+    n_seg = triton.cdiv(K, SEG_K)
+    seg_k = SEG_K if n_seg > 1 else triton.cdiv(K, BK) * BK
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
