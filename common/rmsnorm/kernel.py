@@ -1,0 +1,258 @@
+"""Triton RMSNorm kernels (plain, fused residual-add, gated) and their CUDA launchers.
+
+Reduction order (the contract; ``cpu.py`` computes the same order):
+
+* row sums (``sum(x^2)`` forward, ``sum(dn * n)`` backward): the whole row is
+  one (BM, BLOCK_H) tile, BLOCK_H = next_pow2(H), masked lanes hold 0; the
+  tile is summed by ``_row_tree_sum``, a pairwise tree over adjacent lanes
+  built from ``reshape`` + ``split`` + element-wise ``+``.  Its result is
+  fixed by the tensor *semantics*, not by the layout Triton picks: ``tl.sum``'s
+  order follows the layout (``sizePerThread``), and the seeds saw one extra
+  bf16 store change that layout and 2,854 of 8,192 outputs.  So the plain and
+  the fused kernel (which stores the new residual) add in the same order, and
+  ``num_warps`` and rows per program (BM) are free launch knobs.
+* ``dw``: two levels of "slots, then a pairwise tree" (``cpu.py`` spells the
+  order out): one program per block of S * DW_TILES rows accumulates tile row
+  s into slot s and trees the S slots (``_col_tree_sum``); ``_dw_sum_kernel``
+  does the same over the block partials with DW_SLOTS2 slots.  S is fixed by
+  H, so the order depends on M and H only: deterministic run to run.
+
+Rounding points (transformers' Qwen3RMSNorm / Qwen3_5MoeRMSNormGated):
+
+    fused:  s = dtype(fp32(x) + fp32(res))            -> new residual; x := s
+    rstd = div_rn(1, sqrt_rn(div_rn(tree_sum(x*x), H) + eps))    (fp32)
+    n = dtype(x * rstd);  y = dtype(n * w)                       (plain, fused)
+    gated:  out = dtype(y * z / (1 + exp(-z)))                   (fp32 gate)
+
+Every kernel is launched with ``enable_fp_fusion=False``: no mul+add is
+contracted into an FMA, so each op rounds where the source says, as on the
+CPU.  (``/`` and ``tl.exp`` are approximate but deterministic; the plain and
+fused paths avoid both.)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .cpu import DW_SLOTS2, DW_TILES, dw_slots, tree_width
+
+
+@triton.jit
+def _row_tree_sum(b, BM: tl.constexpr, LOG2_H: tl.constexpr):
+    """Sum a (BM, 2**LOG2_H) fp32 tile over its last dim: s[i] <- s[2i] + s[2i+1]."""
+    for _ in tl.static_range(LOG2_H):
+        b_even, b_odd = tl.split(tl.reshape(b, (BM, b.shape[1] // 2, 2)))
+        b = b_even + b_odd
+    return tl.reshape(b, (BM,))
+
+
+@triton.jit
+def _rmsnorm_fwd_kernel(
+    p_x,
+    p_res,
+    p_z,
+    p_w,
+    p_y,
+    p_res_out,
+    p_rstd,
+    M,
+    eps,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    LOG2_H: tl.constexpr,
+    BM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_Z: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    o_m = i_m * BM + tl.arange(0, BM)  # (BM,)
+    o_h = tl.arange(0, BLOCK_H)  # (BLOCK_H,)
+    m_m = o_m < M
+    m_h = o_h < H
+    m_x = m_m[:, None] & m_h[None, :]
+    o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]  # (BM, BLOCK_H)
+    dtype = p_y.dtype.element_ty
+
+    b_x = tl.load(p_x + o_x, mask=m_x, other=0.0).to(tl.float32)
+    if HAS_RES:
+        b_s = (b_x + tl.load(p_res + o_x, mask=m_x, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(p_res_out + o_x, b_s, mask=m_x)
+        b_x = b_s.to(tl.float32)
+
+    b_ss = _row_tree_sum(b_x * b_x, BM, LOG2_H)  # (BM,)
+    b_var = tl.math.div_rn(b_ss, tl.full((BM,), H, tl.float32))
+    b_rstd = tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), tl.math.sqrt_rn(b_var + eps))
+    tl.store(p_rstd + o_m, b_rstd, mask=m_m)
+
+    b_w = tl.load(p_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+    b_n = (b_x * b_rstd[:, None]).to(dtype).to(tl.float32)
+    b_y = (b_n * b_w[None, :]).to(dtype)
+    if HAS_Z:
+        b_z = tl.load(p_z + o_x, mask=m_x, other=0.0).to(tl.float32)
+        b_y = (b_y.to(tl.float32) * (b_z / (1.0 + tl.exp(-b_z)))).to(dtype)
+    tl.store(p_y + o_x, b_y, mask=m_x)
+
+
+@triton.jit
+def _col_tree_sum(b, S: tl.constexpr, BLOCK: tl.constexpr, LOG2_S: tl.constexpr):
+    """Sum a (S, BLOCK) fp32 tile over its rows by the pairwise tree -> (BLOCK,)."""
+    return _row_tree_sum(tl.trans(b), BLOCK, LOG2_S)
+
+
+@triton.jit
+def _rmsnorm_bwd_kernel(
+    p_dy,
+    p_x,
+    p_z,
+    p_w,
+    p_rstd,
+    p_dres,
+    p_dx,
+    p_dz,
+    p_dw_part,
+    M,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    LOG2_H: tl.constexpr,
+    S: tl.constexpr,
+    LOG2_S: tl.constexpr,
+    TILES: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    HAS_Z: tl.constexpr,
+):
+    """One program per block of S * TILES rows, as TILES (S, BLOCK_H) tiles in
+    order; writes dx (and dz) per row and the block's dw partial: row t*S + s of
+    the block goes to slot s, then the pairwise tree over the S slots."""
+    i_b = tl.program_id(0)
+    o_h = tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    b_w = tl.load(p_w + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]  # (1, BLOCK_H)
+    b_acc = tl.zeros((S, BLOCK_H), dtype=tl.float32)
+    for i_t in range(TILES):
+        o_m = (i_b * TILES + i_t) * S + tl.arange(0, S)  # (S,)
+        m_m = o_m < M
+        m_x = m_m[:, None] & m_h[None, :]
+        o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]  # (S, BLOCK_H)
+        b_x = tl.load(p_x + o_x, mask=m_x, other=0.0).to(tl.float32)
+        b_dy = tl.load(p_dy + o_x, mask=m_x, other=0.0).to(tl.float32)
+        b_rstd = tl.load(p_rstd + o_m, mask=m_m, other=0.0)[:, None]  # (S, 1)
+        b_n = b_x * b_rstd
+        if HAS_Z:
+            b_z = tl.load(p_z + o_x, mask=m_x, other=0.0).to(tl.float32)
+            b_e = tl.exp(-b_z)
+            b_sig = 1.0 / (1.0 + b_e)
+            b_dz = b_dy * (b_n * b_w) * (b_sig * (1.0 + b_z * (1.0 - b_sig)))
+            tl.store(p_dz + o_x, b_dz.to(p_dz.dtype.element_ty), mask=m_x)
+            b_dh = b_dy * (b_z / (1.0 + b_e))
+        else:
+            b_dh = b_dy
+        b_dn = b_dh * b_w
+        b_c = _row_tree_sum(b_dn * b_n, S, LOG2_H)  # (S,)
+        b_c = tl.math.div_rn(b_c, tl.full((S,), H, tl.float32))
+        b_dx = b_rstd * (b_dn - b_n * b_c[:, None])
+        if HAS_DRES:
+            b_dx = b_dx + tl.load(p_dres + o_x, mask=m_x, other=0.0).to(tl.float32)
+        tl.store(p_dx + o_x, b_dx.to(p_dx.dtype.element_ty), mask=m_x)
+        b_acc = b_acc + b_dh * b_n
+    b_part = _col_tree_sum(b_acc, S, BLOCK_H, LOG2_S)  # (BLOCK_H,)
+    tl.store(p_dw_part + i_b * H + o_h, b_part, mask=m_h)
+
+
+@triton.jit
+def _dw_sum_kernel(p_part, p_dw, NB, H, S2: tl.constexpr, LOG2_S2: tl.constexpr, BLOCK: tl.constexpr):
+    """dw over the NB block partials: partial b into slot b % S2 (in order of b),
+    then the pairwise tree over the S2 slots."""
+    o_h = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m_h = o_h < H
+    b_acc = tl.zeros((S2, BLOCK), dtype=tl.float32)
+    for i_t in range(tl.cdiv(NB, S2)):
+        o_b = i_t * S2 + tl.arange(0, S2)
+        m = (o_b < NB)[:, None] & m_h[None, :]
+        b_acc = b_acc + tl.load(p_part + o_b[:, None].to(tl.int64) * H + o_h[None, :], mask=m, other=0.0)
+    b_dw = _col_tree_sum(b_acc, S2, BLOCK, LOG2_S2)
+    tl.store(p_dw + o_h, b_dw.to(p_dw.dtype.element_ty), mask=m_h)
+
+
+def _fwd_config(H: int) -> tuple[int, int]:
+    """Default (rows per program, num_warps) from the width only; neither shapes
+    the reduction (see module docstring), so any value gives the same bits."""
+    block_h = tree_width(H)
+    bm = max(1, min(16, 2048 // block_h))
+    return bm, max(1, min(16, bm * block_h // 512))
+
+
+def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warps=None):
+    """x, residual, z: (M, H) contiguous; w: (H,) -> (y, new_residual or None, rstd (M,) fp32)."""
+    M, H = x.shape
+    block_h = tree_width(H)
+    bm, nw = _fwd_config(H)
+    bm = block_rows or bm
+    nw = num_warps or nw
+    if bm & (bm - 1):
+        raise ValueError(f"block_rows must be a power of two on CUDA, got {bm}")
+    y = torch.empty_like(x)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    new_res = torch.empty_like(x) if residual is not None else None
+    if M == 0:
+        return y, new_res, rstd
+    _rmsnorm_fwd_kernel[(triton.cdiv(M, bm),)](
+        x,
+        residual if residual is not None else x,
+        z if z is not None else x,
+        w,
+        y,
+        new_res if new_res is not None else y,
+        rstd,
+        M,
+        float(eps),
+        H=H,
+        BLOCK_H=block_h,
+        LOG2_H=block_h.bit_length() - 1,
+        BM=bm,
+        HAS_RES=residual is not None,
+        HAS_Z=z is not None,
+        num_warps=nw,
+        enable_fp_fusion=False,
+    )
+    return y, new_res, rstd
+
+
+def rmsnorm_bwd_cuda(dy, x, w, rstd, dres=None, z=None, num_warps=None):
+    """Backward of the three variants -> (dx, dz or None, dw); see ``cpu.rmsnorm_bwd_cpu``."""
+    M, H = x.shape
+    block_h = tree_width(H)
+    S = dw_slots(H)
+    nw = num_warps or max(1, min(16, S * block_h // 512))
+    dx = torch.empty_like(x)
+    dz = torch.empty_like(z) if z is not None else None
+    nb = max(1, triton.cdiv(M, S * DW_TILES))
+    part = torch.empty(nb, H, dtype=torch.float32, device=x.device)
+    _rmsnorm_bwd_kernel[(nb,)](
+        dy,
+        x,
+        z if z is not None else x,
+        w,
+        rstd,
+        dres if dres is not None else dy,
+        dx,
+        dz if dz is not None else dx,
+        part,
+        M,
+        H=H,
+        BLOCK_H=block_h,
+        LOG2_H=block_h.bit_length() - 1,
+        S=S,
+        LOG2_S=S.bit_length() - 1,
+        TILES=DW_TILES,
+        HAS_DRES=dres is not None,
+        HAS_Z=z is not None,
+        num_warps=nw,
+        enable_fp_fusion=False,
+    )
+    dw = torch.empty_like(w)
+    block = min(128, block_h)
+    _dw_sum_kernel[(triton.cdiv(H, block),)](
+        part, dw, nb, H, S2=DW_SLOTS2, LOG2_S2=DW_SLOTS2.bit_length() - 1, BLOCK=block, num_warps=4, enable_fp_fusion=False
+    )
+    return dx, dz, dw
