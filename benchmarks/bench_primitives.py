@@ -69,7 +69,81 @@ def bench_tree(dev):
                        vendor="torch.sum(fp32)", vendor_ms=_time(lambda: pc.float().sum(0).bfloat16()))
 
 
-BENCHES = {"matmul": bench_matmul, "tree": bench_tree}
+def bench_rmsnorm(dev):
+    import torch.nn.functional as F
+
+    from alignzoo.common.rmsnorm import rmsnorm_fwd
+
+    x = torch.randn(max(MS), HIDDEN, device=dev).bfloat16()
+    r = torch.randn(max(MS), HIDDEN, device=dev).bfloat16()
+    w = (1 + 0.1 * torch.randn(HIDDEN, device=dev)).bfloat16()
+    for M in MS:
+        xm, rm = x[:M], r[:M]
+        exact = _rows_match(lambda m: rmsnorm_fwd(x[:m], w, 1e-6)[0], max(MS), M)
+        yield dict(op="rmsnorm", shape=f"H={HIDDEN}", M=M, exact=exact,
+                   aligned_ms=_time(lambda: rmsnorm_fwd(xm, w, 1e-6)) if exact else None,
+                   vendor="F.rms_norm", vendor_ms=_time(lambda: F.rms_norm(xm, (HIDDEN,), w, 1e-6)))
+        exact = _rows_match(lambda m: rmsnorm_fwd(x[:m], w, 1e-6, residual=r[:m])[:2], max(MS), M)
+        yield dict(op="rmsnorm+res", shape=f"H={HIDDEN}", M=M, exact=exact,
+                   aligned_ms=_time(lambda: rmsnorm_fwd(xm, w, 1e-6, residual=rm)) if exact else None,
+                   vendor="add + F.rms_norm", vendor_ms=_time(lambda: F.rms_norm(xm + rm, (HIDDEN,), w, 1e-6)))
+
+
+def bench_swiglu(dev):
+    import torch.nn.functional as F
+
+    from alignzoo.common.swiglu import swiglu_fwd
+
+    g = torch.randn(max(MS), INTER, device=dev).bfloat16()
+    u = torch.randn(max(MS), INTER, device=dev).bfloat16()
+    for M in MS:
+        gm, um = g[:M], u[:M]
+        exact = _rows_match(lambda m: swiglu_fwd(g[:m], u[:m]), max(MS), M)
+        yield dict(op="swiglu", shape=f"I={INTER}", M=M, exact=exact,
+                   aligned_ms=_time(lambda: swiglu_fwd(gm, um)) if exact else None,
+                   vendor="F.silu(g) * u", vendor_ms=_time(lambda: F.silu(gm) * um))
+
+
+def bench_rope(dev):
+    from alignzoo.common.rope import RopeSpec, rope_fwd, rope_table
+
+    spec = RopeSpec(rotary_dim=HEAD_DIM, base=1_000_000.0, max_position=40960, pairing="half")
+    cos, sin = rope_table(spec, dev)
+    q = torch.randn(max(MS), HEADS, HEAD_DIM, device=dev).bfloat16()
+    pos = torch.randint(0, 40960, (max(MS),), device=dev)
+
+    def vendor(x, p):  # transformers-style eager rotate_half in fp32 (Class B)
+        c = torch.cat([cos[p], cos[p]], -1)[:, None]
+        s_ = torch.cat([sin[p], sin[p]], -1)[:, None]
+        xf = x.float()
+        x1, x2 = xf[..., : HEAD_DIM // 2], xf[..., HEAD_DIM // 2:]
+        return (xf * c + torch.cat([-x2, x1], -1) * s_).to(x.dtype)
+
+    for M in MS:
+        qm, pm = q[:M], pos[:M]
+        exact = _rows_match(lambda m: rope_fwd(q[:m], pos[:m], spec, check=False), max(MS), M)
+        yield dict(op="rope", shape=f"q H={HEADS} D={HEAD_DIM}", M=M, exact=exact,
+                   aligned_ms=_time(lambda: rope_fwd(qm, pm, spec, check=False)) if exact else None,
+                   vendor="eager rotate_half fp32", vendor_ms=_time(lambda: vendor(qm, pm)))
+
+
+def bench_lm_head(dev):
+    from alignzoo.common.lm_head import lm_head_fwd
+
+    h = torch.randn(max(MS), HIDDEN, device=dev).bfloat16()
+    W = (torch.randn(VOCAB, HIDDEN, device=dev) / HIDDEN**0.5).bfloat16()
+    tgt = torch.randint(0, VOCAB, (max(MS),), device=dev)
+    for M in MS:
+        hm, tm = h[:M], tgt[:M]
+        exact = _rows_match(lambda m: lm_head_fwd(h[:m], W, tgt[:m], check_range=False), max(MS), M)
+        yield dict(op="lm_head", shape=f"V={VOCAB} K={HIDDEN}", M=M, exact=exact,
+                   aligned_ms=_time(lambda: lm_head_fwd(hm, W, tm, check_range=False)) if exact else None,
+                   vendor="mm + fp32 log_softmax + gather",
+                   vendor_ms=_time(lambda: torch.mm(hm, W.t()).float().log_softmax(-1).gather(1, tm[:, None])))
+
+
+BENCHES = {"matmul": bench_matmul, "tree": bench_tree, "rmsnorm": bench_rmsnorm, "swiglu": bench_swiglu,
+           "rope": bench_rope, "lm_head": bench_lm_head}
 
 
 def _extra_benches():
