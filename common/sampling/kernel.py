@@ -1,0 +1,264 @@
+"""Triton kernels of the sampling transforms, and their CUDA launchers.
+
+The GPU path of one block of rows (``rows_cuda``) is
+
+    _order_keys_kernel  logits, temperature -> int64 sort keys      Triton, element-wise
+    torch.sort          keys -> sorted keys, each row on its own    torch / CUB
+    _support_kernel     sorted keys -> token, lp, v0, log Z, last   Triton, one program per row
+    _replay_bwd_kernel  d lp / d logits (the trainer's backward)    Triton, element-wise
+
+Why the sort is torch's: a 151936-wide per-row sort is a multi-pass radix sort
+that Triton does not express well, and it needs no care here: the keys of a
+row are distinct (``rules.order_keys``), so every correct sort returns the one
+sorted permutation of the row, whatever algorithm, stability or batch
+segmentation torch/CUB picks.  Everything that rounds is in the Triton
+kernels, one program per row, with a layout fixed by the constants below.
+``_support_kernel`` also folds the greedy / "off" parameters, hashes
+(seed, step) into the uniform with the same int64 operations as
+``rules.uniform01`` (same bits), and computes the token's log-prob with the
+same two fp32 subtractions as ``rules.chosen_logprob``; the sampler
+(DRAW=True) and the replay (DRAW=False) run the same kernel, so the replay
+has the sampler's bits.
+
+Reduction order and rounding points of ``_support_kernel`` (fp32, per row):
+sorted positions are visited in chunks of BLOCK_V = 4096, chunk 0 first, each
+chunk loaded whole;
+
+    e[i] = exp(v[i] - v[0])            (tl.exp: ex2.approx(x * log2 e))
+    cs   = tl.cumsum(e over the chunk) (Triton's scan tree for BLOCK_V = 4096,
+                                        num_warps = 8; output i reads inputs <= i)
+    S[i] = fl(carry + cs[i]),  carry <- S[chunk's last position]
+
+Z_k = S[n_k - 1] and Z = S[n - 1] are read back exactly (a sum of one value
+and zeros); log Z is one tl.log per row; lp = fl(fl(v_tok - v0) - log Z).
+BLOCK_V and num_warps shape the scan: they are fixed constants, never chosen
+from the number of rows.  The passes recompute e and S with the same code on
+the same inputs (e is zeroed past the top-k cut n_k in every pass; the other
+cuts are position tests), so a position's S has the same bits in every pass.
+Scaling uses ``tl.div_rn`` (IEEE division, as torch's CPU and CUDA division),
+and no kernel has an add that FP fusion could contract into an FMA
+(``enable_fp_fusion=False`` anyway).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_V = 4096  # sorted positions per chunk in _support_kernel: shapes the scan
+NUM_WARPS = 8  # shapes tl.cumsum's tree: fixed
+ELEM_BLOCK = 1024  # element-wise kernels: no reduction, any value gives the same bits
+
+
+@triton.jit
+def _order_key(b_l, b_tau, o_v):
+    """rules.order_keys on a block: scaled value and id -> int64 key."""
+    b_s = tl.div_rn(b_l, b_tau)
+    b_bits = b_s.to(tl.int32, bitcast=True)
+    b_bits = tl.where(b_s == 0.0, 0, b_bits)  # -0.0 -> +0.0
+    b_ord = tl.where(b_bits >= 0, b_bits, b_bits ^ 0x7FFFFFFF)
+    return (-(b_ord.to(tl.int64))) * 4294967296 + o_v.to(tl.int64)
+
+
+@triton.jit
+def _key_value(b_key):
+    """rules.key_values: int64 key -> its fp32 scaled logit."""
+    b_ord = (-(b_key >> 32)).to(tl.int32)
+    b_bits = tl.where(b_ord >= 0, b_ord, b_ord ^ 0x7FFFFFFF)
+    return b_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _order_keys_kernel(p_logits, p_temp, p_keys, V, BLOCK: tl.constexpr):
+    i_b, i_c = tl.program_id(0), tl.program_id(1)
+    o_v = i_c * BLOCK + tl.arange(0, BLOCK)
+    m_v = o_v < V
+    o_row = i_b.to(tl.int64) * V
+    b_l = tl.load(p_logits + o_row + o_v, mask=m_v, other=0.0)
+    b_temp = tl.load(p_temp + i_b)
+    b_key = _order_key(b_l, tl.where(b_temp == 0.0, 1.0, b_temp), o_v)  # greedy rows sort the raw logits
+    tl.store(p_keys + o_row + o_v, b_key, mask=m_v)
+
+
+@triton.jit
+def _chunk(p_row, i_c, n_lim, b_v0, b_carry, BLOCK: tl.constexpr):
+    """One chunk of sorted positions: (positions, mask, e, S, next carry)."""
+    o = i_c * BLOCK + tl.arange(0, BLOCK)
+    m = o < n_lim
+    b_key = tl.load(p_row + o, mask=m, other=0)
+    b_e = tl.where(m, tl.exp(_key_value(b_key) - b_v0), 0.0)
+    b_S = b_carry + tl.cumsum(b_e, 0)
+    b_next = tl.sum(tl.where(o == i_c * BLOCK + BLOCK - 1, b_S, 0.0), 0)
+    return o, m, b_e, b_S, b_next
+
+
+@triton.jit
+def _mul32(x, c_lo, c_hi):
+    """rules._mul32: (x * c) mod 2**32 in int64, c = c_hi * 2**16 + c_lo."""
+    return (x * c_lo + (((x * c_hi) & 0xFFFF) << 16)) & tl.full([], 4294967295, tl.int64)
+
+
+@triton.jit
+def _mix32(x):
+    """rules._mix32 ('lowbias32'), the same int64 operations."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x352D, 0x7FEB)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0xA68B, 0x846C)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _uniform01(b_seed, b_step):
+    """rules.uniform01 on int64 scalars: same integer ops, same bits."""
+    M32 = tl.full([], 4294967295, tl.int64)
+    h = _mix32((b_seed & M32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((b_seed >> 32) & M32))
+    h = _mix32(h ^ (b_step & M32))
+    h = _mix32(h ^ ((b_step >> 32) & M32))
+    h = _mix32(h ^ 0x632BE5AB)
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+
+
+@triton.jit
+def _support_kernel(p_skeys, p_keys, p_temp, p_topk, p_topp, p_minp, p_seed, p_step, p_tok_in,
+                    p_tok, p_lp, p_v0, p_logz, p_last, V, BLOCK: tl.constexpr, DRAW: tl.constexpr):
+    """One program per row: the per-row program of op.py after the sort.
+    DRAW: draw a token from (seed, step); else score p_tok_in (the replay)."""
+    i_b = tl.program_id(0)
+    o_row = i_b.to(tl.int64) * V
+    p_row = p_skeys + o_row
+    b_temp = tl.load(p_temp + i_b)
+    greedy = b_temp == 0.0
+    b_k = tl.load(p_topk + i_b).to(tl.int64)
+    n_k = tl.where(greedy, 1, tl.where((b_k > 0) & (b_k < V), b_k, V)).to(tl.int32)
+    b_p = tl.where(greedy, 1.0, tl.load(p_topp + i_b))
+    b_m = tl.where(greedy, 0.0, tl.load(p_minp + i_b))
+    b_v0 = _key_value(tl.load(p_row))
+
+    # pass 1: Z_k = S[n_k - 1]; min-p cut n = first i >= 1 with e[i] < min_p
+    b_carry = tl.zeros([], dtype=tl.float32)
+    b_zk = tl.zeros([], dtype=tl.float32)
+    n = n_k
+    for i_c in range(0, tl.cdiv(n_k, BLOCK)):
+        o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK)
+        b_zk += tl.sum(tl.where(o == n_k - 1, b_S, 0.0), 0)
+        n = tl.minimum(n, tl.min(tl.where(m & (o >= 1) & (b_e < b_m), o, n_k), 0))
+
+    # pass 2 (top_p < 1 only): n = min(n, 1 + first i < n with S[i] >= top_p * Z_k)
+    n_mk = n
+    b_t = b_p * b_zk
+    b_carry = tl.zeros([], dtype=tl.float32)
+    for i_c in range(0, tl.where(b_p < 1.0, tl.cdiv(n_mk, BLOCK), 0)):
+        o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK)
+        n = tl.minimum(n, tl.min(tl.where((o < n_mk) & (b_S >= b_t), o + 1, n_mk), 0))
+
+    # pass 3: Z = S[n - 1]
+    b_z = tl.zeros([], dtype=tl.float32)
+    b_carry = tl.zeros([], dtype=tl.float32)
+    for i_c in range(0, tl.cdiv(n, BLOCK)):
+        o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK)
+        b_z += tl.sum(tl.where(o == n - 1, b_S, 0.0), 0)
+    b_logz = tl.log(b_z)
+    b_last = tl.load(p_row + n - 1)
+
+    if DRAW:
+        # pass 4: inverse CDF, first i < n with S[i] > u * Z (n - 1 if none)
+        b_target = _uniform01(tl.load(p_seed + i_b), tl.load(p_step + i_b)) * b_z
+        pick = n - 1
+        b_carry = tl.zeros([], dtype=tl.float32)
+        for i_c in range(0, tl.cdiv(n, BLOCK)):
+            o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK)
+            pick = tl.minimum(pick, tl.min(tl.where((o < n) & (b_S > b_target), o, n - 1), 0))
+        b_key_tok = tl.load(p_row + pick)
+    else:
+        b_key_tok = tl.load(p_keys + o_row + tl.load(p_tok_in + i_b))
+
+    # rules.chosen_logprob: the same two fp32 subtractions, in the same order
+    b_lp = (_key_value(b_key_tok) - b_v0) - b_logz
+    b_lp = tl.where(greedy, 0.0, b_lp)
+    b_lp = tl.where(b_key_tok <= b_last, b_lp, float("-inf"))
+    tl.store(p_tok + i_b, b_key_tok & tl.full([], 4294967295, tl.int64))
+    tl.store(p_lp + i_b, b_lp)
+    tl.store(p_v0 + i_b, b_v0)
+    tl.store(p_logz + i_b, b_logz)
+    tl.store(p_last + i_b, b_last)
+
+
+@triton.jit
+def _uniform01_kernel(p_seed, p_step, p_u):
+    i_b = tl.program_id(0)
+    tl.store(p_u + i_b, _uniform01(tl.load(p_seed + i_b), tl.load(p_step + i_b)))
+
+
+@triton.jit
+def _replay_bwd_kernel(p_logits, p_tau, p_tok, p_v0, p_logz, p_last, p_coef, p_dl, V, BLOCK: tl.constexpr):
+    """dl[j] = coef * ([j == tok] - [j in support] * exp((s[j] - v0) - log Z)),
+    coef = dlp / tau (0 for greedy rows and tokens outside the support).
+    Element-wise: each output is its own short expression, no reduction."""
+    i_b, i_c = tl.program_id(0), tl.program_id(1)
+    o_v = i_c * BLOCK + tl.arange(0, BLOCK)
+    m_v = o_v < V
+    o_row = i_b.to(tl.int64) * V
+    b_l = tl.load(p_logits + o_row + o_v, mask=m_v, other=0.0)
+    b_key = _order_key(b_l, tl.load(p_tau + i_b), o_v)
+    b_prob = tl.exp((_key_value(b_key) - tl.load(p_v0 + i_b)) - tl.load(p_logz + i_b))
+    b_prob = tl.where(b_key <= tl.load(p_last + i_b), b_prob, 0.0)
+    b_hot = tl.where(o_v == tl.load(p_tok + i_b), 1.0, 0.0)
+    b_dl = tl.load(p_coef + i_b) * (b_hot - b_prob)
+    tl.store(p_dl + o_row + o_v, b_dl, mask=m_v)
+
+
+def order_keys_cuda(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits (B, V) fp32, temperature (B,) fp32 (0 = greedy) -> keys (B, V) int64."""
+    B, V = logits.shape
+    logits, temperature = logits.contiguous(), temperature.contiguous()
+    keys = torch.empty(B, V, dtype=torch.int64, device=logits.device)
+    if B:
+        grid = (B, triton.cdiv(V, ELEM_BLOCK))
+        _order_keys_kernel[grid](logits, temperature, keys, V, BLOCK=ELEM_BLOCK, num_warps=4, enable_fp_fusion=False)
+    return keys
+
+
+def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens):
+    """The per-row program on CUDA rows: keys kernel, torch.sort, support kernel.
+
+    tokens None: draw (needs seed, step); else score the given tokens.
+    Returns (tokens int64, lp fp32, v0 fp32, logz fp32, last_key int64), all (B,)."""
+    B, V = logits.shape
+    dev = logits.device
+    keys = order_keys_cuda(logits, temperature)
+    skeys = torch.sort(keys, dim=-1).values
+    draw = tokens is None
+    if draw:
+        tokens = torch.zeros(B, dtype=torch.int64, device=dev)
+    else:
+        seed = step = tokens  # unused by the replay
+    ins = [t.contiguous() for t in (temperature, top_k, top_p, min_p, seed, step, tokens)]
+    tok = torch.empty(B, dtype=torch.int64, device=dev)
+    lp, v0, logz = (torch.empty(B, dtype=torch.float32, device=dev) for _ in range(3))
+    last = torch.empty(B, dtype=torch.int64, device=dev)
+    if B:
+        _support_kernel[(B,)](skeys, keys, *ins, tok, lp, v0, logz, last, V,
+                              BLOCK=BLOCK_V, DRAW=draw, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    return (tok if draw else tokens), lp, v0, logz, last
+
+
+def uniform01_cuda(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The kernel's own uniforms, exposed so tests can hold them to rules.uniform01."""
+    u = torch.empty(seed.shape[0], dtype=torch.float32, device=seed.device)
+    if seed.shape[0]:
+        _uniform01_kernel[(seed.shape[0],)](seed.contiguous(), step.contiguous(), u, num_warps=1)
+    return u
+
+
+def replay_bwd_cuda(logits, tau, tokens, v0, logz, last_key, coef):
+    B, V = logits.shape
+    logits, tau, tokens, v0, logz, last_key, coef = (
+        t.contiguous() for t in (logits, tau, tokens, v0, logz, last_key, coef))
+    dl = torch.empty_like(logits)
+    if B:
+        grid = (B, triton.cdiv(V, ELEM_BLOCK))
+        _replay_bwd_kernel[grid](logits, tau, tokens, v0, logz, last_key, coef, dl, V,
+                                 BLOCK=ELEM_BLOCK, num_warps=4, enable_fp_fusion=False)
+    return dl

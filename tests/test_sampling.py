@@ -1,0 +1,474 @@
+"""sampling: seeded draws, batch invariance (bitwise), replay == sampler
+(bitwise), ties, greedy, distribution, accuracy and gradients vs float64,
+checks that can fail, bad input."""
+import math
+
+import pytest
+import torch
+
+from alignzoo.common.ladder import bitwise_equal, rel_err, rung1_repeat, rung2_rows
+from alignzoo.common.sampling import (
+    SamplingParams,
+    naive_sampling_logprobs,
+    naive_transformed_logprobs,
+    params_to_tensors,
+    sample,
+    sample_fwd,
+    sampling_logprobs,
+    sampling_logprobs_fwd,
+    transformed_logprobs_fwd,
+    uniform01,
+)
+from alignzoo.common.sampling.checks import PARAM_NAMES, random_case
+from alignzoo.common.sampling.cpu import support_cpu
+from alignzoo.common.sampling.op import _prepare
+from alignzoo.common.sampling.rules import key_ids, key_values, order_keys
+
+QWEN_VOCAB = 151936  # not a multiple of 256
+
+
+def _params(c):
+    return {n: c[n] for n in PARAM_NAMES}
+
+
+def _rows(c):
+    return (c["logits"], *_params(c).values(), c["seed"], c["step"])
+
+
+def _launch_configs(device):
+    return [{}, {"row_chunk": 4}, {"row_chunk": 1}]
+
+
+def _uniform_case(B, V, device, *, t=1.0, k=0, p=1.0, m=0.0, seed=0, spread=2.0):
+    """Random logits, one parameter set for every row, seeds 0..B-1."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, V, generator=g) * spread
+    case = {"logits": logits, "temperature": torch.full((B,), float(t)), "top_k": torch.full((B,), k),
+            "top_p": torch.full((B,), float(p)), "min_p": torch.full((B,), float(m)),
+            "seed": torch.arange(B), "step": torch.full((B,), 7)}
+    return {n: x.to(device) for n, x in case.items()}
+
+
+def _assert_same_support(got_lp, ref_lp, device):
+    """The fp32 support is the float64 reference's.  On CUDA (tl.exp / tl.log
+    are approximations, ~1e-6 relative) a row may differ by its one edge token
+    when a top-p or min-p cut falls within that error of the threshold."""
+    got, ref = torch.isfinite(got_lp).cpu(), torch.isfinite(ref_lp)
+    if device.type == "cpu":
+        assert torch.equal(got, ref)
+        return
+    diff = (got != ref).sum(1)
+    assert bool((diff <= 1).all()) and int((diff > 0).sum()) <= max(1, got.shape[0] // 10), diff
+
+
+# --- rungs 1 and 2 -----------------------------------------------------------
+
+@pytest.mark.parametrize("B,V", [pytest.param(13, 1000, id="B13-V1000"), pytest.param(3, QWEN_VOCAB, id="B3-V151936")])
+def test_rows_invariant_to_batch_order_padding_and_launch(device, B, V):
+    c = random_case(B, V, device, seed=V)
+    configs = _launch_configs(device) if V < 10_000 else [{}, {"row_chunk": 1}]
+    sizes = (1, 2, 5) if B > 5 else (1,)
+    assert rung1_repeat("sampling", sample_fwd, *_rows(c)).passed
+    r = rung2_rows("sampling", sample_fwd, _rows(c), configs=configs, batch_sizes=sizes)
+    assert r.passed, r.detail
+    tokens, lps = sample_fwd(*_rows(c))
+    r = rung2_rows("sampling", sampling_logprobs_fwd, (c["logits"], tokens, *_params(c).values()),
+                   configs=configs, batch_sizes=sizes)
+    assert r.passed, r.detail
+    for i in (0, B // 2, B - 1):  # the same promise, torch.equal row by row
+        one = sample_fwd(*(x[i:i + 1] for x in _rows(c)))
+        assert torch.equal(one[0], tokens[i:i + 1]) and bitwise_equal(one[1], lps[i:i + 1])
+
+
+def test_a_request_gets_the_same_token_in_any_slot_of_any_batch(device):
+    """One request (its logits, parameters, seed, step) dropped into unrelated
+    batches at every slot: same token, same log-prob bits."""
+    V = 1000
+    req = random_case(1, V, device, seed=11)
+    req["top_k"][0], req["top_p"][0], req["min_p"][0], req["temperature"][0] = 200, 0.9, 0.01, 0.8
+    alone = sample_fwd(*_rows(req))
+    for trial, B in enumerate((2, 9, 32)):
+        others = random_case(B, V, device, seed=100 + trial)
+        for slot in (0, B // 2, B - 1):
+            batch = {n: torch.cat([others[n][:slot], req[n], others[n][slot + 1:]]) for n in req}
+            tok, lp = sample_fwd(*_rows(batch))
+            assert tok[slot] == alone[0][0] and bitwise_equal(lp[slot:slot + 1], alone[1])
+
+
+# --- the seeded draw ---------------------------------------------------------
+
+def test_seeded_draws_are_reproducible_and_follow_seed_and_step(device):
+    c = _uniform_case(64, 1000, device, t=1.0, spread=0.5)  # a flat distribution: draws spread out
+    first = sample_fwd(*_rows(c))
+    again = sample_fwd(*_rows(c))
+    assert torch.equal(first[0], again[0]) and bitwise_equal(first[1], again[1])
+    c2 = dict(c, step=c["step"] + 1)
+    assert (sample_fwd(*_rows(c2))[0] != first[0]).float().mean() > 0.9
+    c3 = dict(c, seed=c["seed"] + 1000)
+    assert (sample_fwd(*_rows(c3))[0] != first[0]).float().mean() > 0.9
+
+
+def test_uniform01_is_a_pure_exact_function_of_seed_and_step(device):
+    N = 20000
+    seed = torch.arange(N, device=device) - 3
+    step = torch.full((N,), 12, device=device)
+    u = uniform01(seed, step)
+    assert u.dtype == torch.float32 and bool(((u >= 0) & (u < 1)).all())
+    assert torch.equal(u * 2**24, (u * 2**24).round())  # 24-bit, exact in fp32
+    perm = torch.randperm(N, device=device)
+    assert torch.equal(uniform01(seed[perm], step[perm]), u[perm])
+    assert torch.equal(uniform01(seed[:1], step[:1]), u[:1])
+    # roughly uniform: Kolmogorov-Smirnov distance below the 1% critical value 1.63/sqrt(N)
+    us = u.double().sort().values.cpu()
+    ks = (torch.arange(1, N + 1, dtype=torch.float64) / N - us).abs().max().item()
+    assert ks < 1.63 / math.sqrt(N)
+    # extreme int64 seeds and steps are fine
+    big = torch.tensor([-(2**63), 2**63 - 1, 0], device=device)
+    assert bool(((uniform01(big, big) >= 0) & (uniform01(big, big) < 1)).all())
+
+
+# --- replay == sampler, bitwise ------------------------------------------------
+
+REPLAY_CASES = [  # (id, temperature, top_k, top_p, min_p)
+    ("temperature", 0.7, 0, 1.0, 0.0),
+    ("greedy", 0.0, 0, 1.0, 0.0),
+    ("top_k=1", 1.0, 1, 1.0, 0.0),
+    ("top_k=37", 1.0, 37, 1.0, 0.0),
+    ("top_k=V", 1.0, 1000, 1.0, 0.0),
+    ("top_k>V", 1.0, 5000, 1.0, 0.0),
+    ("top_p=1e-6", 1.0, 0, 1e-6, 0.0),
+    ("top_p=0.6", 1.0, 0, 0.6, 0.0),
+    ("top_p=1.0", 1.3, 0, 1.0, 0.0),
+    ("min_p=0", 1.0, 0, 1.0, 0.0),
+    ("min_p=0.1", 1.0, 0, 1.0, 0.1),
+    ("min_p=0.999", 1.0, 0, 1.0, 0.999),
+    ("all four", 0.8, 50, 0.9, 0.02),
+    ("all four, tight", 1.5, 20, 0.3, 0.5),
+]
+
+
+@pytest.mark.parametrize("name,t,k,p,m", REPLAY_CASES, ids=[c[0] for c in REPLAY_CASES])
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_replay_equals_sampler_bitwise(device, name, t, k, p, m, ties):
+    B, V = 24, 1000
+    c = _uniform_case(B, V, device, t=t, k=k, p=p, m=m, seed=1, spread=1.0)
+    if ties:  # exact ties everywhere, including at the maximum and at the cuts
+        c["logits"] = (c["logits"] * 2).round() / 2
+    tokens, lps = sample_fwd(*_rows(c))
+    replay = sampling_logprobs(c["logits"], tokens, **_params(c))
+    assert bitwise_equal(replay, lps)
+    assert bool(torch.isfinite(lps).all())
+    # every token of every row: the replay of any token equals the row's transformed distribution
+    lp_all = transformed_logprobs_fwd(c["logits"], *_params(c).values())
+    assert bitwise_equal(lp_all.gather(1, tokens[:, None]).squeeze(1), lps)
+    other = torch.randint(0, V, (B,), device=device)
+    assert bitwise_equal(sampling_logprobs(c["logits"], other, **_params(c)), lp_all.gather(1, other[:, None]).squeeze(1))
+    # the support is the float64 reference's
+    ref = naive_transformed_logprobs(c["logits"].cpu(), *[x.cpu() for x in _params(c).values()])
+    _assert_same_support(lp_all, ref, device)
+
+
+def test_replay_equals_sampler_all_four_at_qwen_vocab(device):
+    c = random_case(4, QWEN_VOCAB, device, seed=5)
+    tokens, lps = sample_fwd(*_rows(c))
+    assert bitwise_equal(sampling_logprobs(c["logits"], tokens, **_params(c)), lps)
+
+
+# --- tie rules, greedy, edges ----------------------------------------------------
+
+def test_ties_go_to_the_smaller_token_id(device):
+    l = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, -0.0, 0.0]], device=device)
+
+    def support(t, k, p, m):
+        P = [torch.tensor([x], dtype=d, device=device) for x, d in
+             ((t, torch.float32), (k, torch.int64), (p, torch.float32), (m, torch.float32))]
+        return torch.isfinite(transformed_logprobs_fwd(l, *P)[0]).nonzero().flatten().tolist()
+
+    assert support(0.0, 0, 1.0, 0.0) == [1]  # greedy
+    assert support(1.0, 1, 1.0, 0.0) == [1]
+    assert support(1.0, 2, 1.0, 0.0) == [1, 2]  # id 4 ties with 2 but is larger
+    assert support(1.0, 3, 1.0, 0.0) == [1, 2, 4]
+    assert support(1.0, 0, 1e-6, 0.0) == [1]
+    assert support(1.0, 0, 1.0, 1.0) == [1, 2, 4]  # min_p 1: every maximum
+    assert support(1.0, 6, 1.0, 0.0) == [0, 1, 2, 3, 4, 5]  # -0.0 and +0.0 tie: smaller id first
+    keys = order_keys(torch.tensor([[0.0, -0.0, float("-inf"), 1e-45, -1e-45, 2.0]]))
+    assert key_ids(keys.sort(dim=-1).values).flatten().tolist() == [5, 3, 0, 1, 4, 2]
+
+
+def test_greedy_is_argmax_with_logprob_zero_and_no_gradient(device):
+    B, V = 6, 1000
+    c = _uniform_case(B, V, device, t=0.0, k=17, p=0.3, m=0.5)  # other parameters are moot
+    c["logits"][0, 10] = c["logits"][0, 900] = c["logits"][0].max() + 1  # tie at the max
+    tokens, lps = sample_fwd(*_rows(c))
+    assert tokens[0] == 10 and torch.equal(tokens[1:], c["logits"][1:].argmax(1))
+    assert bitwise_equal(lps, torch.zeros(B, device=device))
+    logits = c["logits"].clone().requires_grad_()
+    wrong = (tokens + 1) % V
+    lp = sampling_logprobs(logits, torch.cat([tokens[:3], wrong[3:]]), **_params(c))
+    assert bitwise_equal(lp[:3], torch.zeros(3, device=device))
+    assert bool(torch.isinf(lp[3:]).all() & (lp[3:] < 0).all())
+    lp[:3].sum().backward()
+    assert not logits.grad.any()
+
+
+def test_edge_cases_banned_tokens_and_flat_rows(device):
+    """-inf logits (banned tokens) are never drawn and replay to -inf; an
+    all-equal row draws in id order."""
+    B, V = 8, 300
+    c = _uniform_case(B, V, device, t=1.0, seed=3)
+    c["logits"][:, 50:] = float("-inf")
+    c["logits"][1] = 0.0
+    c["top_k"][2] = 200  # top-k past the finite tokens
+    tokens, lps = sample_fwd(*_rows(c))
+    assert bool((tokens[torch.arange(B) != 1] < 50).all()) and bool(torch.isfinite(lps).all())
+    assert bitwise_equal(sampling_logprobs(c["logits"], tokens, **_params(c)), lps)
+    banned = sampling_logprobs(c["logits"], torch.full((B,), 77, device=device), **_params(c))
+    assert bool((banned[torch.arange(B) != 1] == float("-inf")).all())
+    assert abs(lps[1].item() + math.log(V)) < 1e-5  # flat row: uniform over V
+
+
+# --- distribution sanity -----------------------------------------------------------
+
+DIST_CASES = [
+    ("plain", 1.0, 0, 1.0, 0.0),
+    ("all four", 0.8, 9, 0.85, 0.05),
+    ("top_p", 1.3, 0, 0.7, 0.0),
+    ("min_p", 0.6, 0, 1.0, 0.1),
+]
+
+
+@pytest.mark.parametrize("vary", ["seed", "step"])
+@pytest.mark.parametrize("name,t,k,p,m", DIST_CASES, ids=[c[0] for c in DIST_CASES])
+def test_empirical_frequencies_follow_the_transformed_distribution(device, name, t, k, p, m, vary):
+    """N = 20000 draws of one row (seeds 0..N-1, or steps 0..N-1 of one seed).
+    Bound per token: |f - p| <= 4.5 sqrt(p (1 - p) / N) + 1/N (4.5 sigma of a
+    binomial frequency); tokens outside the support: frequency exactly 0."""
+    N, V = 20000, 12
+    g = torch.Generator().manual_seed(7)
+    row = torch.randn(1, V, generator=g) * 1.5
+    c = _uniform_case(N, V, device, t=t, k=k, p=p, m=m)
+    c["logits"] = row.expand(N, V).contiguous().to(device)
+    if vary == "step":
+        c["seed"], c["step"] = torch.full_like(c["seed"], 12345), torch.arange(N, device=device)
+    tokens, _ = sample_fwd(*_rows(c))
+    freq = torch.bincount(tokens.cpu(), minlength=V).double() / N
+    prob = naive_transformed_logprobs(row, *[x[:1].cpu() for x in _params(c).values()])[0].exp()
+    bound = 4.5 * (prob * (1 - prob) / N).sqrt() + 1.0 / N
+    assert bool(((freq - prob).abs() <= bound).all()), (freq, prob)
+    assert bool((freq[prob == 0] == 0).all())
+
+
+# --- accuracy and gradients vs float64 ------------------------------------------------
+
+@pytest.mark.parametrize("B,V", [pytest.param(13, 1000, id="V1000"), pytest.param(2, QWEN_VOCAB, id="V151936")])
+def test_accuracy_against_float64(device, B, V):
+    """Every token's log-prob over the support vs float64: the supports are the
+    same set, and rel err <= 2e-6 (fp32 exp/log, one fixed-order fp32 sum of
+    up to 151936 terms, largest first)."""
+    c = random_case(B, V, device, seed=21)
+    got = transformed_logprobs_fwd(c["logits"], *_params(c).values()).cpu()
+    ref = naive_transformed_logprobs(c["logits"].cpu(), *[x.cpu() for x in _params(c).values()])
+    _assert_same_support(got, ref, device)
+    fin = torch.isfinite(ref) & torch.isfinite(got)
+    assert rel_err(got[fin], ref[fin]) < 2e-6
+    tokens, lps = sample_fwd(*_rows(c))
+    assert rel_err(lps.cpu(), ref.gather(1, tokens.cpu()[:, None]).squeeze(1)) < 2e-6
+
+
+@pytest.mark.parametrize("B,V", [pytest.param(16, 1000, id="V1000"), pytest.param(2, 20011, id="V20011")])
+def test_gradients_against_float64_autograd(device, B, V):
+    c = random_case(B, V, device, seed=31)
+    tokens, _ = sample_fwd(*_rows(c))
+    w = torch.randn(B, device=device)
+    logits = c["logits"].clone().requires_grad_()
+    (sampling_logprobs(logits, tokens, **_params(c)) * w).sum().backward()
+    ref_logits = c["logits"].cpu().double().requires_grad_()
+    (naive_sampling_logprobs(ref_logits, tokens.cpu(), *[x.cpu() for x in _params(c).values()]) * w.cpu()).sum().backward()
+    assert logits.grad.dtype == torch.float32
+    assert rel_err(logits.grad.cpu(), ref_logits.grad) < 1e-5
+    # outside the support the gradient is exactly zero
+    outside = ~torch.isfinite(transformed_logprobs_fwd(c["logits"], *_params(c).values()))
+    assert not logits.grad[outside].any()
+
+
+# --- the checks can fail ------------------------------------------------------------
+
+def test_check_catches_a_batch_slot_rng():
+    """The classic bug: one generator per batch, a uniform per slot."""
+    c = random_case(13, 1000, torch.device("cpu"), seed=2)
+
+    def slot_rng(logits, t, k, p, m, seed, step):
+        g = torch.Generator().manual_seed(int(seed[0]))
+        u = torch.rand(logits.shape[0], generator=g)
+        greedy, tau, kk, pp, mm = _prepare(t, k, p, m, logits.shape[1])
+        skeys = order_keys(logits / tau[:, None]).sort(dim=-1).values
+        return key_ids(skeys.gather(1, support_cpu(skeys, kk, pp, mm, u)[2][:, None]))
+
+    r = rung2_rows("bad", slot_rng, _rows(c), batch_sizes=(1, 2, 5))
+    assert not r.passed and r.differing > 0
+
+
+def test_check_catches_a_batch_dependent_sum_order():
+    """A prefix-sum chunk chosen from the batch size regroups the adds."""
+    c = random_case(13, 1000, torch.device("cpu"), seed=2)
+
+    def chunk_by_batch(logits, t, k, p, m, seed, step):
+        greedy, tau, kk, pp, mm = _prepare(t, k, p, m, logits.shape[1])
+        skeys = order_keys(logits / tau[:, None]).sort(dim=-1).values
+        return support_cpu(skeys, kk, pp, mm, uniform01(seed, step), chunk=64 if logits.shape[0] < 8 else 256)[1]
+
+    r = rung2_rows("bad", chunk_by_batch, _rows(c), batch_sizes=(1, 2, 5))
+    assert not r.passed and r.differing > 0
+
+
+def test_check_catches_a_replay_with_another_reduction():
+    """A replay that sums the support with torch.logsumexp is close but not
+    the sampler's bits: the bitwise replay check fails."""
+    c = _uniform_case(32, 1000, torch.device("cpu"), t=0.9, k=300, p=0.95, spread=0.7)
+    tokens, lps = sample_fwd(*_rows(c))
+    lp_all = transformed_logprobs_fwd(c["logits"], *_params(c).values())
+    s = c["logits"] / c["temperature"][:, None]
+    s_support = torch.where(torch.isfinite(lp_all), s, torch.full_like(s, float("-inf")))
+    other = s.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(s_support, 1)
+    assert rel_err(other, lps) < 1e-6 and not bitwise_equal(other, lps)
+
+
+def test_cpu_exp_log_do_not_depend_on_position():
+    """The CPU path relies on torch.exp/log giving an element the same bits
+    wherever it sits (alone, in a vector tail, strided, any thread count)."""
+    g = torch.Generator().manual_seed(0)
+    for fn, x in ((torch.exp, torch.randn(20011, generator=g) * 30 - 20), (torch.log, torch.rand(20011, generator=g) * 50 + 1e-3)):
+        full = fn(x)
+        alone = torch.stack([fn(x[i:i + 1])[0] for i in range(0, 600)])
+        assert bitwise_equal(alone, full[:600])
+        for off in range(0, 33, 3):
+            for n in (5, 17, 31, 1001):
+                assert bitwise_equal(fn(x[off:off + n].clone()), full[off:off + n])
+        assert bitwise_equal(fn(x[:20000].view(200, 100)[:, ::3]), full[:20000].view(200, 100)[:, ::3])
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert bitwise_equal(fn(x), full)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_sort_key_is_exact_and_matches_a_stable_descending_sort(device):
+    g = torch.Generator().manual_seed(4)
+    s = (torch.randn(5, 3001, generator=g) * 4).round() / 4  # many ties
+    s[0, :7] = torch.tensor([float("-inf"), 0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38])
+    s = s.to(device)
+    keys = order_keys(s)
+    assert bitwise_equal(key_values(keys), torch.where(s == 0, torch.zeros_like(s), s))
+    skeys = keys.sort(dim=-1).values
+    stable = torch.sort(-torch.where(s == 0, torch.zeros_like(s), s), dim=-1, stable=True).indices
+    assert torch.equal(key_ids(skeys), stable)
+
+
+# --- bad input ------------------------------------------------------------------------
+
+def _good(device, B=4, V=50):
+    c = _uniform_case(B, V, device)
+    return c
+
+
+BAD = [
+    ("logits bf16", lambda c: c.update(logits=c["logits"].bfloat16()), TypeError, "logits has dtype bfloat16"),
+    ("logits 1-D", lambda c: c.update(logits=c["logits"][0]), ValueError, "logits must have 2 dimensions"),
+    ("logits strided", lambda c: c.update(logits=c["logits"].t().contiguous().t()), ValueError, "logits must be contiguous"),
+    ("temperature < 0", lambda c: c["temperature"].__setitem__(1, -0.5), ValueError, "temperature must be 0"),
+    ("temperature nan", lambda c: c["temperature"].__setitem__(1, float("nan")), ValueError, "temperature must be 0"),
+    ("temperature tiny", lambda c: c["temperature"].__setitem__(1, 1e-8), ValueError, "temperature must be 0"),
+    ("temperature f64", lambda c: c.update(temperature=c["temperature"].double()), TypeError, "temperature has dtype float64"),
+    ("top_k < 0", lambda c: c["top_k"].__setitem__(2, -1), ValueError, "top_k must be >= 0"),
+    ("top_k float", lambda c: c.update(top_k=c["top_k"].float()), TypeError, "top_k has dtype float32"),
+    ("top_p 0", lambda c: c["top_p"].__setitem__(0, 0.0), ValueError, r"top_p must be in \(0, 1\]"),
+    ("top_p > 1", lambda c: c["top_p"].__setitem__(0, 1.5), ValueError, r"top_p must be in \(0, 1\]"),
+    ("min_p < 0", lambda c: c["min_p"].__setitem__(3, -0.1), ValueError, r"min_p must be in \[0, 1\]"),
+    ("min_p > 1", lambda c: c["min_p"].__setitem__(3, 1.01), ValueError, r"min_p must be in \[0, 1\]"),
+    ("seed int32", lambda c: c.update(seed=c["seed"].int()), TypeError, "seed has dtype int32"),
+    ("step rows", lambda c: c.update(step=c["step"][:2]), ValueError, "step has 2 rows, logits has 4"),
+    ("top_p 2-D", lambda c: c.update(top_p=c["top_p"][:, None]), ValueError, "top_p must have 1 dimensions"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,exc,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_a_clear_error(device, name, mutate, exc, match):
+    c = _good(device)
+    mutate(c)
+    with pytest.raises(exc, match=match):
+        sample(c["logits"], c["temperature"], c["top_k"], c["top_p"], c["min_p"], c["seed"], c["step"])
+    if name not in ("seed int32", "step rows"):
+        with pytest.raises(exc, match=match):
+            sampling_logprobs(c["logits"], torch.zeros(c["logits"].shape[0] if c["logits"].dim() else 1,
+                                                       dtype=torch.int64, device=device),
+                              c["temperature"], c["top_k"], c["top_p"], c["min_p"])
+
+
+def test_bad_tokens_raise(device):
+    c = _good(device)
+    with pytest.raises(ValueError, match=r"tokens must be in \[0, 50\)"):
+        sampling_logprobs(c["logits"], torch.tensor([0, 1, 50, 2], device=device), **_params(c))
+    with pytest.raises(TypeError, match="tokens has dtype float32"):
+        sampling_logprobs(c["logits"], torch.zeros(4, device=device), **_params(c))
+    with pytest.raises(ValueError, match="tokens has 3 rows"):
+        sampling_logprobs(c["logits"], torch.zeros(3, dtype=torch.int64, device=device), **_params(c))
+
+
+BAD_PARAMS = [
+    ({"temperature": -1.0}, ValueError, "temperature must be 0"),
+    ({"temperature": "hot"}, TypeError, "temperature must be a float"),
+    ({"top_k": -3}, ValueError, "top_k must be >= 0"),
+    ({"top_k": 2.5}, TypeError, "top_k must be an int"),
+    ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.2}, ValueError, r"top_p must be in \(0, 1\]"),
+    ({"min_p": -0.01}, ValueError, r"min_p must be in \[0, 1\]"),
+    ({"min_p": 2.0}, ValueError, r"min_p must be in \[0, 1\]"),
+    ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be >= 1"),
+    ({"seed": 2**64}, ValueError, "seed must fit in int64"),
+    ({"stop_token_ids": (1, -2)}, ValueError, "stop_token_ids must be non-negative"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,match", BAD_PARAMS, ids=[next(iter(b[0])) + "=" + repr(next(iter(b[0].values()))) for b in BAD_PARAMS])
+def test_sampling_params_validate(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        SamplingParams(**kw)
+
+
+def test_sampling_params_to_tensors_drive_the_sampler(device):
+    ps = [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_k=5, top_p=0.9, min_p=0.05, seed=-7)]
+    kw = params_to_tensors(ps, steps=[0, 3, 9], device=device)
+    logits = torch.randn(3, 100, device=device)
+    tokens, lps = sample(logits, **kw)
+    assert tokens[1] == logits[1].argmax() and lps[1] == 0.0
+    assert bitwise_equal(sampling_logprobs(logits, tokens, **{n: kw[n] for n in PARAM_NAMES}), lps)
+
+
+# --- GPU only ---------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_keys_and_uniforms_are_the_cpu_bits():
+    """The Triton key kernel (tl.div_rn) gives torch's CPU division bits, and
+    the support kernel's integer hash gives rules.uniform01's bits."""
+    from alignzoo.common.sampling.kernel import order_keys_cuda, uniform01_cuda
+
+    c = random_case(8, QWEN_VOCAB, torch.device("cpu"), seed=9)
+    greedy, tau, *_ = _prepare(c["temperature"], c["top_k"], c["top_p"], c["min_p"], QWEN_VOCAB)
+    gpu = order_keys_cuda(c["logits"].cuda(), c["temperature"].cuda()).cpu()
+    assert torch.equal(gpu, order_keys(c["logits"] / tau[:, None]))
+    seed = torch.cat([torch.tensor([-(2**63), 2**63 - 1, 0, -1]), torch.randint(-(2**62), 2**62, (5000,))])
+    step = torch.cat([torch.tensor([2**63 - 1, -(2**63), 0, 1]), torch.randint(0, 2**40, (5000,))])
+    assert torch.equal(uniform01_cuda(seed.cuda(), step.cuda()).cpu(), uniform01(seed, step))
+    assert torch.equal(uniform01(seed.cuda(), step.cuda()).cpu(), uniform01(seed, step))
+
+
+@pytest.mark.gpu
+def test_gpu_every_batch_size_gives_the_same_rows():
+    dev = torch.device("cuda")
+    c = random_case(256, QWEN_VOCAB, dev, seed=13)
+    ref = sample_fwd(*_rows(c))
+    for M in (1, 3, 8, 64, 65, 127, 255):
+        for sl in (slice(0, M), slice(256 - M, 256)):
+            got = sample_fwd(*(x[sl] for x in _rows(c)))
+            assert torch.equal(got[0], ref[0][sl]) and bitwise_equal(got[1], ref[1][sl]), f"M={M}"
