@@ -12,6 +12,9 @@ their contract; ``list_models()`` names only those.
 __version__ = "0.1.0"
 
 
+from .common.sampling.params import SamplingParams  # noqa: E402  (DESIGN §6: alignzoo.SamplingParams)
+
+
 def list_models() -> list[str]:
     """Names of the models whose aligned pair works in this version."""
     from .models import available_models
@@ -19,4 +22,4 @@ def list_models() -> list[str]:
     return available_models()
 
 
-__all__ = ["__version__", "list_models"]
+__all__ = ["__version__", "list_models", "SamplingParams"]
