@@ -19,6 +19,7 @@ PRIMITIVES: dict[str, str] = {
     "lm_head": "alignzoo.common.lm_head.checks",
     "sampling": "alignzoo.common.sampling.checks",
     "tree": "alignzoo.common.tree.checks",
+    "attention": "alignzoo.common.attention.checks",
 }
 
 

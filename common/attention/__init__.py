@@ -1,0 +1,26 @@
+"""Exact causal GQA attention: one per-row reduction order for packed
+training/prefill, paged decode and chunked prefill (no split-KV), a float64
+reference, and a deterministic backward for the packed case."""
+from .naive import attention_ref
+from .op import (
+    AttentionFunction,
+    attention,
+    attention_bwd,
+    attention_fwd,
+    check_paged_inputs,
+    decode_attention,
+    paged_attention,
+    paged_attention_fwd,
+)
+
+__all__ = [
+    "AttentionFunction",
+    "attention",
+    "attention_bwd",
+    "attention_fwd",
+    "attention_ref",
+    "check_paged_inputs",
+    "decode_attention",
+    "paged_attention",
+    "paged_attention_fwd",
+]

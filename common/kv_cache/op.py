@@ -1,0 +1,90 @@
+"""The paged KV cache's storage and its one writer.
+
+Layout: ``k_cache``/``v_cache`` are ``(num_pages, PAGE_SIZE, Hkv, D)``; token
+position ``p`` of a sequence lives at page ``block_table[p // PAGE_SIZE]``,
+offset ``p % PAGE_SIZE`` — its *slot* is ``page * PAGE_SIZE + offset``.
+
+Prefill and decode both write through ``write_kv_fwd``: it copies the rows of
+k/v to their slots and does no arithmetic, so the bytes that land in the cache
+are the bytes of the k/v the model computed, whichever path wrote them.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
+
+PAGE_SIZE = 64
+
+
+def allocate_kv_cache(
+    num_pages: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed ``(k_cache, v_cache)``, each ``(num_pages, PAGE_SIZE, Hkv, D)``."""
+    if num_pages < 1 or num_kv_heads < 1 or head_dim < 1:
+        raise ValueError(f"num_pages, num_kv_heads, head_dim must be >= 1, got {num_pages}, {num_kv_heads}, {head_dim}")
+    shape = (num_pages, PAGE_SIZE, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+def write_kv_fwd(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Copy ``k[i], v[i]`` (each ``(Hkv, D)``) to slot ``slot_mapping[i]``; a
+    negative slot skips the row (padding tokens of a CUDA-graph batch).
+    No checks: the server calls this directly; ``write_kv`` validates."""
+    if k.shape[0] == 0:
+        return
+    if k.is_cuda:
+        from .kernel import write_kv_cuda
+
+        write_kv_cuda(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        from .cpu import write_kv_cpu
+
+        write_kv_cpu(k, v, k_cache, v_cache, slot_mapping)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write new tokens' keys and values into the paged cache, in place.
+
+    k, v:               (N, Hkv, D)        same dtype as the cache
+    k_cache, v_cache:   (P, PAGE_SIZE, Hkv, D)
+    slot_mapping:       (N,) int32/int64   page * PAGE_SIZE + offset, or -1 to skip
+    """
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(name, t, dtypes=FLOAT_DTYPES, ndim=3)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, dtypes=FLOAT_DTYPES, ndim=4)
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int32, torch.int64), ndim=1)
+    check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {tuple(v.shape)}, k has {tuple(k.shape)}; they must match")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)}, k_cache has {tuple(k_cache.shape)}; they must match")
+    if k_cache.shape[1] != PAGE_SIZE:
+        raise ValueError(f"k_cache pages hold {k_cache.shape[1]} tokens; expected PAGE_SIZE = {PAGE_SIZE}")
+    if k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"k rows are (Hkv, D) = {tuple(k.shape[1:])} but the cache holds {tuple(k_cache.shape[2:])}")
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise TypeError(f"k/v dtype {k.dtype} does not match the cache dtype {k_cache.dtype}: the writer copies bytes, it never casts")
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} tokens")
+    n_slots = k_cache.shape[0] * PAGE_SIZE
+    used = slot_mapping[slot_mapping >= 0]
+    if used.numel():
+        hi = int(used.max())
+        if hi >= n_slots:
+            raise ValueError(f"slot_mapping has slot {hi}, past the cache ({k_cache.shape[0]} pages = {n_slots} slots)")
+        if torch.unique(used).numel() != used.numel():
+            raise ValueError("slot_mapping names the same slot twice")
+    if bool((slot_mapping < -1).any()):
+        raise ValueError("slot_mapping entries must be >= 0, or -1 to skip a token")
+    write_kv_fwd(k, v, k_cache, v_cache, slot_mapping)
