@@ -164,8 +164,39 @@ def bench_lm_head(dev):
                    vendor_ms=_time(lambda: torch.mm(hm, W.t()).float().log_softmax(-1).gather(1, tm[:, None])))
 
 
+def bench_sampling(dev):
+    from alignzoo.common.sampling import sample_fwd
+
+    rows = max(m for m in MS if m <= 1024)
+    logits = torch.randn(rows, VOCAB, device=dev) * 3
+    temp = torch.full((rows,), 0.8, device=dev)
+    top_k = torch.full((rows,), 50, device=dev, dtype=torch.int64)
+    top_p = torch.full((rows,), 0.9, device=dev)
+    min_p = torch.full((rows,), 0.05, device=dev)
+    seed = torch.arange(rows, device=dev, dtype=torch.int64)
+    step = torch.zeros(rows, device=dev, dtype=torch.int64)
+
+    def vendor(lg):  # temperature -> top-k -> top-p -> min-p with torch ops, then multinomial
+        z = lg / 0.8
+        v, i = z.topk(50, dim=-1)
+        p = v.softmax(-1)
+        keep = (p.cumsum(-1) - p) < 0.9
+        keep &= p >= 0.05 * p[:, :1]
+        p = torch.where(keep, p, 0)
+        j = torch.multinomial(p, 1)
+        return i.gather(1, j), (p.gather(1, j) / p.sum(-1, keepdim=True)).log()
+
+    for M in [m for m in MS if m <= rows]:
+        args = (logits[:M], temp[:M], top_k[:M], top_p[:M], min_p[:M], seed[:M], step[:M])
+        exact = _rows_match(lambda m: sample_fwd(logits[:m], temp[:m], top_k[:m], top_p[:m], min_p[:m], seed[:m], step[:m]),
+                            rows, M)
+        yield dict(op="sampling", shape=f"V={VOCAB} t=.8 k=50 p=.9 minp=.05", M=M, exact=exact,
+                   aligned_ms=_time(lambda: sample_fwd(*args)) if exact else None,
+                   vendor="torch topk/softmax/cumsum/multinomial", vendor_ms=_time(lambda: vendor(logits[:M])))
+
+
 BENCHES = {"matmul": bench_matmul, "tree": bench_tree, "rmsnorm": bench_rmsnorm, "swiglu": bench_swiglu,
-           "rope": bench_rope, "lm_head": bench_lm_head}
+           "rope": bench_rope, "lm_head": bench_lm_head, "sampling": bench_sampling}
 
 
 def _extra_benches():
