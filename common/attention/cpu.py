@@ -187,6 +187,15 @@ def _unrows(x: torch.Tensor, L: int) -> torch.Tensor:
     return x.reshape(L, -1, *rest)
 
 
+def _kv_blocks(t: torch.Tensor, s0: int, s1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Tokens s0..s1 of a packed (T, Hkv, D) k or v as (Hkv, NB * BLOCK_N, D),
+    zero-padded up to whole KV blocks."""
+    L = s1 - s0
+    out = torch.zeros(t.shape[1], -(-L // BLOCK_N) * BLOCK_N, t.shape[2], dtype=dtype, device=t.device)
+    out[:, :L] = t[s0:s1].to(dtype).transpose(0, 1)
+    return out
+
+
 def attention_fwd_cpu(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -209,11 +218,7 @@ def attention_fwd_cpu(
         L = s1 - s0
         if L == 0:
             continue
-        nb = -(-L // BLOCK_N)
-        kb = k.new_zeros(hkv, nb * BLOCK_N, d)
-        vb = v.new_zeros(hkv, nb * BLOCK_N, d)
-        kb[:, :L] = k[s0:s1].transpose(0, 1)
-        vb[:, :L] = v[s0:s1].transpose(0, 1)
+        kb, vb = _kv_blocks(k, s0, s1, k.dtype), _kv_blocks(v, s0, s1, v.dtype)
         pos = torch.arange(L).repeat_interleave(g).expand(hkv, -1)
         out, ls = attend_rows(
             _rows_of(q[s0:s1], hkv), kb, vb, pos, _window_lo(pos, window), torch.full((hkv,), L), scale,
@@ -303,10 +308,7 @@ def attention_bwd_cpu(
         if L == 0:
             continue
         nb = -(-L // BLOCK_N)
-        kb = torch.zeros(hkv, nb * BLOCK_N, d)
-        vb = torch.zeros(hkv, nb * BLOCK_N, d)
-        kb[:, :L] = k[s0:s1].float().transpose(0, 1)
-        vb[:, :L] = v[s0:s1].float().transpose(0, 1)
+        kb, vb = _kv_blocks(k, s0, s1, torch.float32), _kv_blocks(v, s0, s1, torch.float32)
         kT = kb.view(hkv, nb, BLOCK_N, d).permute(3, 2, 0, 1).contiguous()  # (D, 64, S, NB)
         vT = vb.view(hkv, nb, BLOCK_N, d).permute(3, 2, 0, 1).contiguous()
         kR = kb.view(hkv, nb, BLOCK_N, d).permute(2, 0, 1, 3).contiguous()  # (64, S, NB, D)
