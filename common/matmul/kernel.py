@@ -61,19 +61,20 @@ def _segment_dot(p_x, p_w, i_m, i_n, M, N, K, k_lo,
 
 
 @triton.jit
+def _tile_coords(tile, n_m, n_n, GROUP_M: tl.constexpr):
+    """Grouped tile order (GROUP_M row tiles share column tiles, for L2 reuse).
+    Which program computes a tile never touches a sum."""
+    first_m = (tile // (GROUP_M * n_n)) * GROUP_M
+    size_m = min(n_m - first_m, GROUP_M)
+    return first_m + (tile % size_m), (tile % (GROUP_M * n_n)) // size_m
+
+
+@triton.jit
 def _mm_fused_kernel(p_x, p_w, p_y, M, N, K,
                      stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                      N_SEG, SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
-    # grouped tile order for L2 reuse; the order tiles run in never touches a sum
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BLOCK_M)
-    n_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * n_n)
-    first_m = group * GROUP_M
-    size_m = min(n_m - first_m, GROUP_M)
-    i_m = first_m + (pid % size_m)
-    i_n = (pid % (GROUP_M * n_n)) // size_m
+    i_m, i_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(0, N_SEG):
         b_total += _segment_dot(p_x, p_w, i_m, i_n, M, N, K, s * SEG_K,
@@ -122,11 +123,7 @@ def _mm_tma_persistent_kernel(d_x, d_w, d_y, M, N, K, N_SEG,
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGS, flatten=False):
-        group = tile // (GROUP_M * n_n)
-        first_m = group * GROUP_M
-        size_m = min(n_m - first_m, GROUP_M)
-        i_m = first_m + (tile % size_m)
-        i_n = (tile % (GROUP_M * n_n)) // size_m
+        i_m, i_n = _tile_coords(tile, n_m, n_n, GROUP_M)
         b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range(0, N_SEG):
             b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
