@@ -1,0 +1,290 @@
+"""The serving engine: requests in, completions out (nano-vllm's ``LLMEngine``).
+
+``step()`` is one scheduler decision, one model forward and one sampling
+call.  Weights change only between steps (``between_steps``), and every token
+records the weight version it was sampled under.
+"""
+from __future__ import annotations
+
+import operator
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence as Seq
+
+import torch
+from tqdm.auto import tqdm
+
+from ..kv_cache import PAGE_SIZE, BlockManager
+from ..sampling import SamplingParams
+from .model_api import ServeModel
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+from .sequence import Completion, Sequence
+
+CPU_KV_CACHE_BYTES = 1 << 30
+CUDA_KV_CACHE_FRACTION = 0.6  # of free memory after the model loaded; the rest: activations, logits, graphs
+
+
+class Engine:
+    def __init__(
+        self,
+        model: ServeModel,
+        *,
+        num_pages: int | None = None,
+        max_batch_tokens: int = 8192,
+        max_batch_size: int = 256,
+        cuda_graphs: bool | None = None,
+        page_shuffle_seed: int | None = None,
+        progress: bool = False,
+        kv_cache_bytes: int | None = None,
+    ):
+        """``num_pages`` None sizes the KV cache from ``kv_cache_bytes`` (default:
+        60% of free GPU memory, 1 GiB on the CPU), capped at what
+        ``max_batch_size`` sequences of ``model.max_position`` tokens can use.
+        ``cuda_graphs`` None captures decode graphs when the model is on CUDA."""
+        if not isinstance(model, ServeModel):
+            raise TypeError(f"model must implement ServeModel (vocab_size, max_position, device, kv_cache_spec, "
+                            f"allocate_kv_cache, forward); got {type(model).__name__}")
+        for name, v in (("max_batch_tokens", max_batch_tokens), ("max_batch_size", max_batch_size)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        device = torch.device(model.device)
+        if cuda_graphs is None:
+            cuda_graphs = device.type == "cuda"
+        if cuda_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a model on CUDA; this one is on {device}")
+        self.model = model
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size
+        self.progress = progress
+        self.num_pages = self._num_pages(num_pages, kv_cache_bytes, device)
+        self.block_manager = BlockManager(self.num_pages, shuffle_seed=page_shuffle_seed)
+        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, max_batch_size)
+        self.runner = ModelRunner(model, self.num_pages, max_batch_size=max_batch_size, cuda_graphs=cuda_graphs)
+        self.weight_version = 0
+        self._score_preemptions = 0
+        self._hooks: deque[Callable[[], None]] = deque()
+        self._lock = threading.RLock()  # held through each step and score: weights never change inside one
+        self._rejected: list[Completion] = []  # bad requests, handed out by the next step()
+        self._unclaimed: list[Completion] = []  # finished inside generate() but added by add_request()
+
+    # ------------------------------------------------------------ public
+    @property
+    def num_preemptions(self) -> int:
+        """Requests (generated or scored) preempted for lack of pages so far."""
+        return self.scheduler.num_preemptions + self._score_preemptions
+
+    def set_weight_version(self, version: int) -> None:
+        """Tokens sampled from now on carry ``version``.  Call it between steps."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TypeError(f"weight version must be an int, got {type(version).__name__}")
+        self.weight_version = version
+
+    def between_steps(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once, before the next step (or score) touches the model,
+        and return at once: the place to swap weights (in place: captured
+        graphs keep their pointers) and call ``set_weight_version``.  Safe to
+        call from another thread."""
+        self._hooks.append(fn)
+
+    def update_weights(self, fn: Callable[[], None]) -> int:
+        """Run ``fn`` (it writes the new weights into the model's tensors, in
+        place) between two steps and bump the weight version; return the new
+        version.  From another thread it waits for the running step to end."""
+        with self._lock:
+            fn()
+            self.weight_version += 1
+            return self.weight_version
+
+    def add_request(self, prompt_token_ids, sampling: SamplingParams) -> int:
+        """Queue a request; return its id.  A bad request is not queued: the
+        next ``step()`` returns it as a Completion with finish_reason "error"."""
+        try:
+            prompt = self._check_request(prompt_token_ids, sampling)
+        except (TypeError, ValueError) as e:
+            rid = next(Sequence._ids)
+            self._rejected.append(Completion(_as_list(prompt_token_ids), [], torch.empty(0), "error", str(e),
+                                             request_id=rid))
+            return rid
+        seq = Sequence(prompt, sampling)
+        self.scheduler.add(seq)
+        return seq.id
+
+    def has_unfinished(self) -> bool:
+        return not self.scheduler.idle or bool(self._rejected or self._unclaimed)
+
+    def step(self) -> list[Completion]:
+        """One engine step; returns the requests that finished in it."""
+        done, self._unclaimed = self._unclaimed, []
+        return done + self._step()
+
+    def generate(self, prompts: Seq[Seq[int]], sampling: SamplingParams | Seq[SamplingParams]) -> list[Completion]:
+        """Complete every prompt; Completions in prompt order.  ``sampling`` is
+        one SamplingParams for all or a list with one per prompt."""
+        sps = self._per_prompt(prompts, sampling, "prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, sps)]
+        index = {rid: i for i, rid in enumerate(ids)}
+        out: list[Completion | None] = [None] * len(ids)
+        with tqdm(total=len(ids), disable=not self.progress, desc="generate") as bar:
+            todo = len(ids)
+            while todo:
+                for c in self._step():
+                    i = index.get(c.request_id)
+                    if i is None:
+                        self._unclaimed.append(c)
+                        continue
+                    out[i] = c
+                    todo -= 1
+                    bar.update(1)
+        return out
+
+    def score(self, sequences: Seq[Seq[int]], prompt_lens: Seq[int],
+              sampling: SamplingParams | Seq[SamplingParams], *, chunk_tokens: int | None = None) -> list[torch.Tensor]:
+        """Teacher-forced log-probs: for each sequence, (len - prompt_len,) fp32
+        CPU, the log-prob of ``sequence[prompt_len:]`` under the sampling
+        transforms, bitwise what ``generate`` returned for the same tokens.
+
+        The sequences prefill through the same forward, at most
+        ``chunk_tokens`` new tokens per sequence and step (default: as the
+        token budget allows; 1 makes every step decode-shaped), in the pages
+        left free by running requests, and free them after.  Raises ValueError
+        on bad input, naming the sequence."""
+        seqs = self._score_sequences(sequences, prompt_lens, sampling, chunk_tokens)
+        with self._lock:
+            self._run_hooks()
+            sched = Scheduler(self.block_manager, self.max_batch_tokens, self.max_batch_size, chunk_tokens)
+            for seq in seqs:
+                if seq.tokens:
+                    sched.add(seq)
+            try:
+                while not sched.idle:
+                    chunks = sched.schedule()
+                    with torch.inference_mode():
+                        results = self.runner.run(chunks, self.block_manager)
+                    for c, res in zip(chunks, results):
+                        c.seq.num_cached = c.end
+                        c.seq.logprobs += [lp for _, lp in res]
+                    sched.retire([c.seq for c in chunks if c.seq.num_cached == c.seq.num_fed])
+            finally:  # a failed call must not keep pages
+                for seq in sched.running:
+                    self.block_manager.free(seq.id)
+                self._score_preemptions += sched.num_preemptions
+        return [torch.tensor(seq.logprobs, dtype=torch.float32) for seq in seqs]
+
+    # ------------------------------------------------------------ internals
+    def _step(self) -> list[Completion]:
+        with self._lock:
+            self._run_hooks()
+            done, self._rejected = self._rejected, []
+            if self.scheduler.idle:
+                return done
+            chunks = self.scheduler.schedule()
+            with torch.inference_mode():
+                results = self.runner.run(chunks, self.block_manager)
+            finished = []
+            for c, res in zip(chunks, results):
+                seq = c.seq
+                seq.num_cached = c.end
+                for tok, lp in res:
+                    seq.append(tok, lp, self.weight_version)
+                if seq.finish_reason is not None:
+                    finished.append(seq)
+            self.scheduler.retire(finished)
+            return done + [s.completion() for s in finished]
+
+    def _score_sequences(self, sequences, prompt_lens, sampling, chunk_tokens) -> list[Sequence]:
+        if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+            raise ValueError(f"chunk_tokens must be an int >= 1 or None, got {chunk_tokens!r}")
+        sps = self._per_prompt(sequences, sampling, "sequences")
+        if len(prompt_lens) != len(sequences):
+            raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens: give one per sequence")
+        seqs = []
+        for i, (s, pl, sp) in enumerate(zip(sequences, prompt_lens, sps)):
+            try:
+                s = self._check_tokens(s)
+                if not isinstance(sp, SamplingParams):
+                    raise TypeError(f"sampling must be a SamplingParams, got {type(sp).__name__}")
+                if isinstance(pl, bool) or not isinstance(pl, int) or not 1 <= pl <= len(s):
+                    raise ValueError(f"prompt_len {pl!r} must be an int in [1, {len(s)}] (the sequence length)")
+                if len(s) > self.model.max_position:
+                    raise ValueError(f"{len(s)} tokens exceed the model's max_position {self.model.max_position}")
+                self._check_fits(len(s) - 1)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"sequence {i}: {e}") from None
+            seqs.append(Sequence(s[:pl], sp, score_tokens=s[pl:]))
+        return seqs
+
+    def _run_hooks(self) -> None:
+        while self._hooks:
+            self._hooks.popleft()()
+
+    def _per_prompt(self, prompts, sampling, what: str) -> list:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Seq):
+            raise TypeError(f"{what} must be a list of token-id lists, got {type(prompts).__name__}")
+        if prompts and all(isinstance(p, int) for p in prompts):
+            raise TypeError(f"{what} must be a list of token-id lists; got a flat list of ints (wrap one prompt in a list)")
+        if isinstance(sampling, (list, tuple)):
+            if len(sampling) != len(prompts):
+                raise ValueError(f"{len(prompts)} {what} but {len(sampling)} SamplingParams: give one, or one per prompt")
+            return list(sampling)
+        return [sampling] * len(prompts)
+
+    def _check_tokens(self, ids) -> list[int]:
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex:
+                raise TypeError(f"token ids must be a 1-D integer tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
+            ids = ids.tolist()
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Seq):
+            raise TypeError(f"token ids must be a list of ints, got {type(ids).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token id")
+        out = []
+        V = self.model.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool):
+                raise TypeError(f"token {i} is a bool ({t}), not a token id")
+            try:
+                t = operator.index(t)
+            except TypeError:
+                raise TypeError(f"token {i} is a {type(t).__name__} ({t!r}), not an int token id") from None
+            if not 0 <= t < V:
+                raise ValueError(f"token id {t} at index {i} is outside the vocabulary [0, {V})")
+            out.append(t)
+        return out
+
+    def _check_request(self, prompt, sampling) -> list[int]:
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        prompt = self._check_tokens(prompt)
+        total = len(prompt) + sampling.max_new_tokens
+        if total > self.model.max_position:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "
+                             f"exceeds the model's max_position {self.model.max_position}")
+        self._check_fits(total - 1)  # the last sampled token is never fed back
+        return prompt
+
+    def _check_fits(self, positions: int) -> None:
+        need = -(-positions // PAGE_SIZE)
+        if need > self.num_pages:
+            raise ValueError(f"the request needs {need} KV pages ({positions} cached positions) but the whole cache "
+                             f"has {self.num_pages}: it could never run, even alone")
+
+    def _num_pages(self, num_pages, kv_cache_bytes, device) -> int:
+        if num_pages is not None:
+            if not isinstance(num_pages, int) or num_pages < 1:
+                raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
+            return num_pages
+        if kv_cache_bytes is None:
+            if device.type == "cuda":
+                kv_cache_bytes = int(torch.cuda.mem_get_info(device)[0] * CUDA_KV_CACHE_FRACTION)
+            else:
+                kv_cache_bytes = CPU_KV_CACHE_BYTES
+        most = self.max_batch_size * -(-self.model.max_position // PAGE_SIZE)
+        return max(1, min(most, kv_cache_bytes // self.model.kv_cache_spec().bytes_per_page()))
+
+
+def _as_list(ids) -> list:
+    try:
+        return list(ids.tolist() if isinstance(ids, torch.Tensor) else ids)
+    except TypeError:
+        return []

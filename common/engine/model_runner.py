@@ -1,0 +1,179 @@
+"""Chunks -> one packed ``ForwardBatch`` -> the model -> sampled or scored rows.
+
+Decode-shaped batches (one new token per sequence, a logit row each) replay a
+CUDA graph captured for the next bucket size up; everything else runs eager.
+Both give the same bits: the model's rows do not depend on the batch, so pad
+rows and the wider fixed block table cannot change the real rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..kv_cache import PAGE_SIZE, BlockManager
+from ..sampling import params_to_tensors, sample_fwd, sampling_logprobs_fwd
+from .model_api import ForwardBatch, ServeModel
+from .scheduler import Chunk
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """Buckets up to ``max_batch_size``, which is always the last one."""
+    return [b for b in GRAPH_BATCH_SIZES if b < max_batch_size] + [max_batch_size]
+
+
+@dataclass
+class DecodeGraphs:
+    """Captured decode forwards: ``graphs[bs]`` reads ``static`` sliced to bs
+    rows and writes ``logits[bs]`` (bs, V)."""
+
+    static: ForwardBatch
+    graphs: dict[int, torch.cuda.CUDAGraph]
+    logits: dict[int, torch.Tensor]
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.graphs if b >= n), None)
+
+
+def first_rows(b: ForwardBatch, n: int) -> ForwardBatch:
+    """The first n rows of a decode batch (views: a graph reads them in place)."""
+    return replace(b, tokens=b.tokens[:n], positions=b.positions[:n], cu_seqlens_q=b.cu_seqlens_q[: n + 1],
+                   seq_lens=b.seq_lens[:n], block_table=b.block_table[:n], slot_mapping=b.slot_mapping[:n],
+                   logit_rows=b.logit_rows[:n])
+
+
+def static_decode_batch(n: int, width: int, device) -> ForwardBatch:
+    """n pad rows: token 0, position 0, slot -1 (nothing written), seq_len 1
+    over a zero block-table row of the fixed ``width``."""
+    return ForwardBatch(
+        tokens=torch.zeros(n, dtype=torch.int64, device=device),
+        positions=torch.zeros(n, dtype=torch.int64, device=device),
+        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.ones(n, dtype=torch.int32, device=device),
+        block_table=torch.zeros(n, width, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
+        logit_rows=torch.arange(n, dtype=torch.int64, device=device),
+        max_seqlen_q=1,
+    )
+
+
+def capture_decode_graphs(model: ServeModel, kv_cache, batch_sizes: list[int], width: int) -> DecodeGraphs:
+    """Capture ``model.forward`` for decode batches of each size, reading the
+    static pad rows until a replay copies real rows in.  Largest first, so the
+    memory pool the first capture sizes serves the smaller ones; replays run
+    one at a time, which makes sharing it safe."""
+    static = static_decode_batch(max(batch_sizes), width, model.device)
+    graphs, logits, pool = {}, {}, None
+    for bs in sorted(batch_sizes, reverse=True):
+        batch = first_rows(static, bs)
+        model.forward(batch, kv_cache)  # warm-up: Triton compiles and picks configs outside the capture
+        torch.cuda.synchronize(model.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits[bs] = model.forward(batch, kv_cache)
+        pool = graph.pool() if pool is None else pool
+        graphs[bs] = graph
+    torch.cuda.synchronize(model.device)
+    return DecodeGraphs(static, dict(sorted(graphs.items())), logits)
+
+
+class ModelRunner:
+    def __init__(self, model: ServeModel, num_pages: int, *, max_batch_size: int, cuda_graphs: bool):
+        self.model = model
+        self.device = torch.device(model.device)
+        self.kv_cache = model.allocate_kv_cache(num_pages)
+        self._pin = self.device.type == "cuda"
+        self.graph_width = -(-model.max_position // PAGE_SIZE)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            with torch.inference_mode():
+                self.graphs = capture_decode_graphs(model, self.kv_cache, graph_batch_sizes(max_batch_size),
+                                                    self.graph_width)
+
+    def run(self, chunks: list[Chunk], block_manager: BlockManager) -> list[list[tuple[int, float]]]:
+        """Forward the chunks as one batch; per chunk, the (token, log-prob)
+        of each logit row: the sampled token of a generated sequence, or the
+        given next token of a teacher-forced one."""
+        tokens, positions, slots, seq_lens, cu, rows, wanted = [], [], [], [], [0], [], []
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            tokens += seq.token_ids(c.start, c.end)
+            positions += range(c.start, c.end)
+            slots += c.slots
+            for p in seq.logit_positions(c.start, c.end):
+                rows.append(cu[-1] + p - c.start)
+                wanted.append((i, p))
+            cu.append(cu[-1] + c.end - c.start)
+            seq_lens.append(c.end)
+        tables = [block_manager.block_table(c.seq.id) for c in chunks]
+        B = len(chunks)
+        bucket = self.graphs.bucket(B) if self.graphs is not None and len(tokens) == len(rows) == B else None
+        if bucket is not None:
+            pad = bucket - B
+            logits = self._replay(bucket, tokens + [0] * pad, positions + [0] * pad, seq_lens + [1] * pad,
+                                  slots + [-1] * pad, self._block_table(tables, bucket, self.graph_width))[:B]
+        else:
+            batch = ForwardBatch(
+                tokens=self._to_device(tokens, torch.int64),
+                positions=self._to_device(positions, torch.int64),
+                cu_seqlens_q=self._to_device(cu, torch.int32),
+                seq_lens=self._to_device(seq_lens, torch.int32),
+                block_table=self._block_table(tables, B, max(map(len, tables))).to(self.device, non_blocking=True),
+                slot_mapping=self._to_device(slots, torch.int64),
+                # a step of prefill chunks only still asks for one row: no model meets R = 0
+                logit_rows=self._to_device(rows or [len(tokens) - 1], torch.int64),
+                max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
+            )
+            logits = self.model.forward(batch, self.kv_cache)  # (R, V) fp32
+        results: list[list[tuple[int, float]]] = [[] for _ in chunks]
+        if rows:
+            for (i, _), tok, lp in zip(wanted, *self._sample(logits, [(chunks[i].seq, p) for i, p in wanted])):
+                results[i].append((tok, lp))
+        return results
+
+    def _sample(self, logits: torch.Tensor, wanted: list) -> tuple[list[int], list[float]]:
+        """Per logit row (its sequence, its position): draw a generated
+        sequence's next token, or replay a teacher-forced one's given next
+        token (the same program, so the same bits for the same row)."""
+        tokens, lps = [0] * len(wanted), [0.0] * len(wanted)
+        gen = [r for r, (s, _) in enumerate(wanted) if not s.teacher_forced]
+        forced = [r for r, (s, _) in enumerate(wanted) if s.teacher_forced]
+        if gen:
+            seqs = [wanted[r][0] for r in gen]
+            params = params_to_tensors([s.sampling for s in seqs], [s.step for s in seqs])
+            params = {k: v.to(self.device, non_blocking=True) for k, v in params.items()}
+            lg = logits if len(gen) == len(wanted) else logits[self._to_device(gen, torch.int64)]
+            tok, lp = sample_fwd(lg, **params)
+            for r, t, l in zip(gen, tok.tolist(), lp.tolist()):
+                tokens[r], lps[r] = t, l
+        if forced:
+            targets = [s.token_ids(p + 1, p + 2)[0] for s, p in (wanted[r] for r in forced)]
+            params = params_to_tensors([wanted[r][0].sampling for r in forced], [0] * len(forced))
+            params = {k: params[k].to(self.device, non_blocking=True) for k in ("temperature", "top_k", "top_p", "min_p")}
+            lg = logits if len(forced) == len(wanted) else logits[self._to_device(forced, torch.int64)]
+            lp = sampling_logprobs_fwd(lg, self._to_device(targets, torch.int64), **params)[0]
+            for r, t, l in zip(forced, targets, lp.tolist()):
+                tokens[r], lps[r] = t, l
+        return tokens, lps
+
+    def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, pin_memory=self._pin).to(self.device, non_blocking=True)
+
+    def _block_table(self, tables: list[list[int]], rows: int, width: int) -> torch.Tensor:
+        """(rows, width) int32 host tensor, zero past each table and in pad rows."""
+        out = torch.zeros(rows, width, dtype=torch.int32, pin_memory=self._pin)
+        lens = torch.tensor([len(t) for t in tables])
+        out[: len(tables)][torch.arange(width) < lens[:, None]] = torch.tensor(
+            [p for t in tables for p in t], dtype=torch.int32)
+        return out
+
+    def _replay(self, bs, tokens, positions, seq_lens, slots, block_table) -> torch.Tensor:
+        s = first_rows(self.graphs.static, bs)
+        for dst, data, dtype in ((s.tokens, tokens, torch.int64), (s.positions, positions, torch.int64),
+                                 (s.seq_lens, seq_lens, torch.int32), (s.slot_mapping, slots, torch.int64)):
+            dst.copy_(torch.tensor(data, dtype=dtype, pin_memory=self._pin), non_blocking=True)
+        s.block_table.copy_(block_table, non_blocking=True)
+        self.graphs.graphs[bs].replay()
+        return self.graphs.logits[bs]

@@ -1,0 +1,118 @@
+"""A request's state inside the engine, and what the engine hands back.
+
+A ``Sequence`` is either generated (sample the next token after its last one)
+or teacher-forced (score the given tokens after the prompt).  The engine only
+ever asks it three things: which tokens to feed next, which of the fed rows
+need logits, and what happens with the rows it gets back.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Completion:
+    """One finished request.
+
+    tokens:          generated ids, the stop token included if one ended it
+    logprobs:        (len(tokens),) fp32 CPU: the log-prob the sampler returned
+    finish_reason:   "stop" | "length" | "error" (then ``error`` says why)
+    weight_version:  the version the last token was sampled under (-1: no token)
+    weight_versions: the version of each token
+    request_id:      what ``Engine.add_request`` returned
+    """
+
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: torch.Tensor
+    finish_reason: str
+    error: str | None = None
+    weight_version: int = -1
+    weight_versions: tuple[int, ...] = ()
+    request_id: int = -1
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(self, prompt: list[int], sampling: SamplingParams, *, score_tokens: list[int] | None = None):
+        """``score_tokens`` makes it teacher-forced: it feeds prompt + all but
+        the last scored token and wants logits from position len(prompt) - 1."""
+        self.id = next(Sequence._ids)
+        self.prompt = prompt
+        self.sampling = sampling
+        self.teacher_forced = score_tokens is not None
+        self.tokens: list[int] = list(score_tokens) if self.teacher_forced else []
+        self.logprobs: list[float] = []  # fp32 values; a Python float holds them exactly
+        self.versions: list[int] = []
+        self.num_cached = 0  # positions whose k/v are in the cache
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self._stop = frozenset(sampling.stop_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+    @property
+    def num_fed(self) -> int:
+        """Positions that go through the model: every known token, except that
+        teacher forcing never feeds the last one (nothing follows it)."""
+        return self.num_tokens - 1 if self.teacher_forced else self.num_tokens
+
+    @property
+    def step(self) -> int:
+        """The sampler's step: tokens generated so far (seeds the draw)."""
+        return len(self.tokens)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt)
+        if end <= p:
+            return self.prompt[start:end]
+        return (self.prompt + self.tokens)[start:end] if start < p else self.tokens[start - p : end - p]
+
+    def logit_positions(self, start: int, end: int) -> range:
+        """Positions in [start, end) whose next-token logits are wanted."""
+        if self.teacher_forced:
+            return range(max(start, len(self.prompt) - 1), end)
+        return range(end - 1, end) if end == self.num_tokens else range(0)
+
+    def append(self, token: int, logprob: float, version: int) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        if token in self._stop:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.sampling.max_new_tokens:
+            self.finish_reason = "length"
+
+    def reset(self) -> None:
+        """Preempted: its pages are gone; it will prefill everything again
+        (a teacher-forced one rescores from the prompt)."""
+        self.num_cached = 0
+        self.status = Status.WAITING
+        if self.teacher_forced:
+            self.logprobs.clear()
+
+    def completion(self) -> Completion:
+        return Completion(
+            prompt=self.prompt,
+            tokens=list(self.tokens),
+            logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
+            finish_reason=self.finish_reason,
+            weight_version=self.versions[-1] if self.versions else -1,
+            weight_versions=tuple(self.versions),
+            request_id=self.id,
+        )

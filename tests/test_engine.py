@@ -1,0 +1,318 @@
+"""The serving engine's contract on a toy model built from the real kernels:
+a request's tokens and FP32 log-probs are the same bits alone, in any batch,
+in any order, joining mid-decode, after preemption, with any prefill chunking,
+and when teacher-forced through ``score``."""
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_toy import ToyServeModel
+
+from alignzoo.common.engine import Completion, Engine, ForwardBatch, ServeModel, graph_batch_sizes
+from alignzoo.common.engine.model_runner import DecodeGraphs, first_rows, static_decode_batch
+from alignzoo.common.engine.scheduler import Scheduler
+from alignzoo.common.sampling import SamplingParams
+
+RICH = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, max_new_tokens=24, seed=11)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ToyServeModel()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def solo(model, p, sp) -> Completion:
+    """The reference: the request alone in a fresh engine, prefilled in one piece."""
+    return Engine(model, num_pages=64, max_batch_tokens=4096).generate([p], sp)[0]
+
+
+def assert_same(got: Completion, want: Completion):
+    assert got.tokens == want.tokens
+    assert got.finish_reason == want.finish_reason
+    assert got.logprobs.dtype == torch.float32 and torch.equal(got.logprobs, want.logprobs)
+
+
+# Different lengths straddling page boundaries; per-request seeds and transforms.
+PROMPTS = [prompt(n, i) for i, n in enumerate((5, 63, 64, 130, 1))]
+PARAMS = [
+    SamplingParams(max_new_tokens=24, seed=1),
+    RICH,
+    SamplingParams(temperature=0.0, max_new_tokens=17),
+    SamplingParams(temperature=1.3, top_k=5, max_new_tokens=30, seed=7),
+    SamplingParams(top_p=0.7, max_new_tokens=20, seed=2**40),
+]
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    return [solo(model, p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+
+
+def test_toy_is_a_serve_model_and_default_cache_size(model):
+    assert isinstance(model, ServeModel)
+    # 1 GiB on the CPU, capped at max_batch_size sequences of max_position (2048 = 32 pages)
+    assert Engine(model, max_batch_size=4).num_pages == 4 * 32
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a model on CUDA"):
+        Engine(model, cuda_graphs=True)
+
+
+def test_batch_and_order_do_not_change_bits(model, alone):
+    eng = Engine(model, num_pages=64, max_batch_tokens=4096, page_shuffle_seed=3)
+    outs = eng.generate(PROMPTS, PARAMS)
+    for got, want in zip(outs, alone):
+        assert_same(got, want)
+        assert got.weight_version == 0 and got.weight_versions == (0,) * len(got.tokens)
+    rev = Engine(model, num_pages=64, max_batch_tokens=4096, page_shuffle_seed=4).generate(PROMPTS[::-1], PARAMS[::-1])
+    for got, want in zip(rev, alone[::-1]):
+        assert_same(got, want)
+
+
+def test_requests_join_and_finish_mid_decode(model, alone):
+    # A small budget also mixes prefill chunks and decode rows in one step.
+    eng = Engine(model, num_pages=64, max_batch_tokens=48, page_shuffle_seed=5)
+    ids, done = {}, {}
+    for i in range(len(PROMPTS)):
+        ids[eng.add_request(PROMPTS[i], PARAMS[i])] = i
+        for _ in range(3 + 2 * i):
+            done.update({c.request_id: c for c in eng.step()})
+    while eng.has_unfinished():
+        done.update({c.request_id: c for c in eng.step()})
+    assert sorted(ids) == sorted(done)
+    for rid, i in ids.items():
+        assert_same(done[rid], alone[i])
+
+
+def test_preemption_recomputes_the_same_bits(model, alone):
+    # 4 pages: the three first admitted outgrow them while decoding.
+    eng = Engine(model, num_pages=4, max_batch_tokens=96, page_shuffle_seed=6)
+    outs = eng.generate(PROMPTS, PARAMS)
+    assert eng.num_preemptions > 0
+    for got, want in zip(outs, alone):
+        assert_same(got, want)
+    assert eng.block_manager.num_free == 4
+
+
+def test_joins_chunks_and_preemption_together(model, alone, monkeypatch):
+    # This order preempts the 130-token prompt halfway through its prefill.
+    preempted = []
+    real = Scheduler._preempt
+    monkeypatch.setattr(Scheduler, "_preempt", lambda self, seq: (preempted.append(seq.num_cached < seq.num_fed - 1),
+                                                                   real(self, seq)))
+    eng = Engine(model, num_pages=4, max_batch_tokens=40, page_shuffle_seed=8)
+    ids, done = {}, {}
+    for i in (1, 3, 2, 0, 4):
+        ids[eng.add_request(PROMPTS[i], PARAMS[i])] = i
+        done.update({c.request_id: c for c in eng.step()})
+    while eng.has_unfinished():
+        done.update({c.request_id: c for c in eng.step()})
+    assert any(preempted) and eng.num_preemptions == len(preempted)
+    for rid, i in ids.items():
+        assert_same(done[rid], alone[i])
+
+
+@pytest.mark.parametrize("budget", [64, 700])
+def test_chunked_long_prompt(model, budget):
+    long = prompt(1100, 99)  # past 593 positions and many pages
+    sp = SamplingParams(temperature=0.8, top_k=30, max_new_tokens=6, seed=5)
+    want = solo(model, long, sp)
+    eng = Engine(model, num_pages=64, max_batch_tokens=budget, page_shuffle_seed=budget)
+    outs = eng.generate([PROMPTS[0], long, PROMPTS[3]], [PARAMS[0], sp, PARAMS[3]])
+    assert_same(outs[1], want)
+
+
+def test_score_equals_generate(model, alone):
+    long = prompt(700, 42)
+    long_out = solo(model, long, RICH)
+    outs = alone + [long_out]
+    seqs = [o.prompt + o.tokens for o in outs]
+    lens = [len(o.prompt) for o in outs]
+    params = PARAMS + [RICH]
+    for budget, chunk in ((4096, None), (100, None), (4096, 97)):  # whole, budget-chunked, 97-token chunks
+        eng = Engine(model, num_pages=64, max_batch_tokens=budget)
+        scored = eng.score(seqs, lens, params, chunk_tokens=chunk)
+        for lp, o in zip(scored, outs):
+            assert lp.dtype == torch.float32 and torch.equal(lp, o.logprobs)
+        assert eng.block_manager.num_free == 64
+    # one token per sequence and step: decode-shaped, like the decode that sampled them
+    short = [0, 4]
+    scored = Engine(model, num_pages=64).score([seqs[i] for i in short], [lens[i] for i in short],
+                                               [params[i] for i in short], chunk_tokens=1)
+    for lp, i in zip(scored, short):
+        assert torch.equal(lp, outs[i].logprobs)
+    # The transforms matter: plain temperature-1 scores differ.
+    plain = Engine(model, num_pages=64).score(seqs[1:2], lens[1:2], SamplingParams())[0]
+    assert not torch.equal(plain, outs[1].logprobs)
+    assert Engine(model, num_pages=64).score([[3, 4]], [2], RICH)[0].shape == (0,)
+
+
+def test_score_in_a_small_cache_beside_running_requests(model, alone):
+    # Scored sequences wait for pages (a teacher-forced one never grows, so
+    # admission alone keeps them from preempting each other).
+    eng = Engine(model, num_pages=6, max_batch_tokens=64)
+    rid = eng.add_request(PROMPTS[0], PARAMS[0])
+    eng.step()
+    scored = eng.score([o.prompt + o.tokens for o in alone], [len(o.prompt) for o in alone], PARAMS)
+    for lp, o in zip(scored, alone):
+        assert torch.equal(lp, o.logprobs)
+    done = []
+    while eng.has_unfinished():
+        done += eng.step()
+    assert [c.request_id for c in done] == [rid]
+    assert_same(done[0], alone[0])
+    small = Engine(model, num_pages=4)
+    small.add_request(PROMPTS[3], PARAMS[3])
+    small.step()  # holds 3 pages
+    with pytest.raises(RuntimeError, match="needs 3 KV pages and 1 of 4 are free"):
+        small.score([PROMPTS[0], PROMPTS[3]], [1, 1], PARAMS[3])
+    assert small.block_manager.num_free == 1
+
+
+def test_sampling_transforms_together(model):
+    # Same prompt, every transform on: the seed alone separates the draws, and
+    # each is its own request's bits whatever its neighbours' parameters.
+    p = prompt(40, 7)
+    sps = [SamplingParams(temperature=t, top_k=k, top_p=tp, min_p=mp, max_new_tokens=16, seed=s)
+           for t, k, tp, mp, s in ((0.7, 10, 0.8, 0.05, 0), (0.7, 10, 0.8, 0.05, 1), (1.5, 3, 0.95, 0.1, 2))]
+    outs = Engine(model, num_pages=64).generate([p] * 3, sps)
+    assert outs[0].tokens != outs[1].tokens
+    for o, sp in zip(outs, sps):
+        assert_same(o, solo(model, p, sp))
+        assert bool((o.logprobs <= 0).all()) and bool(torch.isfinite(o.logprobs).all())
+
+
+def test_stop_tokens(model, alone):
+    ref = alone[0]
+    stop = ref.tokens[6]
+    first = ref.tokens.index(stop)
+    sp = SamplingParams(max_new_tokens=24, seed=1, stop_token_ids=(stop, 96))
+    out = Engine(model, num_pages=64).generate([PROMPTS[0], PROMPTS[1]], [sp, RICH])
+    assert out[0].finish_reason == "stop" and out[0].tokens == ref.tokens[: first + 1]
+    assert torch.equal(out[0].logprobs, ref.logprobs[: first + 1])
+    assert_same(out[1], alone[1])
+    assert alone[1].finish_reason == "length" and len(alone[1].tokens) == RICH.max_new_tokens
+
+
+def test_greedy_is_argmax_with_logprob_zero(model, alone):
+    out = alone[2]
+    assert torch.equal(out.logprobs, torch.zeros(len(out.tokens)))
+    seq = out.prompt + out.tokens
+    T, P = len(seq) - 1, len(out.prompt)
+    kv = model.allocate_kv_cache(2)
+    batch = ForwardBatch(
+        tokens=torch.tensor(seq[:-1]), positions=torch.arange(T), cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32),
+        seq_lens=torch.tensor([T], dtype=torch.int32), block_table=torch.tensor([[0, 1]], dtype=torch.int32),
+        slot_mapping=torch.arange(T), logit_rows=torch.arange(P - 1, T), max_seqlen_q=T)
+    logits = model.forward(batch, kv)
+    assert logits.argmax(-1).tolist() == out.tokens
+
+
+def test_bad_requests_fail_alone(model, alone):
+    eng = Engine(model, num_pages=8)
+    ok = SamplingParams(max_new_tokens=4)
+    bad = [
+        ([], ok, "empty"),
+        ([3, -1, 4], ok, "token id -1 at index 1"),
+        ([3, 97], ok, "token id 97 at index 1 is outside the vocabulary [0, 97)"),
+        ([1.5], ok, "token 0 is a float"),
+        (prompt(2040, 1), SamplingParams(max_new_tokens=9), "exceeds the model's max_position 2048"),
+        (prompt(600, 1), SamplingParams(max_new_tokens=1), "could never run, even alone"),
+        ([1, 2], "greedy", "sampling must be a SamplingParams"),
+    ]
+    prompts = [PROMPTS[1]] + [b[0] for b in bad] + [PROMPTS[3]]
+    outs = eng.generate(prompts, [PARAMS[1]] + [b[1] for b in bad] + [PARAMS[3]])
+    assert_same(outs[0], alone[1])
+    assert_same(outs[-1], alone[3])
+    for o, (p, _, msg) in zip(outs[1:-1], bad):
+        assert o.finish_reason == "error" and msg in o.error, (o.error, msg)
+        assert o.tokens == [] and o.logprobs.shape == (0,)
+    with pytest.raises(ValueError, match="3 prompts but 2 SamplingParams"):
+        eng.generate([[1], [2], [3]], [ok, ok])
+    with pytest.raises(TypeError, match="flat list of ints"):
+        eng.generate([1, 2, 3], ok)
+    with pytest.raises(ValueError, match="sequence 1: prompt_len 5"):
+        eng.score([[1, 2, 3], [1, 2, 3]], [1, 5], ok)
+    with pytest.raises(ValueError, match="sequence 0: token id 99"):
+        eng.score([[1, 99]], [1], ok)
+    with pytest.raises(ValueError, match="chunk_tokens must be an int >= 1"):
+        eng.score([[1, 2]], [1], ok, chunk_tokens=0)
+    assert eng.block_manager.num_free == 8 and not eng.has_unfinished()
+
+
+def test_weight_version_changes_only_between_steps(model):
+    eng = Engine(model, num_pages=16)
+    sp = SamplingParams(max_new_tokens=6, seed=3)
+    rid = eng.add_request(PROMPTS[0], sp)
+    eng.step()  # prefill + first token under version 0
+    eng.between_steps(lambda: eng.set_weight_version(7))
+    assert eng.weight_version == 0
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    (c,) = outs
+    assert c.request_id == rid and c.weight_versions == (0, 7, 7, 7, 7, 7) and c.weight_version == 7
+    # update_weights: applied between steps, bumps the version it returns
+    rid = eng.add_request(PROMPTS[0], sp)
+    eng.step()
+    applied = []
+    assert eng.update_weights(lambda: applied.append(eng.weight_version)) == 8 and applied == [7]
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[-1].weight_versions == (7, 8, 8, 8, 8, 8)
+
+
+class EagerReplay:
+    """Stands in for a captured CUDA graph on the CPU: a replay runs the
+    forward on the static inputs and writes the static output."""
+
+    def __init__(self, model, kv_cache, batch, out):
+        self.args, self.out = (model, kv_cache, batch), out
+
+    def replay(self):
+        model, kv_cache, batch = self.args
+        self.out.copy_(model.forward(batch, kv_cache))
+
+
+def test_padded_decode_path_on_cpu(model, alone):
+    # Everything the graph path does but the capture: buckets, pad rows, the
+    # fixed-width block table, copies into the static inputs, sliced logits.
+    eng = Engine(model, num_pages=64, max_batch_size=6, page_shuffle_seed=9)
+    runner = eng.runner
+    sizes = graph_batch_sizes(6)
+    assert sizes == [1, 2, 4, 6]
+    static = static_decode_batch(6, runner.graph_width, "cpu")
+    logits = {bs: torch.empty(bs, model.vocab_size) for bs in sizes}
+    runner.graphs = DecodeGraphs(static, {bs: EagerReplay(model, runner.kv_cache, first_rows(static, bs), logits[bs])
+                                          for bs in sizes}, logits)
+    replays = []
+    real = runner._replay
+    runner._replay = lambda bs, *a: (replays.append(bs), real(bs, *a))[1]
+    for got, want in zip(eng.generate(PROMPTS, PARAMS), alone):
+        assert_same(got, want)
+    assert {6, 4, 1} <= set(replays)  # 5 rows in bucket 6, then 3 in bucket 4: pad rows ride along
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_eager():
+    model = ToyServeModel(device="cuda")
+    prompts = PROMPTS + [prompt(700, 3), prompt(9, 4)]
+    params = PARAMS + [RICH, SamplingParams(max_new_tokens=40, seed=9)]
+    eager = Engine(model, num_pages=64, max_batch_size=8, cuda_graphs=False).generate(prompts, params)
+    graph_eng = Engine(model, num_pages=64, max_batch_size=8, cuda_graphs=True, page_shuffle_seed=1)
+    assert sorted(graph_eng.runner.graphs.graphs) == [1, 2, 4, 8]
+    replays = []
+    real = graph_eng.runner._replay
+    graph_eng.runner._replay = lambda bs, *a: (replays.append(bs), real(bs, *a))[1]
+    graphed = graph_eng.generate(prompts, params)
+    assert 8 in replays and 1 in replays  # 7 rows padded to 8, down to the last request alone
+    for g, e in zip(graphed, eager):
+        assert_same(g, e)
+    # and against each request alone (batch of one: bucket 1)
+    for p, sp, e in zip(prompts[:2], params[:2], eager[:2]):
+        assert_same(Engine(model, num_pages=64, max_batch_size=8).generate([p], sp)[0], e)
+    scored = graph_eng.score([o.prompt + o.tokens for o in graphed], [len(p) for p in prompts], params)
+    for lp, o in zip(scored, graphed):
+        assert torch.equal(lp.cpu(), o.logprobs)
