@@ -2,13 +2,14 @@
 log-sum-exp over fixed 256-logit vocabulary groups merged by one explicit tree."""
 from .cpu import VOCAB_GROUP
 from .naive import lm_head_logits_naive, lm_head_logprobs_naive, lm_head_lse_naive
-from .op import lm_head_bwd, lm_head_fwd, lm_head_logits, lm_head_logprobs
+from .op import lm_head_bwd, lm_head_fwd, lm_head_logits, lm_head_logits_fwd, lm_head_logprobs
 
 __all__ = [
     "VOCAB_GROUP",
     "lm_head_bwd",
     "lm_head_fwd",
     "lm_head_logits",
+    "lm_head_logits_fwd",
     "lm_head_logits_naive",
     "lm_head_logprobs",
     "lm_head_logprobs_naive",

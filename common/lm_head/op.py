@@ -66,20 +66,48 @@ def lm_head_fwd(h, weight, targets, *, block_m=None, vocab_chunk=None, check_ran
     return lm_head_fwd_cpu(h, weight, targets, block_m=block_m, vocab_chunk=vocab_chunk)
 
 
-def lm_head_logits(h, weight, *, return_lse=False, block_m=None, vocab_chunk=None):
-    """FP32 logits ``h · weightᵀ`` with the very bits the log-probabilities use.
-
-    h: (T, K), weight: (V, K) -> logits (T, V) fp32, or (logits, lse (T,)) with
-    ``return_lse``; then ``logits.gather(1, y[:, None])[:, 0] - lse`` equals
-    ``lm_head_fwd(h, weight, y)[0]`` bitwise.
-    """
-    _check_inputs(h, weight)
-    _check_knobs(h.device, block_m, vocab_chunk)
+def lm_head_logits_fwd(h, weight, *, return_lse=False, block_m=None, vocab_chunk=None):
+    """The server's launcher of ``lm_head_logits`` (no checks, no autograd)."""
     if h.is_cuda:
         from .kernel import lm_head_logits_cuda
 
         return lm_head_logits_cuda(h, weight, return_lse=return_lse, block_m=block_m)
     return lm_head_logits_cpu(h, weight, return_lse=return_lse, block_m=block_m, vocab_chunk=vocab_chunk)
+
+
+class _LMHeadLogits(torch.autograd.Function):
+    """Differentiable logits for a trainer that scores under sampling
+    transforms (``sampling_logprobs`` needs the full row).  The backward only
+    has to be deterministic run to run, so it uses one fp32 ``torch.mm`` per
+    gradient at fixed shapes."""
+
+    @staticmethod
+    def forward(ctx, h, weight):
+        ctx.save_for_backward(h, weight)
+        return lm_head_logits_fwd(h, weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, weight = ctx.saved_tensors
+        g = g.float()
+        dh = torch.mm(g, weight.float()).to(h.dtype) if ctx.needs_input_grad[0] else None
+        dw = torch.mm(g.t(), h.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dh, dw
+
+
+def lm_head_logits(h, weight, *, return_lse=False, block_m=None, vocab_chunk=None):
+    """FP32 logits ``h · weightᵀ`` with the very bits the log-probabilities use.
+
+    h: (T, K), weight: (V, K) -> logits (T, V) fp32, or (logits, lse (T,)) with
+    ``return_lse``; then ``logits.gather(1, y[:, None])[:, 0] - lse`` equals
+    ``lm_head_fwd(h, weight, y)[0]`` bitwise.  Differentiable in h and weight
+    when grad is enabled (not with ``return_lse``); the bits do not change.
+    """
+    _check_inputs(h, weight)
+    _check_knobs(h.device, block_m, vocab_chunk)
+    if not return_lse and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _LMHeadLogits.apply(h, weight)
+    return lm_head_logits_fwd(h, weight, return_lse=return_lse, block_m=block_m, vocab_chunk=vocab_chunk)
 
 
 def lm_head_bwd(h, weight, targets, lse, grad, *, block_m=None, vocab_chunk=None):
