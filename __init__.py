@@ -22,4 +22,27 @@ def list_models() -> list[str]:
     return available_models()
 
 
-__all__ = ["__version__", "list_models", "SamplingParams"]
+def load_pair(name: str, checkpoint=None, config=None, device=None, dtype=None, **kwargs):
+    """Build an aligned pair: ``pair.trainer``, ``pair.server``, ``pair.sync()``.
+
+    name:       a model of ``list_models()``
+    checkpoint: a Hugging Face checkpoint directory (config.json + safetensors), or None
+    config:     without a checkpoint: a preset name ("tiny", real sizes such as
+                "qwen3-8b"), a dict, or the model's config object; the weights
+                are then a seeded random init (``seed=`` keyword, default 0)
+    device:     default "cuda" when available, else "cpu"
+    dtype:      torch.bfloat16 (default) or torch.float32
+    kwargs:     engine options (num_pages, max_batch_tokens, max_batch_size,
+                cuda_graphs, ...), ``seed``, ``activation_checkpointing``
+    """
+    import torch
+
+    from .models import model_module
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+    return model_module(name).load(checkpoint=checkpoint, config=config, device=device, dtype=dtype, **kwargs)
+
+
+__all__ = ["__version__", "list_models", "load_pair", "SamplingParams"]

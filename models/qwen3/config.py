@@ -1,0 +1,131 @@
+"""Qwen3 (dense) configuration: the fields our trainer and server read, named
+presets, and conversion from / to a transformers ``config.json``."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ...common.rope import RopeSpec
+from ...common.rope.table import Yarn
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int = 151936
+    hidden_size: int = 4096            # H
+    intermediate_size: int = 12288     # I (SwiGLU width)
+    num_layers: int = 36
+    num_heads: int = 32                # Hq
+    num_kv_heads: int = 8              # Hkv (GQA)
+    head_dim: int = 128                # D; Qwen3 decouples it from H / Hq
+    rope_theta: float = 1_000_000.0
+    rope_yarn: Yarn | None = None      # rope_scaling / rope_parameters of type "yarn"
+    rms_norm_eps: float = 1e-6
+    max_position: int = 40960          # max_position_embeddings: the RoPE table's rows
+    tie_word_embeddings: bool = False  # lm_head shares the embedding (0.6B does)
+
+    def __post_init__(self):
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_position"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Qwen3Config.{f} must be a positive int, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2 or self.head_dim > 256:
+            raise ValueError(f"head_dim must be even and <= 256 (the attention kernel's limit), got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+
+    @property
+    def qkv_size(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    @property
+    def rope(self) -> RopeSpec:
+        return RopeSpec(rotary_dim=self.head_dim, base=self.rope_theta, max_position=self.max_position,
+                        pairing="half", rotary_slice="first", yarn=self.rope_yarn)
+
+    def replace(self, **changes) -> "Qwen3Config":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str) -> "Qwen3Config":
+        if name not in PRESETS:
+            raise ValueError(f"unknown qwen3 preset {name!r}; known: {', '.join(PRESETS)}")
+        return PRESETS[name]
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any] | str | os.PathLike) -> "Qwen3Config":
+        """From a transformers Qwen3 ``config.json`` (a path, its directory, or the dict)."""
+        if not isinstance(config, dict):
+            path = os.fspath(config)
+            path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+            with open(path) as f:
+                config = json.load(f)
+        from .weights import check_qwen3_checkpoint
+
+        check_qwen3_checkpoint(config)
+        unsupported = {k: config[k] for k in ("attention_bias", "use_sliding_window") if config.get(k)}
+        if unsupported:
+            raise NotImplementedError(f"qwen3 config options not supported: {unsupported}")
+        spec = RopeSpec.from_hf(config)
+        n_heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=n_heads,
+            num_kv_heads=config.get("num_key_value_heads") or n_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
+            rope_theta=spec.base,
+            rope_yarn=spec.yarn,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            max_position=config["max_position_embeddings"],
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    def to_hf(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
+        """A transformers ``config.json`` dict (``Qwen3ForCausalLM`` loads it)."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_yarn is not None:
+            y = self.rope_yarn
+            rope = {"rope_type": "yarn", "rope_theta": self.rope_theta, "factor": y.factor,
+                    "original_max_position_embeddings": y.original_max_position_embeddings,
+                    "beta_fast": y.beta_fast, "beta_slow": y.beta_slow}
+            rope.update({k: getattr(y, k) for k in ("mscale", "mscale_all_dim", "attention_factor")
+                         if getattr(y, k) is not None})
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "dtype": torch_dtype,
+        }
+
+
+PRESETS: dict[str, Qwen3Config] = {
+    # Odd sizes on purpose; small enough that the CPU path runs the contract tests in seconds.
+    "tiny": Qwen3Config(vocab_size=151, hidden_size=72, intermediate_size=200, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=24, rope_theta=10000.0, max_position=4096),
+    "qwen3-0.6b": Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+                              num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": Qwen3Config(),
+}

@@ -1,0 +1,84 @@
+"""Qwen3 serving module: the engine's ``ServeModel`` for Qwen3.
+
+Layer for layer the trainer's computation (``train.py``), through the same
+kernels' ``_fwd`` launchers: no autograd, no input checks, no host syncs (decode
+is replayed from CUDA graphs).  Attention reads the paged cache after the new
+tokens' k/v are written to it, so prefill, chunked prefill and decode all go
+through ``paged_attention_fwd``, whose rows equal the trainer's packed
+``attention`` bitwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...common.attention import paged_attention_fwd
+from ...common.engine.model_api import ForwardBatch, KVCacheSpec
+from ...common.kv_cache import allocate_kv_cache, write_kv_fwd
+from ...common.lm_head import lm_head_logits_fwd
+from ...common.matmul import matmul_fwd
+from ...common.rmsnorm import rmsnorm_fwd
+from ...common.rope import rope_fwd, rope_table
+from ...common.swiglu import swiglu_fwd
+from .config import Qwen3Config
+
+
+class Qwen3Server:
+    """Holds the server's copy of the weights (a dict named as the trainer's
+    parameters; tied ``lm_head`` is the embedding) and runs the forward."""
+
+    def __init__(self, cfg: Qwen3Config, weights: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        self.weights = weights
+        self.device = weights["embed.weight"].device
+        self.dtype = weights["embed.weight"].dtype
+        self.vocab_size = cfg.vocab_size
+        self.max_position = cfg.max_position
+        rope_table(cfg.rope, self.device)  # built and copied before any CUDA-graph capture
+
+    def w(self, name: str) -> torch.Tensor:
+        return self.weights[name]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.weights.get("lm_head.weight", self.weights["embed.weight"])
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        c = self.cfg
+        return KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+
+    def allocate_kv_cache(self, num_pages: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.cfg
+        return [allocate_kv_cache(num_pages, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
+                for _ in range(c.num_layers)]
+
+    def _norm(self, x, name, residual=None):
+        y, new_residual, _ = rmsnorm_fwd(x, self.w(name), self.cfg.rms_norm_eps, residual)
+        return y, new_residual
+
+    def forward(self, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+        """-> FP32 logits (R, V) of ``batch.logit_rows``."""
+        cfg = self.cfg
+        T, Hq, Hkv, D = batch.tokens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x, residual = self.w("embed.weight")[batch.tokens], None
+        for i, (k_cache, v_cache) in enumerate(kv_cache):
+            p = f"layers.{i}."
+            if residual is None:
+                h, residual = self._norm(x, p + "attn_norm.weight")[0], x
+            else:
+                h, residual = self._norm(x, p + "attn_norm.weight", residual)
+            q, k, v = matmul_fwd(h, self.w(p + "qkv.weight")).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q = self._norm(q.reshape(T, Hq, D).contiguous(), p + "q_norm.weight")[0]
+            k = self._norm(k.reshape(T, Hkv, D).contiguous(), p + "k_norm.weight")[0]
+            q = rope_fwd(q, batch.positions, cfg.rope, check=False)
+            k = rope_fwd(k, batch.positions, cfg.rope, check=False)
+            write_kv_fwd(k, v.reshape(T, Hkv, D).contiguous(), k_cache, v_cache, batch.slot_mapping)
+            o = paged_attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
+                                    max_seqlen_q=batch.max_seqlen_q)[0]
+            x = matmul_fwd(o.reshape(T, Hq * D), self.w(p + "o.weight"))
+            h, residual = self._norm(x, p + "mlp_norm.weight", residual)
+            gu = matmul_fwd(h, self.w(p + "gate_up.weight"))
+            I = cfg.intermediate_size
+            x = matmul_fwd(swiglu_fwd(gu[:, :I], gu[:, I:]), self.w(p + "down.weight"))
+        rows = batch.logit_rows
+        h = self._norm(x[rows], "norm.weight", residual[rows])[0]
+        return lm_head_logits_fwd(h, self.lm_head_weight)
