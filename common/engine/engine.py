@@ -22,7 +22,7 @@ from .scheduler import Scheduler
 from .sequence import Completion, Sequence
 
 CPU_KV_CACHE_BYTES = 1 << 30
-CUDA_KV_CACHE_FRACTION = 0.6  # of free memory after the model loaded; the rest: activations, logits, graphs
+CUDA_KV_CACHE_FRACTION = 0.3  # of free memory after the model loaded; the rest: the trainer (it shares the GPU), activations, logits, graphs
 
 
 class Engine:
@@ -39,7 +39,7 @@ class Engine:
         kv_cache_bytes: int | None = None,
     ):
         """``num_pages`` None sizes the KV cache from ``kv_cache_bytes`` (default:
-        60% of free GPU memory, 1 GiB on the CPU), capped at what
+        30% of free GPU memory, 1 GiB on the CPU), capped at what
         ``max_batch_size`` sequences of ``model.max_position`` tokens can use.
         ``cuda_graphs`` None captures decode graphs when the model is on CUDA."""
         if not isinstance(model, ServeModel):
