@@ -29,12 +29,15 @@ def _device(name: str) -> torch.device | None:
     return device
 
 
-def _load_pair(args: argparse.Namespace, device: torch.device):
+def _load_pair(args: argparse.Namespace, device: torch.device, max_batch_size: int):
+    import logging
+
     from . import load_pair
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     return load_pair(args.model, checkpoint=args.checkpoint, config=None if args.checkpoint else args.config,
-                     device=device, dtype=dtype, progress=sys.stderr.isatty())
+                     device=device, dtype=dtype, progress=sys.stderr.isatty(), max_batch_size=max_batch_size)
 
 
 def cmd_check_model(args: argparse.Namespace, device: torch.device) -> int:
@@ -43,7 +46,7 @@ def cmd_check_model(args: argparse.Namespace, device: torch.device) -> int:
     from .models.checks import run_ladder
 
     t0 = time.perf_counter()
-    pair = _load_pair(args, device)
+    pair = _load_pair(args, device, args.batch)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     c = pair.config
     print(f"alignzoo check {args.model} on {where} (torch {torch.__version__}): {args.checkpoint or args.config}, "
@@ -116,7 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     device = _device(args.device)
     if device is None:
         return 2
-    pair = _load_pair(args, device)
+    pair = _load_pair(args, device, len(args.prompt))
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         max_new_tokens=args.max_new_tokens, seed=args.seed)
     prompts = [_ids(p) for p in args.prompt]

@@ -45,6 +45,7 @@ def assert_trainer_matches(pair, prompts, sps, outs):
     lp_s = pair.server.score(seqs, lens, sps)
     for o, t, s in zip(outs, lp_t, lp_s):
         assert o.error is None, o.error
+        t = t.cpu()
         assert torch.equal(t, o.logprobs), mismatch(t, o.logprobs)
         assert torch.equal(s, o.logprobs), mismatch(s, o.logprobs)
 

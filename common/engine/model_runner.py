@@ -7,6 +7,8 @@ rows and the wider fixed block table cannot change the real rows.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -17,6 +19,7 @@ from .model_api import ForwardBatch, ServeModel
 from .scheduler import Chunk
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+log = logging.getLogger("alignzoo.engine")
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -67,6 +70,7 @@ def capture_decode_graphs(model: ServeModel, kv_cache, batch_sizes: list[int], w
     static = static_decode_batch(max(batch_sizes), width, model.device)
     graphs, logits, pool = {}, {}, None
     for bs in sorted(batch_sizes, reverse=True):
+        t0 = time.perf_counter()
         batch = first_rows(static, bs)
         model.forward(batch, kv_cache)  # warm-up: Triton compiles and picks configs outside the capture
         torch.cuda.synchronize(model.device)
@@ -75,6 +79,7 @@ def capture_decode_graphs(model: ServeModel, kv_cache, batch_sizes: list[int], w
             logits[bs] = model.forward(batch, kv_cache)
         pool = graph.pool() if pool is None else pool
         graphs[bs] = graph
+        log.info("captured the decode graph for batch %d in %.1fs", bs, time.perf_counter() - t0)
     torch.cuda.synchronize(model.device)
     return DecodeGraphs(static, dict(sorted(graphs.items())), logits)
 

@@ -2,7 +2,9 @@
 calling the same kernels, and the Hugging Face name map (``weights.py``)."""
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import torch
 
@@ -11,6 +13,7 @@ from .serve import Qwen3Server
 from .train import Qwen3Trainer
 
 NAME = "qwen3"
+log = logging.getLogger("alignzoo.models")
 
 
 def resolve_config(checkpoint=None, config=None) -> Qwen3Config:
@@ -83,9 +86,14 @@ def load(checkpoint=None, config=None, device=None, dtype=torch.bfloat16, *, see
 
     cfg = resolve_config(checkpoint, config)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    t0 = time.perf_counter()
     trainer = build_trainer(cfg, checkpoint, device=device, dtype=dtype, seed=seed,
                             activation_checkpointing=activation_checkpointing)
+    log.info("qwen3 trainer built on %s in %.1fs (%s)", device, time.perf_counter() - t0,
+             "checkpoint " + os.fspath(checkpoint) if checkpoint is not None else f"random init, seed {seed}")
+    t0 = time.perf_counter()
     server = Engine(Qwen3Server(cfg, server_weights(trainer)), **engine_kwargs)
+    log.info("qwen3 server engine ready in %.1fs (%d KV pages)", time.perf_counter() - t0, server.num_pages)
     return Pair(NAME, cfg, trainer, server)
 
 
