@@ -85,6 +85,8 @@ def _import_alignzoo():
 
 
 def _commit() -> str:
+    if os.environ.get("ALIGNZOO_COMMIT"):  # the device's copy of .git can lag the working tree
+        return os.environ["ALIGNZOO_COMMIT"]
     try:
         r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         if r.returncode == 0 and r.stdout.strip():

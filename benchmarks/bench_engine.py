@@ -21,6 +21,8 @@ import torch
 
 
 def commit() -> str:
+    if os.environ.get("ALIGNZOO_COMMIT"):  # the device's copy of .git can lag the working tree
+        return os.environ["ALIGNZOO_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:

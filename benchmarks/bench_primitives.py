@@ -232,7 +232,7 @@ def main():
             ratio = f"{r['ratio']:.2f}" if r["ratio"] else "n/a"
             print(f"{r['op']:8s} {r['shape']:28s} M={r['M']:5d} exact={r['exact']!s:5s} "
                   f"aligned={r['aligned_ms'] or float('nan'):.4f}ms vendor={r['vendor_ms']:.4f}ms ratio={ratio}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("ALIGNZOO_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit or "unknown",
                 command=" ".join([os.path.basename(sys.executable)] + sys.argv), torch=torch.__version__, triton=triton.__version__)
     os.makedirs(args.out, exist_ok=True)

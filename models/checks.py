@@ -31,7 +31,7 @@ def _row(name: str, rung: int, check: str, a: Sequence[torch.Tensor], b: Sequenc
     d = (la[finite].double() - lb[finite].double()).abs()
     max_abs = float(d.max()) if d.numel() else 0.0
     m.k3_max = float(mismatch(la[finite], lb[finite]).k3_max)
-    return RungResult(name, rung, check, m.exact, m.tokens, m.differing,
+    return RungResult(name, rung, check, m.exact and m.tokens > 0, m.tokens, m.differing,
                       f"max|d| {max_abs:.3g}  K3 max {m.k3_max:.3g}", extra={"max_abs": max_abs, **m.as_dict()})
 
 
@@ -76,8 +76,9 @@ def run_ladder(pair, *, length: int = 1024, batch: int = 4, seed: int = 0, new_t
         rows.append(_row(name, 3, "trainer == server prefill", t1, s1))
         n_dec = min(length, DECODE_RUNG_TOKENS)  # one engine step per token: keep it short
         short = [s[:n_dec] for s in seqs]
-        t_short = trainer.logprobs(short, [min(p, n_dec) for p in plens], sp)
-        s_dec = server.score(short, [min(p, n_dec) for p in plens], sp, chunk_tokens=1)
+        p_short = [max(1, min(p, len(s) // 3)) for p, s in zip(plens, short)]
+        t_short = trainer.logprobs(short, p_short, sp)
+        s_dec = server.score(short, p_short, sp, chunk_tokens=1)
         rows.append(_row(name, 3, f"trainer == server decode (1 token/step, first {n_dec})", t_short, s_dec))
 
         say("rung 4: online sampling")
