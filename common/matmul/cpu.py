@@ -48,12 +48,3 @@ def matmul_fwd_cpu(x: torch.Tensor, w: torch.Tensor, row_chunk: int | None = Non
     if row_chunk is None or row_chunk >= x.shape[0]:
         return fixed_order_dot(x, w).to(x.dtype)
     return torch.cat([fixed_order_dot(c, w) for c in x.split(row_chunk)]).to(x.dtype)
-
-
-def matmul_bwd_cpu(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """dX = dY @ W (sum over N, in order), dW = dY.T @ X (sum over tokens 0..M-1,
-    in order).  Each is rounded once to the input dtype; both are deterministic
-    run to run, and dX rows are batch-invariant like the forward."""
-    dx = fixed_order_dot(dy, w.t()).to(x.dtype)
-    dw = fixed_order_dot(dy.t(), x.t()).to(w.dtype)
-    return dx, dw

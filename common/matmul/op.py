@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
-from .cpu import matmul_bwd_cpu, matmul_fwd_cpu
+from .cpu import matmul_fwd_cpu
 
 
 def matmul_fwd(x: torch.Tensor, w: torch.Tensor, **launch) -> torch.Tensor:
@@ -25,16 +25,15 @@ def matmul_fwd(x: torch.Tensor, w: torch.Tensor, **launch) -> torch.Tensor:
     return matmul_fwd_cpu(x, w, **launch)
 
 
-def matmul_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def matmul_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, *, need_dx: bool = True,
+               need_dw: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """dX = dY · W (reduction over N), dW = dYᵀ · X (reduction over the M tokens),
-    each in one fixed order and deterministic run to run."""
-    if x.is_cuda:
-        from .kernel import matmul_fwd_triton
-
-        dx = matmul_fwd_triton(dy, w.t())  # (M, N) · (K, N)ᵀ
-        dw = matmul_fwd_triton(dy.t(), x.t()).to(w.dtype)  # (N, M) · (K, M)ᵀ
-        return dx, dw
-    return matmul_bwd_cpu(x, w, dy)
+    each in one fixed order and deterministic run to run.  A gradient not
+    needed (a frozen base weight under LoRA) is not formed: dW costs as much
+    as the forward."""
+    dx = matmul_fwd(dy, w.t()) if need_dx else None  # (M, N) · (K, N)ᵀ, rows batch-invariant
+    dw = matmul_fwd(dy.t(), x.t()).to(w.dtype) if need_dw else None  # (N, M) · (K, M)ᵀ
+    return dx, dw
 
 
 class _Matmul(torch.autograd.Function):
@@ -46,8 +45,7 @@ class _Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        dx, dw = matmul_bwd(x, w, dy.contiguous())
-        return dx, dw
+        return matmul_bwd(x, w, dy.contiguous(), need_dx=ctx.needs_input_grad[0], need_dw=ctx.needs_input_grad[1])
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
