@@ -20,6 +20,8 @@ PRIMITIVES: dict[str, str] = {
     "sampling": "alignzoo.common.sampling.checks",
     "tree": "alignzoo.common.tree.checks",
     "attention": "alignzoo.common.attention.checks",
+    "fp8": "alignzoo.common.fp8.checks",
+    "lora": "alignzoo.common.lora.checks",
 }
 
 
