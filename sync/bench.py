@@ -1,0 +1,94 @@
+"""Publish/apply timings at qwen3-8b shapes (8.2B parameters, 16.4 GB bf16).
+
+    python -m alignzoo.sync.bench                 # bf16, on CUDA
+    python -m alignzoo.sync.bench --fp8           # the layer matrices as float8 codes + scales
+    python -m alignzoo.sync.bench --device cpu --small
+
+Holds four copies of the weights on the device: trainer, shadow, server,
+and (for full payloads) the payload.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from . import Publisher, Receiver, tensor_checksum, weights_checksum
+from .layout import as_int
+
+
+def qwen3_like(device, fp8: bool, small: bool) -> dict[str, torch.Tensor]:
+    V, H, I, L, Q, KV = (1519, 256, 768, 2, 256, 64) if small else (151936, 4096, 12288, 36, 4096, 1024)
+    shapes = {"embed.weight": (V, H), "lm_head.weight": (V, H), "norm.weight": (H,)}
+    for i in range(L):
+        p = f"layers.{i}."
+        shapes.update({p + "q.weight": (Q, H), p + "k.weight": (KV, H), p + "v.weight": (KV, H), p + "o.weight": (H, Q),
+                       p + "gate.weight": (I, H), p + "up.weight": (I, H), p + "down.weight": (H, I),
+                       p + "in_norm.weight": (H,), p + "post_norm.weight": (H,), p + "q_norm.weight": (128,),
+                       p + "k_norm.weight": (128,)})
+    w = {}
+    for n, s in shapes.items():
+        if fp8 and len(s) == 2 and n.startswith("layers"):
+            w[n] = torch.randint(0, 256, s, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+            w[n + "_scale_inv"] = torch.rand(-(-s[0] // 128), -(-s[1] // 128), device=device)
+        else:
+            w[n] = torch.randn(s, device=device, dtype=torch.bfloat16)
+    return w
+
+
+def touch(weights: dict[str, torch.Tensor], frac: float, seed: int = 1) -> None:
+    """Flip one bit in a random ``frac`` of the rows of every matrix (all of every tensor at frac 1)."""
+    for n, t in weights.items():
+        if frac >= 1:
+            as_int(t).bitwise_xor_(1)
+        elif t.dim() == 2:
+            g = torch.Generator(device=t.device).manual_seed(seed)
+            rows = torch.randperm(t.shape[0], device=t.device, generator=g)[: max(1, int(t.shape[0] * frac))]
+            as_int(t)[rows, 0] ^= 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--small", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def timed(f):
+        sync()
+        t = time.perf_counter()
+        r = f()
+        sync()
+        return r, time.perf_counter() - t
+
+    W = qwen3_like(dev, args.fp8, args.small)
+    print(f"{len(W)} tensors, {sum(t.numel() * t.element_size() for t in W.values()) / 2**30:.2f} GiB on {dev}")
+    S = {n: torch.zeros_like(t) for n, t in W.items()}
+    pub, rx = Publisher(lambda: W), Receiver(S)
+    for _ in range(2):
+        print(f"weights_checksum: {timed(lambda: weights_checksum(W))[1]:.3f} s")
+    for label, frac in [("first (full)", None), ("nothing changed", 0), ("0.1% of rows", 0.001),
+                        ("1% of rows", 0.01), ("everything", 1.0), ("0.1% of rows", 0.001)]:
+        if frac:
+            touch(W, frac)
+        p, tp = timed(pub.publish)
+        _, ta = timed(lambda: rx.apply(p))
+        print(f"{label:16s} publish {tp:.3f} s, apply + end-state check {ta:.3f} s | {p.stats}")
+        del p
+    rx.verify_end_state = False
+    touch(W, 0.01, seed=2)
+    p = pub.publish()
+    print(f"1% of rows: apply without the end-state check {timed(lambda: rx.apply(p))[1]:.3f} s")
+    assert weights_checksum(S) == weights_checksum(W)
+    if dev.type == "cuda":
+        x = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=dev)
+        for dt in (torch.uint8, torch.bfloat16, torch.float32, torch.int64):
+            assert tensor_checksum(x.view(dt)) == tensor_checksum(x.view(dt).cpu()), dt
+        print("tensor_checksum: CUDA == CPU")
+
+
+if __name__ == "__main__":
+    main()

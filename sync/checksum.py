@@ -1,0 +1,110 @@
+"""Hashes of tensor bytes: an exact host-side digest and a fast device-side checksum.
+
+``weights_digest`` is sha256 over every byte (host side: GPU tensors are
+copied to the host first, seconds for an 8B model) -- the check a test or a
+user runs to prove ``server == trainer``.
+
+``tensor_checksum`` / ``weights_checksum`` run where the tensor lives, in
+int64 torch ops: every 32-bit word ``w`` at word position ``p`` maps to
+``f(w + p * K0)`` with ``f(x) = K2 * xorshift32(K1 * x)`` (odd multipliers
+and a logical xor-shift, each a bijection mod 2**64, so a single changed word
+always changes the sum) and the words' images are summed modulo 2**64.
+About 10 elementwise passes over int64 words (~150 bytes of memory traffic
+per 4 input bytes): an estimated 0.15-0.3 s for an 8B bf16 model on an H200
+(not yet measured there).  Integer addition is associative, so the value does not depend
+on the reduction order: CPU and CUDA give the same checksum.  It is a 64-bit
+checksum against torn and corrupted payloads, not a cryptographic hash.
+The payload carries these; the receiver re-checks the full weights with one
+after every apply.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_CHUNK_WORDS = 1 << 25  # 128 MiB of input; bounds the int64 temporaries to 256 MiB each
+
+
+def _s64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_K0 = _s64(0x9E3779B97F4A7C15)
+_K1 = _s64(0xBF58476D1CE4E5B9)
+_K2 = _s64(0x94D049BB133111EB)
+
+
+def _lsr_xor_(x: torch.Tensor, s: int) -> torch.Tensor:
+    """x ^= x >>> s (logical shift; torch's >> on int64 is arithmetic)."""
+    return x.bitwise_xor_(torch.bitwise_and(x >> s, (1 << (64 - s)) - 1))
+
+
+def _mix64(h: int) -> int:
+    h &= _MASK64
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return h ^ (h >> 31)
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements in row-major order as a 1-D uint8 tensor on ``t.device``."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """A 64-bit checksum of ``t``'s bytes (row-major), computed on ``t.device``;
+    equal on CPU and CUDA for equal bytes.  dtype and shape are not part of it."""
+    b = tensor_bytes(t)
+    n = b.numel()
+    if n % 4 or b.storage_offset() % 4:  # int32 words need a 4-byte multiple at a 4-byte offset
+        b = torch.cat([b, b.new_zeros(-n % 4)])
+    words = b.view(torch.int32)
+    acc = torch.zeros((), dtype=torch.int64, device=b.device)
+    for s in range(0, words.numel(), _CHUNK_WORDS):
+        w = words[s: s + _CHUNK_WORDS]
+        x = w.to(torch.int64)  # sign extension: still one int64 per int32
+        x.add_(torch.arange(s, s + w.numel(), dtype=torch.int64, device=b.device).mul_(_K0))
+        _lsr_xor_(x.mul_(_K1), 32).mul_(_K2)
+        acc += x.sum()
+    return _mix64((int(acc.item()) & _MASK64) ^ _mix64(n))
+
+
+def _header(name: str, t: torch.Tensor) -> str:
+    return json.dumps([name, str(t.dtype).removeprefix("torch."), list(t.shape)])
+
+
+def combine_checksums(entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]]) -> str:
+    """sha256 hex over ``(name, dtype, shape, tensor_checksum)`` in name order."""
+    h = hashlib.sha256()
+    for name in sorted(entries):
+        dtype, shape, cs = entries[name]
+        h.update(json.dumps([name, str(dtype).removeprefix("torch."), list(shape), f"{cs:016x}"]).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def weights_checksum(weights: dict[str, torch.Tensor]) -> str:
+    """Fast device-side checksum of a weights dict (names, dtypes, shapes and
+    every byte); equal for equal weights on any device.  See the module docstring."""
+    return combine_checksums({n: (t.dtype, tuple(t.shape), tensor_checksum(t)) for n, t in weights.items()})
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """sha256 hex of a weights dict: for each name in sorted order, its name,
+    dtype and shape, then all its bytes (row-major).  Exact and host-side:
+    GPU tensors are copied to the host (for an 8B model prefer
+    ``weights_checksum``, which stays on the device)."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name]
+        b = tensor_bytes(t).cpu()
+        h.update(_header(name, t).encode())
+        h.update(b"\n%d\n" % b.numel())
+        h.update(b.numpy().data)
+    return h.hexdigest()

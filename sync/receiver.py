@@ -1,0 +1,168 @@
+"""Server side: validate a payload completely, then write it in place."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checksum import weights_checksum
+from .layout import Layout, as_int
+from .payload import CorruptPayload, EndStateMismatch, LayoutMismatch, Payload, VersionSkew
+
+
+@dataclass
+class _Write:
+    target: torch.Tensor  # the receiver's tensor as (E, N, M) integers, sharing its storage
+    layout: Layout
+    indices: torch.Tensor  # (n,) on the target's device
+    data: torch.Tensor  # (m,) integers on the target's device
+
+
+class Receiver:
+    """Holds the server's weights ``{name: tensor}`` (the very tensors the
+    engine reads; CUDA graphs may point at them) and applies payloads to them
+    in place: never rebinding a name, only copying into the blocks.
+
+    ``version`` is the weights version held: 0 at the start (the first,
+    full, payload applies on it), None after an apply failed its end-state
+    check (only a full payload applies then).  ``verify_end_state``: after
+    writing, compare ``weights_checksum`` of all weights with the
+    publisher's (one pass over the weights on their device).
+    """
+
+    def __init__(self, weights: dict[str, torch.Tensor], *, version: int = 0, verify_end_state: bool = True):
+        if not isinstance(weights, dict):
+            raise TypeError(f"weights must be a dict {{name: tensor}}, got {type(weights).__name__}")
+        for n, w in weights.items():
+            if not isinstance(w, torch.Tensor):
+                raise TypeError(f"weights[{n!r}] is a {type(w).__name__}, not a tensor")
+            if not w.is_contiguous():
+                raise ValueError(f"weights[{n!r}] is not contiguous: payload blocks are written through a "
+                                 f"contiguous view of the tensor's storage")
+        self.weights = weights
+        self.version: int | None = version
+        self.verify_end_state = verify_end_state
+
+    def apply(self, payload: Payload) -> None:
+        """Check everything (versions, names, shapes, dtypes, block layout,
+        index ranges, sizes, checksums), then copy the changed blocks into
+        the weights, then check the end state.  A refused payload raises
+        ``SyncError`` (``VersionSkew``, ``LayoutMismatch``, ``CorruptPayload``)
+        before anything is written; ``EndStateMismatch`` is raised after."""
+        writes = self._validate(payload)
+        try:
+            with torch.no_grad():
+                for wr in writes:
+                    _write(wr)
+        except BaseException:
+            self.version = None  # half-written
+            raise
+        if self.verify_end_state:
+            got = weights_checksum(self.weights)
+            if got != payload.end_checksum:
+                self.version = None
+                raise EndStateMismatch(
+                    f"after applying v{payload.version} the server's weights checksum {got[:16]}… but the trainer's "
+                    f"is {payload.end_checksum[:16]}…: the server's weights were not v{payload.base_version} before "
+                    f"the apply (changed out of band?); resync with a full payload (Publisher.publish(full=True))")
+        self.version = payload.version
+
+    # ------------------------------------------------------------ checks
+    def _validate(self, p: Payload) -> list[_Write]:
+        if not isinstance(p, Payload):
+            raise TypeError(f"apply takes a Payload, got {type(p).__name__}")
+        self._check_version(p)
+        unknown = sorted(set(p.tensors) - set(self.weights))
+        missing = sorted(set(self.weights) - set(p.tensors))
+        if unknown or missing:
+            raise LayoutMismatch(f"payload v{p.version} and the server hold different tensors: "
+                                 f"unknown to the server {unknown[:5]}, missing from the payload {missing[:5]}")
+        writes = []
+        for name in sorted(p.tensors):
+            d, w = p.tensors[name], self.weights[name]
+            if (tuple(d.shape), d.dtype) != (tuple(w.shape), w.dtype):
+                raise LayoutMismatch(f"tensor {name!r}: the payload has {tuple(d.shape)} {d.dtype}, "
+                                     f"the server {tuple(w.shape)} {w.dtype}")
+            try:
+                d.layout.check(w.numel())
+            except ValueError as e:
+                raise LayoutMismatch(f"tensor {name!r}: bad block layout: {e}") from None
+            writes.append(self._check_blocks(name, d, w, p.full))
+        for name in sorted(p.tensors):
+            d = p.tensors[name]
+            got = d.compute_checksum()
+            if got != d.checksum:
+                raise CorruptPayload(f"tensor {name!r}: checksum mismatch (payload says {d.checksum}, its block "
+                                     f"indices and data hash to {got}): the payload was corrupted in transit")
+        got = p.compute_manifest_hash()
+        if got != p.manifest_hash:
+            raise CorruptPayload(f"payload v{p.version}: manifest hash mismatch (says {p.manifest_hash[:16]}…, "
+                                 f"is {got[:16]}…): its metadata was altered in transit")
+        for wr in writes:  # last: a failed transfer leaves nothing half-written
+            wr.indices = wr.indices.to(wr.target.device)
+            wr.data = as_int(wr.data.to(wr.target.device))
+        return writes
+
+    def _check_version(self, p: Payload) -> None:
+        if not isinstance(p.version, int) or not isinstance(p.base_version, int) or p.version <= p.base_version:
+            raise VersionSkew(f"payload version {p.version!r} must be an int above its base version {p.base_version!r}")
+        if p.full:
+            if self.version is not None and p.version <= self.version:
+                raise VersionSkew(f"full payload v{p.version} is not newer than the server's v{self.version}")
+        elif self.version is None:
+            raise VersionSkew(f"payload v{p.version} is a delta against v{p.base_version}, but the server holds no "
+                              f"valid version (an earlier apply failed its end-state check): send a full payload")
+        elif p.base_version != self.version:
+            raise VersionSkew(f"payload v{p.version} is a delta against v{p.base_version}, but the server holds "
+                              f"v{self.version}: apply the versions in order, or resync with a full payload")
+
+    @staticmethod
+    def _check_blocks(name: str, d, w: torch.Tensor, full: bool) -> _Write:
+        lay, idx, data = d.layout, d.indices, d.data
+        if not isinstance(idx, torch.Tensor) or idx.dtype != torch.int64 or idx.dim() != 1:
+            raise CorruptPayload(f"tensor {name!r}: block indices must be a 1-D int64 tensor")
+        if not isinstance(data, torch.Tensor) or data.dtype != w.dtype or data.dim() != 1:
+            raise CorruptPayload(f"tensor {name!r}: data must be a 1-D {w.dtype} tensor, got "
+                                 f"{getattr(data, 'dtype', type(data).__name__)} {tuple(getattr(data, 'shape', ()))}")
+        n = idx.numel()
+        if n:
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= lay.num_blocks:
+                raise CorruptPayload(f"tensor {name!r}: block index out of range [{lo}, {hi}]: the tensor has "
+                                     f"{lay.num_blocks} blocks (grid {lay.grid})")
+            if n > 1 and not bool((idx[1:] > idx[:-1]).all()):
+                raise CorruptPayload(f"tensor {name!r}: block indices are not strictly increasing")
+        if full and n != lay.num_blocks:
+            raise CorruptPayload(f"tensor {name!r}: a full payload must ship all {lay.num_blocks} blocks, got {n}")
+        need = lay.numel_of(idx) if n else 0
+        if data.numel() != need:
+            raise CorruptPayload(f"tensor {name!r}: torn payload: {data.numel()} data elements for {n} blocks "
+                                 f"of {need} elements")
+        return _Write(as_int(w).view(lay.view), lay, idx, data)
+
+
+def _write(wr: _Write) -> None:
+    n = wr.indices.numel()
+    if n == 0:
+        return
+    if n == wr.layout.num_blocks:
+        wr.target.view(-1).copy_(wr.data)
+        return
+    E, N, M = wr.layout.view
+    mask = wr.layout.mask(wr.layout.blocks_from_indices(wr.indices))
+    wr.target[mask] = wr.data.view(-1, M) if mask.dim() == 2 else wr.data
+
+
+def apply_between_steps(engine, receiver: Receiver, payload: Payload) -> int:
+    """Apply ``payload`` through ``engine.update_weights``: between two engine
+    steps, so no forward reads half-written weights; completions sampled
+    after it carry ``weight_version == payload.version``.  Returns that
+    version.  A refused payload raises and leaves the engine's version as it was."""
+    def fn():
+        receiver.apply(payload)
+        engine.set_weight_version(payload.version - 1)  # update_weights adds one
+
+    version = engine.update_weights(fn)
+    if version != payload.version:
+        raise RuntimeError(f"engine.update_weights returned version {version}, expected {payload.version}")
+    return version
