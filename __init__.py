@@ -33,7 +33,8 @@ def load_pair(name: str, checkpoint=None, config=None, device=None, dtype=None, 
     device:     default "cuda" when available, else "cpu"
     dtype:      torch.bfloat16 (default) or torch.float32
     kwargs:     engine options (num_pages, max_batch_tokens, max_batch_size,
-                cuda_graphs, ...), ``seed``, ``activation_checkpointing``
+                cuda_graphs, ...), ``seed``, ``activation_checkpointing``,
+                ``server_kernels="vendor"`` (a deliberately misaligned server)
     """
     import torch
 

@@ -79,8 +79,12 @@ def server_weights(trainer: Qwen3Trainer) -> dict[str, torch.Tensor]:
 
 
 def load(checkpoint=None, config=None, device=None, dtype=torch.bfloat16, *, seed: int = 0,
-         activation_checkpointing: bool = False, **engine_kwargs):
-    """A Qwen3 ``Pair``; see ``alignzoo.load_pair``."""
+         activation_checkpointing: bool = False, server_kernels: str = "aligned", **engine_kwargs):
+    """A Qwen3 ``Pair``; see ``alignzoo.load_pair``.  ``server_kernels="vendor"``
+    serves with torch's own kernels (``serve_vendor.py``): a deliberately
+    misaligned pair, for showing and measuring the mismatch."""
+    if server_kernels not in ("aligned", "vendor"):
+        raise ValueError(f"server_kernels must be 'aligned' or 'vendor', got {server_kernels!r}")
     from ...common.engine import Engine
     from ..pair import Pair
 
@@ -92,7 +96,11 @@ def load(checkpoint=None, config=None, device=None, dtype=torch.bfloat16, *, see
     log.info("qwen3 trainer built on %s in %.1fs (%s)", device, time.perf_counter() - t0,
              "checkpoint " + os.fspath(checkpoint) if checkpoint is not None else f"random init, seed {seed}")
     t0 = time.perf_counter()
-    server = Engine(Qwen3Server(cfg, server_weights(trainer)), **engine_kwargs)
+    if server_kernels == "vendor":
+        from .serve_vendor import Qwen3VendorServer as server_cls
+    else:
+        server_cls = Qwen3Server
+    server = Engine(server_cls(cfg, server_weights(trainer)), **engine_kwargs)
     log.info("qwen3 server engine ready in %.1fs (%d KV pages)", time.perf_counter() - t0, server.num_pages)
     return Pair(NAME, cfg, trainer, server)
 

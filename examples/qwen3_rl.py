@@ -1,0 +1,217 @@
+"""RL on qwen3 with K3 == 0 on every token of every step.
+
+A tiny Qwen3 learns, from random init on the CPU, to reverse a string of
+digits: prompt [BOS d1 .. dn SEP], answer [dn .. d1 EOS], reward = fraction of
+the n + 1 answer positions right.  Each step: the server samples a group of
+completions per prompt (temperature / top-k / top-p / min-p), GRPO turns the
+rewards into advantages, the trainer scores the same tokens (``logprobs``),
+the objective (CISPO by default; PPO-clip; unbounded IS) gives the gradient,
+one optimizer step, ``pair.sync()``.  Before the update the trainer's log-probs
+must equal the sampler's bit for bit: any difference stops the run
+(``--unaligned`` serves with vendor kernels instead and only logs K3).
+
+    python examples/qwen3_rl.py                      # ~3 minutes on 2 CPU cores
+    python examples/qwen3_rl.py --stream             # backward group by group as groups complete
+    python examples/qwen3_rl.py --unaligned          # the mismatch this project removes
+Writes OUT/log.jsonl (one line per step) and OUT/rl.png (reward and K3 against step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rl_common import OBJECTIVES, OrderedGradSum, check_alignment, group_advantages, token_objective  # noqa: E402
+
+import alignzoo  # noqa: E402
+from alignzoo import SamplingParams  # noqa: E402
+
+BOS, SEP, EOS, VOCAB = 10, 11, 12, 16  # digits are tokens 0..9
+
+
+def make_prompts(n_prompts: int, n_digits: int, g: torch.Generator) -> list[list[int]]:
+    return [[BOS, *torch.randint(0, 10, (n_digits,), generator=g).tolist(), SEP] for _ in range(n_prompts)]
+
+
+def reward(prompt: list[int], answer: list[int]) -> float:
+    target = prompt[1:-1][::-1] + [EOS]
+    return sum(a == t for a, t in zip(answer, target)) / len(target)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--prompts", type=int, default=8, help="groups per step")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--digits", type=int, default=2)
+    ap.add_argument("--objective", choices=OBJECTIVES, default="cispo")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=12)
+    ap.add_argument("--top-p", type=float, default=0.98)
+    ap.add_argument("--min-p", type=float, default=0.01)
+    ap.add_argument("--stream", action="store_true", help="forward/backward group by group as groups complete")
+    ap.add_argument("--unaligned", action="store_true", help="serve with vendor kernels: K3 > 0 is logged, not fatal")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/qwen3_rl")
+    ap.add_argument("--save", default=None, help="save the trained model as a Hugging Face checkpoint here")
+    ap.add_argument("--no-plot", action="store_true")
+    return ap.parse_args(argv)
+
+
+def build_pair(args):
+    cfg = {"vocab_size": VOCAB, "max_position": 64}
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    return alignzoo.load_pair("qwen3", config=cfg, device=args.device, dtype=dtype, seed=args.seed,
+                              server_kernels="vendor" if args.unaligned else "aligned")
+
+
+def rollouts(pair, prompts, sps, stream: bool):
+    """Yield (group index, completions of the group) as groups complete
+    (streaming), or all groups in index order once every one is done."""
+    n = len(sps) // len(prompts)
+    if not stream:
+        outs = pair.server.generate([p for p in prompts for _ in range(n)], sps)
+        for i in range(len(prompts)):
+            yield i, outs[i * n:(i + 1) * n]
+        return
+    eng = pair.server
+    owner = {}
+    for i, p in enumerate(prompts):
+        for j in range(n):
+            owner[eng.add_request(p, sps[i * n + j])] = (i, j)
+    got = {i: [None] * n for i in range(len(prompts))}
+    while eng.has_unfinished():
+        for c in eng.step():
+            i, j = owner[c.request_id]
+            got[i][j] = c
+            if all(x is not None for x in got[i]):
+                yield i, got.pop(i)
+
+
+def group_grads(pair, params, prompt, outs, sps, args, norm):
+    """The group's surrogate gradient, and its alignment stats."""
+    seqs = [prompt + o.tokens for o in outs]
+    lps = pair.trainer.logprobs(seqs, [len(prompt)] * len(seqs), sps)
+    stats = check_alignment(lps, [o.logprobs for o in outs])
+    rewards = torch.tensor([reward(prompt, o.tokens) for o in outs])
+    adv = group_advantages(rewards)
+    surrogate = sum(token_objective(args.objective, lp, o.logprobs, float(a)).sum()
+                    for lp, o, a in zip(lps, outs, adv))
+    grads = torch.autograd.grad(-surrogate / norm, params, allow_unused=True)
+    return grads, stats, rewards
+
+
+def train_step(pair, opt, step, args, g):
+    params = [p for p in pair.trainer.parameters() if p.requires_grad]
+    prompts = make_prompts(args.prompts, args.digits, g)
+    n = args.group_size
+    sps = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          max_new_tokens=args.digits + 1, stop_token_ids=(EOS,), seed=args.seed * 1_000_003 + step * n * len(prompts) + k)
+           for k in range(n * len(prompts))]
+    norm = len(prompts) * n * (args.digits + 1)
+    acc = OrderedGradSum(params, len(prompts))
+    all_stats, all_rewards, versions = [], [], set()
+    for i, outs in rollouts(pair, prompts, sps, args.stream):
+        grads, stats, rewards = group_grads(pair, params, prompts[i], outs, sps[i * n:(i + 1) * n], args, norm)
+        if not args.unaligned and stats["differing"]:
+            raise SystemExit(f"step {step}: trainer and server disagree on {stats['differing']} of {stats['tokens']} "
+                             f"tokens (K3 max {stats['k3_max']:.3g}): the aligned contract is broken")
+        acc.add(i, grads)
+        all_stats.append(stats)
+        all_rewards.append(rewards)
+        versions |= {v for o in outs for v in o.weight_versions}
+    acc.write_grads()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    version = pair.sync()
+    tokens = sum(s["tokens"] for s in all_stats)
+    return {
+        "reward": float(torch.cat(all_rewards).mean()),
+        "k3_mean": sum(s["k3_mean"] * s["tokens"] for s in all_stats) / max(tokens, 1),
+        "k3_max": max(s["k3_max"] for s in all_stats),
+        "max_abs_dlogprob": max(s["max_abs_dlogprob"] for s in all_stats),
+        "differing_tokens": sum(s["differing"] for s in all_stats),
+        "tokens": tokens,
+        "sampled_under_version": sorted(versions),
+        "weight_version": version,
+    }
+
+
+def plot(log: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in log]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    a.plot(steps, [r["reward"] for r in log], color="tab:blue")
+    a.set_ylabel("mean reward")
+    a.set_title(title)
+    a.grid(alpha=0.3)
+    k3 = [r["k3_max"] for r in log]
+    b.plot(steps, k3, color="tab:red", label="K3 max")
+    b.plot(steps, [r["k3_mean"] for r in log], color="tab:orange", label="K3 mean")
+    if any(k > 0 for k in k3):
+        b.set_yscale("symlog", linthresh=1e-9)
+    b.set_ylabel("K3 (trainer vs sampler)")
+    b.set_xlabel("step")
+    b.legend()
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    from tqdm import tqdm
+
+    args = parse(argv)
+    torch.manual_seed(args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    pair = build_pair(args)
+    opt = torch.optim.Adam(pair.trainer.parameters(), lr=args.lr, betas=(0.9, 0.99))
+    os.makedirs(args.out, exist_ok=True)
+    log_path = os.path.join(args.out, "log.jsonl")
+    mode = "unaligned (vendor kernels)" if args.unaligned else "aligned"
+    print(f"qwen3 RL: reverse {args.digits} digits; {args.prompts} prompts x {args.group_size} samples per step; "
+          f"{args.objective}; {mode}; {args.dtype}; {'streaming' if args.stream else 'one batch'} -> {log_path}")
+    log = []
+    bar = tqdm(range(args.steps), desc="RL", unit="step", file=sys.stderr)
+    with open(log_path, "w") as f:
+        for step in bar:
+            t0 = time.perf_counter()
+            row = {"step": step, **train_step(pair, opt, step, args, g), "seconds": time.perf_counter() - t0}
+            log.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            bar.set_postfix(reward=f"{row['reward']:.3f}", k3_max=f"{row['k3_max']:.2g}", tokens=row["tokens"])
+    first = sum(r["reward"] for r in log[:3]) / min(3, len(log))
+    last = sum(r["reward"] for r in log[-5:]) / min(5, len(log))
+    worst = max(r["k3_max"] for r in log)
+    differing = sum(r["differing_tokens"] for r in log)
+    print(f"reward {first:.3f} (first steps) -> {last:.3f} (last 5 steps); "
+          f"K3 max over the run {worst:.3g}; {differing} of {sum(r['tokens'] for r in log)} tokens differ")
+    if not args.no_plot:
+        path = os.path.join(args.out, "rl.png")
+        plot(log, path, f"qwen3 tiny, reverse {args.digits} digits, {args.objective}, {mode}")
+        print(f"plot: {path}")
+    if args.save:
+        pair.save_pretrained(args.save)
+        again = alignzoo.load_pair("qwen3", checkpoint=args.save, device=args.device,
+                                   dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
+        same = all(torch.equal(a, b) for a, b in zip(pair.trainer.parameters(), again.trainer.parameters()))
+        print(f"saved to {args.save}; reloaded {'bit-identical' if same else 'DIFFERENT'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

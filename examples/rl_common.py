@@ -1,0 +1,79 @@
+"""Small RL helpers shared by the examples: GRPO advantages, the three
+objectives, an order-fixed gradient accumulator and the K3 check.
+
+Loss normalisation is a constant (groups x group size x max new tokens, as in
+Dr. GRPO), so a group's loss is known the moment the group completes: the
+streaming mode can run its backward right away.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from alignzoo.common.metrics import mismatch
+
+OBJECTIVES = ("cispo", "ppo", "is")
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: (G,) rewards of one prompt's samples -> (G,) (r - mean) / (std + eps)."""
+    r = rewards.double()
+    return ((r - r.mean()) / (r.std(unbiased=False) + eps)).float()
+
+
+def token_objective(kind: str, lp: torch.Tensor, lp_old: torch.Tensor, adv: float, *,
+                    clip_low: float = 0.2, clip_high: float = 0.28) -> torch.Tensor:
+    """Per-token surrogate to *maximise* for one sequence.
+
+    lp: (n,) trainer log-probs (with grad); lp_old: (n,) the sampler's; adv: its advantage.
+    is:    ratio * A                                 (unbounded importance sampling)
+    ppo:   min(ratio * A, clip(ratio, 1-el, 1+eh) * A)
+    cispo: sg(min(ratio, 1+eh)) * A * lp             (clipped IS weight, REINFORCE-style gradient)
+    """
+    ratio = torch.exp(lp - lp_old.to(lp.device))
+    if kind == "is":
+        return ratio * adv
+    if kind == "ppo":
+        return torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    if kind == "cispo":
+        return ratio.clamp(max=1 + clip_high).detach() * adv * lp
+    raise ValueError(f"unknown objective {kind!r}; choose one of {OBJECTIVES}")
+
+
+class OrderedGradSum:
+    """Sums per-group gradients in group-index order, whatever order they
+    arrive in: out-of-order groups wait in a buffer.  So streaming (groups
+    as they complete) and one-batch (groups in index order) give the same
+    bits.  Sums in fp32."""
+
+    def __init__(self, params: Sequence[torch.Tensor], n_groups: int):
+        self.params = list(params)
+        self.n_groups = n_groups
+        self.next = 0
+        self.waiting: dict[int, list[torch.Tensor]] = {}
+        self.total = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+
+    def add(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
+        if not 0 <= index < self.n_groups or index < self.next or index in self.waiting:
+            raise ValueError(f"group {index} given twice or out of range [0, {self.n_groups})")
+        self.waiting[index] = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
+        while self.next in self.waiting:
+            for t, g in zip(self.total, self.waiting.pop(self.next)):
+                t.add_(g.float())
+            self.next += 1
+
+    def write_grads(self) -> None:
+        if self.next != self.n_groups:
+            raise RuntimeError(f"only {self.next} of {self.n_groups} groups were added")
+        for p, t in zip(self.params, self.total):
+            p.grad = t.to(p.dtype)
+
+
+def check_alignment(lp_trainer: Sequence[torch.Tensor], lp_server: Sequence[torch.Tensor]) -> dict:
+    """K3 stats between the trainer's and the sampler's log-probs of the same tokens."""
+    a = torch.cat([t.detach().float().cpu() for t in lp_trainer])
+    b = torch.cat([t.float().cpu() for t in lp_server])
+    m = mismatch(a, b)
+    return {"tokens": m.tokens, "differing": m.differing, "k3_mean": m.k3_mean, "k3_max": m.k3_max,
+            "max_abs_dlogprob": m.max_abs_diff}
