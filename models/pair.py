@@ -1,42 +1,45 @@
 """An aligned pair: a model's trainer and its server, with weight sync.
 
 ``pair.trainer`` is an ``nn.Module`` with ``logprobs(sequences, prompt_lens,
-sampling)``; ``pair.server`` is the engine (``generate``, ``score``) running the
-model's ``ServeModel`` on its own copy of the weights; ``pair.sync()`` makes the
-server's weights the trainer's and bumps the weight version that completions
-carry.
+sampling)`` and ``forward_weights()`` (the exact tensors its forward reads:
+parameters, or cached FP8 codes and scales); ``pair.server`` is the engine
+(``generate``, ``score``) running the model's ``ServeModel`` on its own copy of
+those tensors; ``pair.sync()`` publishes the blocks that changed since the
+last sync and applies them between engine steps (``alignzoo.sync``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
-from torch import nn
+from ..sync import Publisher, Receiver, SyncStats, apply_between_steps, weights_checksum
 
 
 @dataclass
 class Pair:
     name: str
     config: object
-    trainer: nn.Module
+    trainer: object  # nn.Module with logprobs() and forward_weights()
     server: object  # common.engine.Engine
+    last_sync: SyncStats | None = field(default=None, init=False)
+
+    def __post_init__(self):
+        self._publisher = Publisher(self.trainer.forward_weights)
+        self._receiver = Receiver(self.server.model.weights, version=self.server.weight_version)
+        self.sync()  # v1: everything; later syncs ship changed blocks only
 
     def sync(self) -> int:
-        """Copy the trainer's weights into the server's tensors in place (the
-        CUDA graphs keep pointing at them) between engine steps; returns the
-        new weight version."""
-        weights = self.server.model.weights
-        params = dict(self.trainer.named_parameters())
-        missing = sorted(set(weights) - set(params))
-        if missing:
-            raise RuntimeError(f"the server holds weights the trainer lacks: {missing[:5]}")
+        """Make the server's weights the bytes the trainer's next forward
+        reads; returns the new weight version (completions carry it).  Only
+        blocks changed since the last sync travel; a payload that fails its
+        checks leaves the server's weights as they were."""
+        payload = self._publisher.publish()
+        version = apply_between_steps(self.server, self._receiver, payload)
+        self.last_sync = payload.stats
+        return version
 
-        def apply():
-            with torch.no_grad():
-                for name, w in weights.items():
-                    w.copy_(params[name])
-
-        return self.server.update_weights(apply)
+    def weights_match(self) -> bool:
+        """The server holds exactly the trainer's forward weights (device-side checksum)."""
+        return weights_checksum(self.server.model.weights) == weights_checksum(self.trainer.forward_weights())
 
     def save_pretrained(self, directory, **kw) -> None:
         """Save the trainer's weights as a Hugging Face checkpoint."""

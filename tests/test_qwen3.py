@@ -193,3 +193,17 @@ def test_cuda_graph_decode_long_0p6b_shapes():
     for o, e in zip(outs, eager.server.generate(prompts, sps)):
         assert o.tokens == e.tokens and torch.equal(o.logprobs, e.logprobs)
     assert_trainer_matches(pair, prompts, sps, outs)
+
+
+def test_sync_ships_only_changed_blocks():
+    pair = make_pair()
+    assert pair.weights_match()
+    v = pair.server.weight_version
+    with torch.no_grad():
+        pair.trainer.layers[1].o.weight[70, :5] += 1.0  # one 64-row block of one tensor
+    assert not pair.weights_match()
+    assert pair.sync() == v + 1
+    s = pair.last_sync
+    assert (s.blocks_changed, s.tensors_changed) == (1, 1) and s.bytes_shipped < s.bytes_full / 20
+    assert pair.weights_match()
+    assert pair.sync() == v + 2 and pair.last_sync.blocks_changed == 0

@@ -82,6 +82,10 @@ class Qwen3Trainer(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Weight(cfg.vocab_size, cfg.hidden_size, **kw)
         self.activation_checkpointing = activation_checkpointing
 
+    def forward_weights(self) -> dict[str, torch.Tensor]:
+        """The tensors the forward reads, named as the server's weights."""
+        return {name: p.detach() for name, p in self.named_parameters()}
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
