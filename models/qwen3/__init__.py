@@ -59,14 +59,20 @@ def init_weights(trainer: Qwen3Trainer, seed: int = 0) -> None:
 
 
 def build_trainer(cfg: Qwen3Config, checkpoint=None, *, device="cpu", dtype=torch.bfloat16, seed: int = 0,
-                  activation_checkpointing: bool = False) -> Qwen3Trainer:
-    trainer = Qwen3Trainer(cfg, device=device, dtype=dtype, activation_checkpointing=activation_checkpointing)
+                  activation_checkpointing: bool = False, fp8: bool = False) -> Qwen3Trainer:
+    trainer = Qwen3Trainer(cfg, device=device, dtype=dtype, activation_checkpointing=activation_checkpointing, fp8=fp8)
     if checkpoint is None:
         init_weights(trainer, seed)
         return trainer
     from .weights import qwen3_from_hf
 
-    tensors = qwen3_from_hf(checkpoint, cfg, dtype=dtype, device=device)
+    from ...weights import HFCheckpoint, read_hf_config
+    from ...weights.fp8 import DequantizedSource, is_fp8_checkpoint
+
+    fp8_ckpt = is_fp8_checkpoint(read_hf_config(checkpoint))
+    with HFCheckpoint(checkpoint) as ckpt:
+        tensors = qwen3_from_hf(DequantizedSource(ckpt) if fp8_ckpt else ckpt, cfg,
+                                dtype=torch.float32 if fp8 else dtype, device=device)
     with torch.no_grad():
         for name, p in trainer.named_parameters():
             p.copy_(tensors.pop(name))
@@ -74,15 +80,18 @@ def build_trainer(cfg: Qwen3Config, checkpoint=None, *, device="cpu", dtype=torc
 
 
 def server_weights(trainer: Qwen3Trainer) -> dict[str, torch.Tensor]:
-    """The server's own copy of the trainer's weights."""
-    return {name: p.detach().clone() for name, p in trainer.named_parameters()}
+    """The server's own copy of the tensors the trainer's forward reads."""
+    return {name: t.clone() for name, t in trainer.forward_weights().items()}
 
 
 def load(checkpoint=None, config=None, device=None, dtype=torch.bfloat16, *, seed: int = 0,
-         activation_checkpointing: bool = False, server_kernels: str = "aligned", **engine_kwargs):
+         activation_checkpointing: bool = False, server_kernels: str = "aligned", fp8: bool = False,
+         **engine_kwargs):
     """A Qwen3 ``Pair``; see ``alignzoo.load_pair``.  ``server_kernels="vendor"``
     serves with torch's own kernels (``serve_vendor.py``): a deliberately
-    misaligned pair, for showing and measuring the mismatch."""
+    misaligned pair, for showing and measuring the mismatch.  ``fp8=True``:
+    unified FP8 — FP32 masters quantized once per optimizer step, the server
+    runs the same FP8 GEMMs on the same codes."""
     if server_kernels not in ("aligned", "vendor"):
         raise ValueError(f"server_kernels must be 'aligned' or 'vendor', got {server_kernels!r}")
     from ...common.engine import Engine
@@ -92,7 +101,7 @@ def load(checkpoint=None, config=None, device=None, dtype=torch.bfloat16, *, see
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
     trainer = build_trainer(cfg, checkpoint, device=device, dtype=dtype, seed=seed,
-                            activation_checkpointing=activation_checkpointing)
+                            activation_checkpointing=activation_checkpointing, fp8=fp8)
     log.info("qwen3 trainer built on %s in %.1fs (%s)", device, time.perf_counter() - t0,
              "checkpoint " + os.fspath(checkpoint) if checkpoint is not None else f"random init, seed {seed}")
     t0 = time.perf_counter()
@@ -112,7 +121,7 @@ def save_pretrained(trainer: Qwen3Trainer, directory, *, max_shard_bytes: int | 
 
     cfg = trainer.cfg
     dtype = str(trainer.embed.weight.dtype).replace("torch.", "")
-    tensors = {n: p.detach() for n, p in trainer.named_parameters()}
+    tensors = {n: p.detach().to(trainer.embed.weight.dtype) for n, p in trainer.named_parameters()}  # FP8 masters: fp32
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     save_hf_checkpoint(directory, cfg.to_hf(dtype), qwen3_to_hf(tensors, cfg), **kw)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...common.attention import paged_attention_fwd
+from ...common.fp8 import fp8_matmul_fwd
 from ...common.engine.model_api import ForwardBatch, KVCacheSpec
 from ...common.kv_cache import allocate_kv_cache, write_kv_fwd
 from ...common.lm_head import lm_head_logits_fwd
@@ -51,6 +52,13 @@ class Qwen3Server:
         return [allocate_kv_cache(num_pages, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
                 for _ in range(c.num_layers)]
 
+    def _linear(self, x, prefix):
+        """x · Wᵀ; an FP8 layer (its ``weight_scale_inv`` present) reads its codes."""
+        scale_inv = self.weights.get(prefix + "weight_scale_inv")
+        if scale_inv is None:
+            return matmul_fwd(x, self.weights[prefix + "weight"])
+        return fp8_matmul_fwd(x, self.weights[prefix + "weight"], scale_inv)
+
     def _norm(self, x, name, residual=None):
         y, new_residual, _ = rmsnorm_fwd(x, self.w(name), self.cfg.rms_norm_eps, residual)
         return y, new_residual
@@ -66,7 +74,7 @@ class Qwen3Server:
                 h, residual = self._norm(x, p + "attn_norm.weight")[0], x
             else:
                 h, residual = self._norm(x, p + "attn_norm.weight", residual)
-            q, k, v = matmul_fwd(h, self.w(p + "qkv.weight")).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = self._linear(h, p + "qkv.").split([Hq * D, Hkv * D, Hkv * D], dim=-1)
             q = self._norm(q.reshape(T, Hq, D).contiguous(), p + "q_norm.weight")[0]
             k = self._norm(k.reshape(T, Hkv, D).contiguous(), p + "k_norm.weight")[0]
             q = rope_fwd(q, batch.positions, cfg.rope, check=False)
@@ -74,11 +82,11 @@ class Qwen3Server:
             write_kv_fwd(k, v.reshape(T, Hkv, D).contiguous(), k_cache, v_cache, batch.slot_mapping)
             o = paged_attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
                                     max_seqlen_q=batch.max_seqlen_q)[0]
-            x = matmul_fwd(o.reshape(T, Hq * D), self.w(p + "o.weight"))
+            x = self._linear(o.reshape(T, Hq * D), p + "o.")
             h, residual = self._norm(x, p + "mlp_norm.weight", residual)
-            gu = matmul_fwd(h, self.w(p + "gate_up.weight"))
+            gu = self._linear(h, p + "gate_up.")
             I = cfg.intermediate_size
-            x = matmul_fwd(swiglu_fwd(gu[:, :I], gu[:, I:]), self.w(p + "down.weight"))
+            x = self._linear(swiglu_fwd(gu[:, :I], gu[:, I:]), p + "down.")
         rows = batch.logit_rows
         h = self._norm(x[rows], "norm.weight", residual[rows])[0]
         return lm_head_logits_fwd(h, self.lm_head_weight)

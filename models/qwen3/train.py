@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ...common.attention import attention
+from ...common.fp8 import Fp8WeightCache, fp8_linear
 from ...common.lm_head import lm_head_logits
 from ...common.matmul import matmul
 from ...common.rmsnorm import rmsnorm, rmsnorm_residual
@@ -34,19 +35,47 @@ class Weight(nn.Module):
         self.weight = nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
 
 
+class Linear(Weight):
+    """y = x · Wᵀ with the batch-invariant matmul."""
+
+    def forward(self, x):
+        return matmul(x, self.weight)
+
+    def forward_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {prefix + "weight": self.weight.detach()}
+
+
+class Fp8Linear(Weight):
+    """An FP32 master weight whose forward reads its FP8 quantization (e4m3,
+    128x128 blocks), made once per optimizer step (``Fp8WeightCache``): the
+    trainer, the server and the weight sync all read those very codes."""
+
+    def __init__(self, *shape: int, device=None, dtype=None):
+        super().__init__(*shape, device=device, dtype=torch.float32)
+        self.cache = Fp8WeightCache(self.weight)
+
+    def forward(self, x):
+        return fp8_linear(x, self.weight, *self.cache.get())
+
+    def forward_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+        codes, scale_inv = self.cache.get()
+        return {prefix + "weight": codes, prefix + "weight_scale_inv": scale_inv}
+
+
 class Qwen3Block(nn.Module):
-    def __init__(self, cfg: Qwen3Config, device=None, dtype=None):
+    def __init__(self, cfg: Qwen3Config, device=None, dtype=None, fp8: bool = False):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         H, D = cfg.hidden_size, cfg.head_dim
+        linear = Fp8Linear if fp8 else Linear
         self.attn_norm = Weight(H, **kw)
-        self.qkv = Weight(cfg.qkv_size, H, **kw)  # [q | k | v] rows
+        self.qkv = linear(cfg.qkv_size, H, **kw)  # [q | k | v] rows
         self.q_norm = Weight(D, **kw)
         self.k_norm = Weight(D, **kw)
-        self.o = Weight(H, cfg.num_heads * D, **kw)
+        self.o = linear(H, cfg.num_heads * D, **kw)
         self.mlp_norm = Weight(H, **kw)
-        self.gate_up = Weight(2 * cfg.intermediate_size, H, **kw)  # [gate | up] rows
-        self.down = Weight(H, cfg.intermediate_size, **kw)
+        self.gate_up = linear(2 * cfg.intermediate_size, H, **kw)  # [gate | up] rows
+        self.down = linear(H, cfg.intermediate_size, **kw)
         self.cfg = cfg
 
     def forward(self, x, residual, positions, cu_seqlens, max_seqlen):
@@ -59,32 +88,45 @@ class Qwen3Block(nn.Module):
             h, residual = rmsnorm(x, self.attn_norm.weight, eps), x
         else:
             h, residual = rmsnorm_residual(x, residual, self.attn_norm.weight, eps)
-        q, k, v = matmul(h, self.qkv.weight).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = self.qkv(h).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         q = rope(rmsnorm(q.reshape(T, Hq, D).contiguous(), self.q_norm.weight, eps), positions, cfg.rope)
         k = rope(rmsnorm(k.reshape(T, Hkv, D).contiguous(), self.k_norm.weight, eps), positions, cfg.rope)
         o = attention(q, k, v.reshape(T, Hkv, D).contiguous(), cu_seqlens, max_seqlen=max_seqlen)
-        x = matmul(o.reshape(T, Hq * D), self.o.weight)
+        x = self.o(o.reshape(T, Hq * D))
         h, residual = rmsnorm_residual(x, residual, self.mlp_norm.weight, eps)
-        return matmul(swiglu_gate_up(matmul(h, self.gate_up.weight)), self.down.weight), residual
+        return self.down(swiglu_gate_up(self.gate_up(h))), residual
 
 
 class Qwen3Trainer(nn.Module):
     """Parameters are named as in ``weights.py`` (``embed.weight``,
-    ``layers.{i}.qkv.weight``, ...); ``lm_head`` is absent when tied."""
+    ``layers.{i}.qkv.weight``, ...); ``lm_head`` is absent when tied.  With
+    ``fp8`` the four projections of each block are FP32 masters read through
+    their FP8 quantization; embeddings, norms and the LM head stay in dtype."""
 
-    def __init__(self, cfg: Qwen3Config, *, device=None, dtype=torch.bfloat16, activation_checkpointing=False):
+    def __init__(self, cfg: Qwen3Config, *, device=None, dtype=torch.bfloat16, activation_checkpointing=False,
+                 fp8: bool = False):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.cfg = cfg
+        self.fp8 = fp8
         self.embed = Weight(cfg.vocab_size, cfg.hidden_size, **kw)
-        self.layers = nn.ModuleList(Qwen3Block(cfg, **kw) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Qwen3Block(cfg, **kw, fp8=fp8) for _ in range(cfg.num_layers))
         self.norm = Weight(cfg.hidden_size, **kw)
         self.lm_head = None if cfg.tie_word_embeddings else Weight(cfg.vocab_size, cfg.hidden_size, **kw)
         self.activation_checkpointing = activation_checkpointing
 
     def forward_weights(self) -> dict[str, torch.Tensor]:
-        """The tensors the forward reads, named as the server's weights."""
-        return {name: p.detach() for name, p in self.named_parameters()}
+        """The tensors the forward reads, named as the server's weights: the
+        parameters, and for FP8 layers their cached codes and scales
+        (``<layer>.weight`` e4m3, ``<layer>.weight_scale_inv`` fp32)."""
+        out = {}
+        for name, module in self.named_modules():
+            prefix = name + "." if name else ""
+            if isinstance(module, (Linear, Fp8Linear)):
+                out.update(module.forward_weights(prefix))
+            elif isinstance(module, Weight):
+                out[prefix + "weight"] = module.weight.detach()
+        return out
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -1,0 +1,117 @@
+"""Unified FP8 for qwen3 and the per-step weight sync (bf16 and FP8 modes).
+
+A multi-step training loop with some layers frozen: each sync ships only the
+tensors that changed (frozen ones never), the server's bytes equal the
+trainer's forward weights after every sync, and K3 == 0 on the completions
+sampled at each new version.  FP8 Hugging Face checkpoints load.
+"""
+import json
+
+import pytest
+import torch
+
+import alignzoo
+from alignzoo import SamplingParams
+from alignzoo.common.fp8 import dequantize_weight_fp8, quantize_weight_fp8
+
+SP = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02, max_new_tokens=20, seed=3)
+
+
+def prompts_of(lens, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def assert_k3_zero(pair, prompts, sp=SP):
+    outs = pair.server.generate(prompts, sp)
+    with torch.no_grad():
+        lps = pair.trainer.logprobs([p + o.tokens for p, o in zip(prompts, outs)], [len(p) for p in prompts], sp)
+    for o, lp in zip(outs, lps):
+        assert torch.equal(lp.cpu(), o.logprobs)
+    return outs
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_training_loop_ships_changed_blocks_and_keeps_k3_zero(fp8):
+    pair = alignzoo.load_pair("qwen3", config="tiny", fp8=fp8, seed=1)
+    t = pair.trainer
+    frozen = [t.embed.weight, *t.layers[0].parameters()]
+    for p in frozen:
+        p.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in t.parameters() if p.requires_grad], lr=3e-3)
+    prompts = prompts_of([150, 40, 9], pair.config.vocab_size)
+    for step in range(3):
+        outs = assert_k3_zero(pair, prompts)
+        assert all(o.weight_version == pair.server.weight_version for o in outs)
+        before = {n: w.clone() for n, w in t.forward_weights().items()}
+        lps = t.logprobs([p + o.tokens for p, o in zip(prompts, outs)], [len(p) for p in prompts], SP)
+        (-sum(lp[torch.isfinite(lp)].sum() for lp in lps)).backward()
+        opt.step()
+        opt.zero_grad()
+        after = t.forward_weights()
+        changed = {n for n in after if not torch.equal(after[n], before[n])}
+        assert changed and not any(n.startswith(("embed.", "layers.0.")) for n in changed)
+        pair.sync()
+        s = pair.last_sync
+        assert s.tensors_changed == len(changed) and 0 < s.bytes_shipped < s.bytes_full
+        assert pair.weights_match()
+    if fp8:
+        w = pair.server.model.weights
+        assert w["layers.1.qkv.weight"].dtype == torch.float8_e4m3fn
+        assert w["layers.1.qkv.weight_scale_inv"].dtype == torch.float32
+    assert_k3_zero(pair, prompts)
+
+
+def test_fp8_codes_requantized_once_per_step():
+    pair = alignzoo.load_pair("qwen3", config="tiny", fp8=True)
+    layer = pair.trainer.layers[0].qkv
+    n0 = layer.cache.quantizations
+    prompts = prompts_of([30, 7], pair.config.vocab_size)
+    for _ in range(3):  # forwards without a step reuse the codes
+        pair.trainer.logprobs(prompts, [1, 1])
+    assert layer.cache.quantizations == n0
+    with torch.no_grad():
+        layer.weight.mul_(1.5)  # an in-place update, as an optimizer step
+    pair.trainer.logprobs(prompts, [1, 1])
+    pair.trainer.logprobs(prompts, [1, 1])
+    assert layer.cache.quantizations == n0 + 1
+
+
+def _fp8_checkpoint(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=160, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                   max_position_embeddings=512)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "bf16")
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(tmp_path / "bf16" / "model.safetensors")
+    out = {}
+    for name, t in sd.items():
+        if name.endswith("_proj.weight"):
+            codes, scale_inv = quantize_weight_fp8(t.float())
+            out[name], out[name[: -len("weight")] + "weight_scale_inv"] = codes, scale_inv
+        else:
+            out[name] = t
+    (tmp_path / "fp8").mkdir()
+    save_file(out, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                     "activation_scheme": "dynamic"}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    return tmp_path / "fp8", out
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["unified-fp8", "dequantized-bf16"])
+def test_fp8_hf_checkpoint_loads(tmp_path, fp8):
+    path, stored = _fp8_checkpoint(tmp_path)
+    pair = alignzoo.load_pair("qwen3", checkpoint=path, fp8=fp8)
+    o = pair.trainer.layers[1].o.weight
+    deq = dequantize_weight_fp8(stored["model.layers.1.self_attn.o_proj.weight"],
+                                stored["model.layers.1.self_attn.o_proj.weight_scale_inv"], torch.float32)
+    assert torch.equal(o.detach(), deq if fp8 else deq.to(o.dtype))
+    if fp8:  # a 128-aligned layer requantizes to the stored codes
+        assert torch.equal(pair.server.model.weights["layers.1.o.weight"].view(torch.uint8),
+                           stored["model.layers.1.self_attn.o_proj.weight"].view(torch.uint8))
+    assert_k3_zero(pair, prompts_of([60, 5], pair.config.vocab_size))
