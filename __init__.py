@@ -34,7 +34,9 @@ def load_pair(name: str, checkpoint=None, config=None, device=None, dtype=None, 
     dtype:      torch.bfloat16 (default) or torch.float32
     kwargs:     engine options (num_pages, max_batch_tokens, max_batch_size,
                 cuda_graphs, ...), ``seed``, ``activation_checkpointing``,
-                ``server_kernels="vendor"`` (a deliberately misaligned server)
+                ``server_kernels="vendor"`` (a deliberately misaligned server),
+                ``fp8=True`` (unified FP8), ``lora=LoRAConfig | dict``,
+                ``lora_mode="merged" | "separate"``, ``lora_adapter=dir`` (a PEFT adapter)
     """
     import torch
 

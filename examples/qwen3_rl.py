@@ -13,6 +13,7 @@ must equal the sampler's bit for bit: any difference stops the run
     python examples/qwen3_rl.py                      # ~3 minutes on 2 CPU cores
     python examples/qwen3_rl.py --stream             # backward group by group as groups complete
     python examples/qwen3_rl.py --unaligned          # the mismatch this project removes
+    python examples/qwen3_rl.py --lora 8             # train rank-8 LoRA adapters on a frozen base
 Writes OUT/log.jsonl (one line per step) and OUT/rl.png (reward and K3 against step).
 """
 from __future__ import annotations
@@ -51,26 +52,35 @@ def parse(argv=None):
     ap.add_argument("--digits", type=int, default=2)
     ap.add_argument("--objective", choices=OBJECTIVES, default="cispo")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--max-grad-norm", type=float, default=0.5, help="clip the global gradient norm (0: off)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=12)
     ap.add_argument("--top-p", type=float, default=0.98)
     ap.add_argument("--min-p", type=float, default=0.01)
     ap.add_argument("--stream", action="store_true", help="forward/backward group by group as groups complete")
     ap.add_argument("--unaligned", action="store_true", help="serve with vendor kernels: K3 > 0 is logged, not fatal")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="train LoRA adapters of rank R (lora_alpha 2R) on all seven projections of a frozen base; 0: off")
+    ap.add_argument("--lora-mode", choices=("merged", "separate"), default="merged",
+                    help="merged: W + s·B·A is what the trainer reads and the sync ships; separate: base + branch")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/qwen3_rl")
-    ap.add_argument("--save", default=None, help="save the trained model as a Hugging Face checkpoint here")
+    ap.add_argument("--save", default=None, help="save the trained model as a Hugging Face checkpoint here "
+                                                 "(with --lora: merged, and the PEFT adapter in SAVE/adapter)")
     ap.add_argument("--no-plot", action="store_true")
     return ap.parse_args(argv)
 
 
-def build_pair(args):
+def build_pair(args, **kw):
     cfg = {"vocab_size": VOCAB, "max_position": 64}
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    if args.lora:
+        kw |= dict(lora={"r": args.lora, "lora_alpha": 2 * args.lora, "target_modules": "all-linear"},
+                   lora_mode=args.lora_mode)
     return alignzoo.load_pair("qwen3", config=cfg, device=args.device, dtype=dtype, seed=args.seed,
-                              server_kernels="vendor" if args.unaligned else "aligned")
+                              server_kernels="vendor" if args.unaligned else "aligned", **kw)
 
 
 def rollouts(pair, prompts, sps, stream: bool):
@@ -129,6 +139,8 @@ def train_step(pair, opt, step, args, g):
         all_rewards.append(rewards)
         versions |= {v for o in outs for v in o.weight_versions}
     acc.write_grads()
+    if args.max_grad_norm > 0:  # deterministic: one fixed-order norm over the summed gradients
+        torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm, foreach=False)
     opt.step()
     opt.zero_grad(set_to_none=True)
     version = pair.sync()
@@ -163,6 +175,8 @@ def plot(log: list[dict], path: str, title: str) -> None:
     if any(k > 0 for k in k3):
         b.set_yscale("symlog", linthresh=1e-9)
     b.set_ylabel("K3 (trainer vs sampler)")
+    differing, tokens = sum(r["differing_tokens"] for r in log), sum(r["tokens"] for r in log)
+    b.text(0.02, 0.92, f"{differing} of {tokens} sampled tokens differ in any bit", transform=b.transAxes, va="top")
     b.set_xlabel("step")
     b.legend()
     b.grid(alpha=0.3)
@@ -178,10 +192,14 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     g = torch.Generator().manual_seed(args.seed)
     pair = build_pair(args)
-    opt = torch.optim.Adam(pair.trainer.parameters(), lr=args.lr, betas=(0.9, 0.99))
+    opt = torch.optim.Adam([p for p in pair.trainer.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.99))
+    # linear decay to 10%: late large steps undo what the policy learned
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.9 * min(i, args.steps) / max(args.steps, 1))
     os.makedirs(args.out, exist_ok=True)
     log_path = os.path.join(args.out, "log.jsonl")
     mode = "unaligned (vendor kernels)" if args.unaligned else "aligned"
+    if args.lora:
+        mode += f", LoRA r={args.lora} {args.lora_mode}"
     print(f"qwen3 RL: reverse {args.digits} digits; {args.prompts} prompts x {args.group_size} samples per step; "
           f"{args.objective}; {mode}; {args.dtype}; {'streaming' if args.stream else 'one batch'} -> {log_path}")
     log = []
@@ -190,6 +208,7 @@ def main(argv=None) -> int:
         for step in bar:
             t0 = time.perf_counter()
             row = {"step": step, **train_step(pair, opt, step, args, g), "seconds": time.perf_counter() - t0}
+            sched.step()
             log.append(row)
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -206,9 +225,15 @@ def main(argv=None) -> int:
         print(f"plot: {path}")
     if args.save:
         pair.save_pretrained(args.save)
-        again = alignzoo.load_pair("qwen3", checkpoint=args.save, device=args.device,
-                                   dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
-        same = all(torch.equal(a, b) for a, b in zip(pair.trainer.parameters(), again.trainer.parameters()))
+        if args.lora:  # the merged model is in SAVE; reload the seeded base with the adapter alone
+            adapter = os.path.join(args.save, "adapter")
+            pair.save_pretrained(adapter, adapter_only=True)
+            again = build_pair(args, lora_adapter=adapter)
+        else:
+            again = alignzoo.load_pair("qwen3", checkpoint=args.save, device=args.device,
+                                       dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
+        mine, theirs = pair.trainer.forward_weights(), again.trainer.forward_weights()
+        same = mine.keys() == theirs.keys() and all(torch.equal(w, theirs[n]) for n, w in mine.items())
         print(f"saved to {args.save}; reloaded {'bit-identical' if same else 'DIFFERENT'}")
     return 0
 

@@ -1,5 +1,12 @@
 """Qwen3 (dense): config, trainer (``train.py``) and server (``serve.py``)
-calling the same kernels, and the Hugging Face name map (``weights.py``)."""
+calling the same kernels, and the Hugging Face name map (``weights.py``).
+
+LoRA (``load(..., lora=LoRAConfig(...), lora_mode="merged" | "separate")``):
+the base is frozen and each targeted projection trains an adapter; K3 == 0
+holds in both modes.  ``save_pretrained(trainer, dir)`` writes the merged
+model (a plain Qwen3 checkpoint), ``adapter_only=True`` the PEFT adapter;
+``load(..., lora_adapter=dir)`` or ``load_adapter(pair, dir)`` read one back.
+"""
 from __future__ import annotations
 
 import logging
@@ -8,9 +15,10 @@ import time
 
 import torch
 
+from ...common.lora import LoRAConfig
 from .config import PRESETS, Qwen3Config
 from .serve import Qwen3Server
-from .train import Qwen3Trainer
+from .train import LORA_MODES, LoRALinear, Qwen3Trainer, check_lora_config
 
 NAME = "qwen3"
 log = logging.getLogger("alignzoo.models")
@@ -84,46 +92,127 @@ def server_weights(trainer: Qwen3Trainer) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in trainer.forward_weights().items()}
 
 
+def read_lora_adapter(directory) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], LoRAConfig]:
+    """A PEFT adapter directory of a Qwen3 model -> ({``layers.{i}.<projection>``: (A, B)}, config)."""
+    from ...common.lora import load_peft_adapter
+    from .weights import lora_from_hf
+
+    adapters, lora = load_peft_adapter(directory, from_hf=lora_from_hf)
+    return adapters, check_lora_config(lora)
+
+
+def _check_same_lora(have, want, where) -> None:
+    a, b = check_lora_config(have), check_lora_config(want)
+    if (a.r, a.scale, a.target_modules) != (b.r, b.scale, b.target_modules):
+        raise ValueError(f"{where} has r={b.r}, scale={b.scale}, target_modules={b.target_modules}, but the model's "
+                         f"LoRA has r={a.r}, scale={a.scale}, target_modules={a.target_modules}")
+
+
 def load(checkpoint=None, config=None, device=None, dtype=torch.bfloat16, *, seed: int = 0,
          activation_checkpointing: bool = False, server_kernels: str = "aligned", fp8: bool = False,
-         **engine_kwargs):
+         lora=None, lora_mode: str = "merged", lora_adapter=None, **engine_kwargs):
     """A Qwen3 ``Pair``; see ``alignzoo.load_pair``.  ``server_kernels="vendor"``
     serves with torch's own kernels (``serve_vendor.py``): a deliberately
     misaligned pair, for showing and measuring the mismatch.  ``fp8=True``:
     unified FP8 — FP32 masters quantized once per optimizer step, the server
-    runs the same FP8 GEMMs on the same codes."""
+    runs the same FP8 GEMMs on the same codes.
+
+    LoRA: ``lora`` a ``LoRAConfig`` (or a dict of its fields: r, lora_alpha,
+    target_modules from q_proj k_proj v_proj o_proj gate_proj up_proj
+    down_proj, or "all-linear"; use_rslora) freezes the base and adds one
+    adapter per targeted projection and layer (B = 0: the model is unchanged
+    until it trains; A seeded from ``seed``); only the adapters are
+    trainable.  ``lora_mode``: "merged" (W' = W + s·B·A is rebuilt once per
+    optimizer step, read by the trainer and shipped to the server as the
+    layer's weight) or "separate" (base output plus the adapter branch on
+    both sides; the sync ships the adapters alone).  ``lora_adapter``: a PEFT
+    adapter directory to start from (its config is used when ``lora`` is None).
+    """
     if server_kernels not in ("aligned", "vendor"):
         raise ValueError(f"server_kernels must be 'aligned' or 'vendor', got {server_kernels!r}")
+    if lora_mode not in LORA_MODES:
+        raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {lora_mode!r}")
     from ...common.engine import Engine
     from ..pair import Pair
 
+    adapters = None
+    if lora_adapter is not None:
+        adapters, from_file = read_lora_adapter(lora_adapter)
+        if lora is None:
+            lora = from_file
+        else:
+            _check_same_lora(lora, from_file, f"the adapter in {os.fspath(lora_adapter)!r}")
+    if lora is not None:
+        lora = check_lora_config(lora)
+        if fp8:
+            raise NotImplementedError("LoRA with fp8=True is not supported yet; use bf16 or fp32 with LoRA")
+        if lora_mode == "separate" and server_kernels == "vendor":
+            raise NotImplementedError("the vendor server does not apply separate LoRA adapters; use lora_mode='merged'")
     cfg = resolve_config(checkpoint, config)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
     trainer = build_trainer(cfg, checkpoint, device=device, dtype=dtype, seed=seed,
                             activation_checkpointing=activation_checkpointing, fp8=fp8)
-    log.info("qwen3 trainer built on %s in %.1fs (%s)", device, time.perf_counter() - t0,
-             "checkpoint " + os.fspath(checkpoint) if checkpoint is not None else f"random init, seed {seed}")
+    if lora is not None:
+        trainer.add_lora(lora, lora_mode, seed=seed)
+        if adapters is not None:
+            trainer.set_lora_adapters(adapters)
+    log.info("qwen3 trainer built on %s in %.1fs (%s%s)", device, time.perf_counter() - t0,
+             "checkpoint " + os.fspath(checkpoint) if checkpoint is not None else f"random init, seed {seed}",
+             "" if lora is None else f"; LoRA r={lora.r} {lora_mode} on {','.join(lora.target_modules)}")
     t0 = time.perf_counter()
     if server_kernels == "vendor":
         from .serve_vendor import Qwen3VendorServer as server_cls
     else:
         server_cls = Qwen3Server
-    server = Engine(server_cls(cfg, server_weights(trainer)), **engine_kwargs)
+    lora_scale = lora.scale if lora is not None and lora_mode == "separate" else None
+    server = Engine(server_cls(cfg, server_weights(trainer), lora_scale=lora_scale), **engine_kwargs)
     log.info("qwen3 server engine ready in %.1fs (%d KV pages)", time.perf_counter() - t0, server.num_pages)
     return Pair(NAME, cfg, trainer, server)
 
 
-def save_pretrained(trainer: Qwen3Trainer, directory, *, max_shard_bytes: int | None = None) -> None:
-    """Write the trainer's weights as a transformers Qwen3 checkpoint."""
-    from ...weights import save_hf_checkpoint
-    from .weights import qwen3_to_hf
+def save_pretrained(trainer: Qwen3Trainer, directory, *, max_shard_bytes: int | None = None,
+                    adapter_only: bool = False) -> None:
+    """Write the trainer's weights as a transformers Qwen3 checkpoint.
 
+    With LoRA: every adapter merged into its weight (W' = ``lora_merge_fwd``,
+    the bytes a merged-mode pair serves, so a plain pair loaded from it
+    gives that pair's log-probs bitwise; a separate-mode pair's log-probs
+    round differently).  ``adapter_only=True``: only the adapters, as a PEFT
+    directory (adapter_config.json + adapter_model.safetensors, modules
+    ``base_model.model.model.layers.{i}.self_attn.q_proj`` ...)."""
+    from ...weights import save_hf_checkpoint
+    from .weights import lora_to_hf, qwen3_to_hf
+
+    if adapter_only:
+        if trainer.lora is None:
+            raise ValueError("adapter_only=True needs a LoRA model (load_pair(..., lora=...))")
+        from ...common.lora import save_peft_adapter
+
+        save_peft_adapter(directory, trainer.lora_adapters(), trainer.lora, to_hf=lora_to_hf)
+        return
     cfg = trainer.cfg
     dtype = str(trainer.embed.weight.dtype).replace("torch.", "")
-    tensors = {n: p.detach().to(trainer.embed.weight.dtype) for n, p in trainer.named_parameters()}  # FP8 masters: fp32
+    tensors = {n: p.detach() for n, p in trainer.named_parameters() if ".lora_" not in n}
+    for name, m in trainer.named_modules():
+        if isinstance(m, LoRALinear):
+            tensors[name + ".weight"] = m.merge()
+    tensors = {n: t.to(trainer.embed.weight.dtype) for n, t in tensors.items()}  # FP8 masters: fp32
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     save_hf_checkpoint(directory, cfg.to_hf(dtype), qwen3_to_hf(tensors, cfg), **kw)
 
 
-__all__ = ["NAME", "PRESETS", "Qwen3Config", "Qwen3Server", "Qwen3Trainer", "load", "save_pretrained"]
+def load_adapter(pair, directory) -> int:
+    """Load a PEFT adapter directory into ``pair``'s LoRA adapters (same r,
+    scale and target modules as the pair's) and sync; returns the new
+    weight version."""
+    if pair.trainer.lora is None:
+        raise ValueError("the pair has no LoRA adapters: load it with load_pair(..., lora_adapter=directory)")
+    adapters, lora = read_lora_adapter(directory)
+    _check_same_lora(pair.trainer.lora, lora, f"the adapter in {os.fspath(directory)!r}")
+    pair.trainer.set_lora_adapters(adapters)
+    return pair.sync()
+
+
+__all__ = ["NAME", "PRESETS", "Qwen3Config", "Qwen3Server", "Qwen3Trainer", "load", "load_adapter",
+           "save_pretrained"]

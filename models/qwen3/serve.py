@@ -6,6 +6,12 @@ is replayed from CUDA graphs).  Attention reads the paged cache after the new
 tokens' k/v are written to it, so prefill, chunked prefill and decode all go
 through ``paged_attention_fwd``, whose rows equal the trainer's packed
 ``attention`` bitwise.
+
+LoRA: merged adapters need nothing here (the trainer ships W' as the layer's
+``weight``); separate ones arrive as ``layers.{i}.<layer>.lora_A.<projection>``
+(r, K) and ``...lora_B.<projection>`` (rows, r), and ``_linear`` adds their
+branch to that projection's column slice with ``lora_add_fwd``, as the
+trainer's ``LoRALinear`` does with ``lora_add``.
 """
 from __future__ import annotations
 
@@ -16,20 +22,35 @@ from ...common.fp8 import fp8_matmul_fwd
 from ...common.engine.model_api import ForwardBatch, KVCacheSpec
 from ...common.kv_cache import allocate_kv_cache, write_kv_fwd
 from ...common.lm_head import lm_head_logits_fwd
+from ...common.lora import lora_add_fwd
 from ...common.matmul import matmul_fwd
 from ...common.rmsnorm import rmsnorm_fwd
 from ...common.rope import rope_fwd, rope_table
 from ...common.swiglu import swiglu_fwd
 from .config import Qwen3Config
+from .weights import lora_slices
 
 
 class Qwen3Server:
     """Holds the server's copy of the weights (a dict named as the trainer's
-    parameters; tied ``lm_head`` is the embedding) and runs the forward."""
+    parameters; tied ``lm_head`` is the embedding) and runs the forward.
+    ``lora_scale``: lora_alpha / r of the separate LoRA adapters in ``weights``."""
 
-    def __init__(self, cfg: Qwen3Config, weights: dict[str, torch.Tensor]):
+    def __init__(self, cfg: Qwen3Config, weights: dict[str, torch.Tensor], lora_scale: float | None = None):
         self.cfg = cfg
         self.weights = weights
+        self.lora_scale = lora_scale
+        # {layer prefix: ((projection, first row, end row, adapted), ...)} for layers with adapters;
+        # sync writes in place and never adds names, so this holds for the server's life
+        self._lora = {}
+        for i in range(cfg.num_layers):
+            for name, slices in lora_slices(cfg).items():
+                prefix = f"layers.{i}.{name}."
+                adapted = [f"{prefix}lora_A.{p}" in weights for p, _, _ in slices]
+                if any(adapted):
+                    self._lora[prefix] = tuple((p, lo, hi, a) for (p, lo, hi), a in zip(slices, adapted))
+        if self._lora and lora_scale is None:
+            raise ValueError("the weights hold LoRA adapters (lora_A.*) but no lora_scale was given")
         self.device = weights["embed.weight"].device
         self.dtype = weights["embed.weight"].dtype
         self.vocab_size = cfg.vocab_size
@@ -53,11 +74,19 @@ class Qwen3Server:
                 for _ in range(c.num_layers)]
 
     def _linear(self, x, prefix):
-        """x · Wᵀ; an FP8 layer (its ``weight_scale_inv`` present) reads its codes."""
+        """x · Wᵀ; an FP8 layer (its ``weight_scale_inv`` present) reads its
+        codes; a layer with separate LoRA adapters adds their branches."""
         scale_inv = self.weights.get(prefix + "weight_scale_inv")
-        if scale_inv is None:
-            return matmul_fwd(x, self.weights[prefix + "weight"])
-        return fp8_matmul_fwd(x, self.weights[prefix + "weight"], scale_inv)
+        if scale_inv is not None:
+            return fp8_matmul_fwd(x, self.weights[prefix + "weight"], scale_inv)
+        y = matmul_fwd(x, self.weights[prefix + "weight"])
+        slices = self._lora.get(prefix)
+        if slices is None:
+            return y
+        w = self.weights
+        parts = [lora_add_fwd(y[:, lo:hi], x, w[f"{prefix}lora_A.{p}"], w[f"{prefix}lora_B.{p}"], self.lora_scale)
+                 if adapted else y[:, lo:hi] for p, lo, hi, adapted in slices]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def _norm(self, x, name, residual=None):
         y, new_residual, _ = rmsnorm_fwd(x, self.w(name), self.cfg.rms_norm_eps, residual)

@@ -34,6 +34,48 @@ HF_NAMES = {
 }
 
 
+# LoRA: each Hugging Face projection an adapter may target -> its module under ``model.layers.{i}``
+# (PEFT names an adapter by that module); ``lora_slices`` says where its rows sit in our layers.
+LORA_TARGETS = {
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+
+
+def lora_slices(cfg) -> dict[str, tuple[tuple[str, int, int], ...]]:
+    """{our layer: ((HF projection, first row, end row), ...)}: where each projection's rows sit in
+    our (fused) weight, e.g. ``qkv``: q_proj rows [0, Hq·D), k_proj [Hq·D, (Hq+Hkv)·D), v_proj after."""
+    q, kv, I, H = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size, cfg.hidden_size
+    return {
+        "qkv": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
+        "o": (("o_proj", 0, H),),
+        "gate_up": (("gate_proj", 0, I), ("up_proj", I, 2 * I)),
+        "down": (("down_proj", 0, H),),
+    }
+
+
+def lora_to_hf(name: str) -> str:
+    """Our adapter name ``layers.{i}.<projection>`` -> its HF module ``model.layers.{i}.self_attn.q_proj``."""
+    _, i, proj = name.split(".")
+    return f"model.layers.{i}.{LORA_TARGETS[proj]}"
+
+
+def lora_from_hf(module: str) -> str | None:
+    """The inverse of ``lora_to_hf``; None for a module that is no Qwen3 projection."""
+    parts = module.split(".")
+    if len(parts) != 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+        return None
+    proj = parts[4]
+    if LORA_TARGETS.get(proj) != ".".join(parts[3:]):
+        return None
+    return f"layers.{int(parts[2])}.{proj}"
+
+
 def qwen3_name_map(cfg) -> NameMap:
     d = cfg.head_dim
     return NameMap(
