@@ -1,7 +1,7 @@
 """The ``alignzoo`` command line.
 
     alignzoo check [PRIMITIVE ...] [--device cpu|cuda]   ladder rungs 1-2 per primitive
-    alignzoo check MODEL [--checkpoint DIR | --config PRESET] [--device D] [--length N] [--batch B]
+    alignzoo check MODEL [--checkpoint DIR | --config PRESET] [--fp8] [--device D] [--length N] [--batch B]
                                                           ladder rungs 1-4 on a model's pair
     alignzoo models                                       models whose pair works
     alignzoo generate MODEL --prompt "1 2 3" [...]        sample a completion (token ids)
@@ -36,8 +36,9 @@ def _load_pair(args: argparse.Namespace, device: torch.device, max_batch_size: i
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    extra = {"fp8": True} if args.fp8 else {}
     return load_pair(args.model, checkpoint=args.checkpoint, config=None if args.checkpoint else args.config,
-                     device=device, dtype=dtype, progress=sys.stderr.isatty(), max_batch_size=max_batch_size)
+                     device=device, dtype=dtype, progress=sys.stderr.isatty(), max_batch_size=max_batch_size, **extra)
 
 
 def cmd_check_model(args: argparse.Namespace, device: torch.device) -> int:
@@ -50,7 +51,7 @@ def cmd_check_model(args: argparse.Namespace, device: torch.device) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     c = pair.config
     print(f"alignzoo check {args.model} on {where} (torch {torch.__version__}): {args.checkpoint or args.config}, "
-          f"{c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, {args.dtype}; "
+          f"{c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, {args.dtype}{' + fp8' if args.fp8 else ''}; "
           f"{args.batch} sequences up to {args.length} tokens; loaded in {time.perf_counter() - t0:.1f}s")
     bar = tqdm(total=4, desc="rungs", file=sys.stderr, disable=not sys.stderr.isatty())
     rows = run_ladder(pair, length=args.length, batch=args.batch, seed=args.seed,
@@ -136,6 +137,7 @@ def _model_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--checkpoint", default=None, help="Hugging Face checkpoint directory")
     c.add_argument("--config", default="tiny", help="preset when no checkpoint is given (default tiny)")
     c.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    c.add_argument("--fp8", action="store_true", help="unified FP8 projections (FP32 masters, e4m3 128x128 blocks)")
     c.add_argument("--seed", type=int, default=0)
 
 

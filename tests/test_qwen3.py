@@ -138,10 +138,11 @@ def test_ladder_catches_a_misaligned_server(monkeypatch):
     assert rows["trainer, same batch twice"].passed
 
 
-def test_cli_check_qwen3(capsys):
+@pytest.mark.parametrize("extra", [[], ["--fp8"]], ids=["bf16", "fp8"])
+def test_cli_check_qwen3(capsys, extra):
     from alignzoo.cli import main
 
-    assert main(["check", "qwen3", "--length", "260", "--batch", "3"]) == 0
+    assert main(["check", "qwen3", "--length", "260", "--batch", "3", *extra]) == 0
     out = capsys.readouterr().out
     assert "9/9 checks passed" in out and "FAIL" not in out
 
