@@ -43,7 +43,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +56,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from bench_primitives import HEAD_DIM, HEADS, KV_HEADS, _time  # noqa: E402
+from bench_primitives import HEAD_DIM, HEADS, KV_HEADS, _time, commit  # noqa: E402
 
 HQ, HKV, D = HEADS, KV_HEADS, HEAD_DIM  # Qwen3-8B: 32 query heads, 8 kv heads, head_dim 128
 G = HQ // HKV
@@ -82,18 +81,6 @@ def _import_alignzoo():
         os.symlink(ROOT, os.path.join(tmp, "alignzoo"))
         sys.path.insert(0, tmp)
         importlib.import_module("alignzoo")
-
-
-def _commit() -> str:
-    if os.environ.get("ALIGNZOO_COMMIT"):  # the device's copy of .git can lag the working tree
-        return os.environ["ALIGNZOO_COMMIT"]
-    try:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        if r.returncode == 0 and r.stdout.strip():
-            return r.stdout.strip()
-    except Exception:
-        pass
-    return os.environ.get("ALIGNZOO_COMMIT") or "unknown"
 
 
 def _probe_packages() -> dict:
@@ -236,6 +223,14 @@ def _timed(r, key, fn, timer):
         print(f"    ! {msg}", flush=True)
 
 
+def _time_both(r, dev, ours, vendor_fn, timer):
+    """Ours, then the vendor's when it set up; errors stay in the row."""
+    _sync(dev)
+    _timed(r, "ours_ms", ours, timer)
+    if vendor_fn is not None:
+        _timed(r, "vendor_ms", vendor_fn, timer)
+
+
 def bench_prefill(ctx, lens):
     from alignzoo.common.attention import attention_fwd, paged_attention_fwd
     from torch.nn.attention import SDPBackend
@@ -300,10 +295,7 @@ def bench_backward(ctx, S):
         vendor_fn = fn
     except Exception as e:
         r["error"] = f"vendor: {_err(e)}"
-    _sync(dev)
-    _timed(r, "ours_ms", ours, ctx.timer)
-    if vendor_fn is not None:
-        _timed(r, "vendor_ms", vendor_fn, ctx.timer)
+    _time_both(r, dev, ours, vendor_fn, ctx.timer)
     return [r]
 
 
@@ -491,10 +483,7 @@ def bench_decode(ctx, B, n_ctx):
     except Exception as e:
         r["vendor"] = ctx.decode_baseline[0] if ctx.decode_baseline else None
         r["error"] = f"vendor: {_err(e)}"
-    _sync(dev)
-    _timed(r, "ours_ms", ours, ctx.timer)
-    if vendor_fn is not None:
-        _timed(r, "vendor_ms", vendor_fn, ctx.timer)
+    _time_both(r, dev, ours, vendor_fn, ctx.timer)
     return [r]
 
 
@@ -594,7 +583,7 @@ def main():
         capability=".".join(map(str, torch.cuda.get_device_capability())) if dev.type == "cuda" else None,
         torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=_commit(), command=shlex.join([os.path.basename(sys.executable)] + sys.argv),
+        commit=commit(), command=shlex.join([os.path.basename(sys.executable)] + sys.argv),
         timing=("wall clock, median of 3 (CPU smoke)" if args.cpu_smoke else
                 "bench_primitives._time with --cuda-graphs: do_bench_cudagraph median (do_bench where capture fails)"
                 if args.cuda_graphs else

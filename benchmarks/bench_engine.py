@@ -13,20 +13,13 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
 import torch
 
-
-def commit() -> str:
-    if os.environ.get("ALIGNZOO_COMMIT"):  # the device's copy of .git can lag the working tree
-        return os.environ["ALIGNZOO_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return os.environ.get("ALIGNZOO_COMMIT", "unknown")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_primitives import commit  # noqa: E402
 
 
 def timed(fn):

@@ -30,6 +30,19 @@ MS = (1, 8, 64, 256, 1024, 4096, 8192)
 _GRAPHS = False  # --cuda-graphs
 
 
+def commit() -> str:
+    """The commit a result belongs to: ALIGNZOO_COMMIT when set (the device's
+    copy of .git can lag the working tree), else git's HEAD, else "unknown"."""
+    if os.environ.get("ALIGNZOO_COMMIT"):
+        return os.environ["ALIGNZOO_COMMIT"]
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+        return r.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
 def _time(fn) -> float:
     """Median kernel time: triton's do_bench (L2 flushed between reps), or with
     --cuda-graphs a CUDA-graph replay, so small M measures the GPU rather than
@@ -232,8 +245,7 @@ def main():
             ratio = f"{r['ratio']:.2f}" if r["ratio"] else "n/a"
             print(f"{r['op']:8s} {r['shape']:28s} M={r['M']:5d} exact={r['exact']!s:5s} "
                   f"aligned={r['aligned_ms'] or float('nan'):.4f}ms vendor={r['vendor_ms']:.4f}ms ratio={ratio}", flush=True)
-    commit = os.environ.get("ALIGNZOO_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit or "unknown",
+    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit(),
                 command=" ".join([os.path.basename(sys.executable)] + sys.argv), torch=torch.__version__, triton=triton.__version__)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "primitives.json"), "w") as f:
