@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.engine.sequence import check_token_ids
 from ..common.sampling import SamplingParams
 
 
@@ -41,23 +42,17 @@ def sampling_list(sampling, n: int) -> list[SamplingParams]:
     return params
 
 
-def as_token_list(seq, what: str) -> list[int]:
-    if isinstance(seq, torch.Tensor):
-        if seq.dim() != 1 or seq.dtype.is_floating_point or seq.dtype == torch.bool:
-            raise ValueError(f"{what} must be a 1-D integer tensor, got {seq.dtype} of shape {tuple(seq.shape)}")
-        return seq.tolist()
-    out = list(seq)
-    if any(not isinstance(t, int) or isinstance(t, bool) for t in out):
-        raise TypeError(f"{what} must hold ints (token ids)")
-    return out
-
-
 def pack_scored(sequences, prompt_lens: Sequence[int], vocab_size: int, max_position: int, device) -> PackedScored:
     if len(sequences) != len(prompt_lens):
         raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
     if not len(sequences):
         raise ValueError("no sequences to score")
-    seqs = [as_token_list(s, f"sequences[{i}]") for i, s in enumerate(sequences)]
+    seqs = []
+    for i, s in enumerate(sequences):
+        try:
+            seqs.append(check_token_ids(s, vocab_size))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"sequence {i}: {e}") from None
     tokens, positions, rows, targets, counts, cu = [], [], [], [], [], [0]
     for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
         n = len(s)
@@ -65,9 +60,6 @@ def pack_scored(sequences, prompt_lens: Sequence[int], vocab_size: int, max_posi
             raise ValueError(f"prompt_lens[{i}] = {p!r} must be an int in [1, {n}] (sequence {i} has {n} tokens)")
         if n > max_position:
             raise ValueError(f"sequence {i} has {n} tokens, past the model's maximum position {max_position}")
-        bad = [t for t in s if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"sequence {i} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
         off = cu[-1]
         tokens += s
         positions += range(n)

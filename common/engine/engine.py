@@ -6,7 +6,6 @@ records the weight version it was sampled under.
 """
 from __future__ import annotations
 
-import operator
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
@@ -19,7 +18,7 @@ from ..sampling import SamplingParams
 from .model_api import ServeModel
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import Completion, Sequence
+from .sequence import Completion, Sequence, check_token_ids
 
 CPU_KV_CACHE_BYTES = 1 << 30
 CUDA_KV_CACHE_FRACTION = 0.3  # of free memory after the model loaded; the rest: the trainer (it shares the GPU), activations, logits, graphs
@@ -201,7 +200,7 @@ class Engine:
         seqs = []
         for i, (s, pl, sp) in enumerate(zip(sequences, prompt_lens, sps)):
             try:
-                s = self._check_tokens(s)
+                s = check_token_ids(s, self.model.vocab_size)
                 if not isinstance(sp, SamplingParams):
                     raise TypeError(f"sampling must be a SamplingParams, got {type(sp).__name__}")
                 if isinstance(pl, bool) or not isinstance(pl, int) or not 1 <= pl <= len(s):
@@ -229,33 +228,10 @@ class Engine:
             return list(sampling)
         return [sampling] * len(prompts)
 
-    def _check_tokens(self, ids) -> list[int]:
-        if isinstance(ids, torch.Tensor):
-            if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex:
-                raise TypeError(f"token ids must be a 1-D integer tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
-            ids = ids.tolist()
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Seq):
-            raise TypeError(f"token ids must be a list of ints, got {type(ids).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token id")
-        out = []
-        V = self.model.vocab_size
-        for i, t in enumerate(ids):
-            if isinstance(t, bool):
-                raise TypeError(f"token {i} is a bool ({t}), not a token id")
-            try:
-                t = operator.index(t)
-            except TypeError:
-                raise TypeError(f"token {i} is a {type(t).__name__} ({t!r}), not an int token id") from None
-            if not 0 <= t < V:
-                raise ValueError(f"token id {t} at index {i} is outside the vocabulary [0, {V})")
-            out.append(t)
-        return out
-
     def _check_request(self, prompt, sampling) -> list[int]:
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        prompt = self._check_tokens(prompt)
+        prompt = check_token_ids(prompt, self.model.vocab_size)
         total = len(prompt) + sampling.max_new_tokens
         if total > self.model.max_position:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "

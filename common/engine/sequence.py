@@ -8,7 +8,9 @@ need logits, and what happens with the rows it gets back.
 from __future__ import annotations
 
 import enum
+import operator
 import itertools
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -116,3 +118,29 @@ class Sequence:
             weight_versions=tuple(self.versions),
             request_id=self.id,
         )
+
+
+def check_token_ids(ids, vocab_size: int) -> list[int]:
+    """A list of ints from a 1-D integer tensor or a sequence of ints, each
+    in [0, vocab_size); a clear TypeError / ValueError otherwise.  Used for
+    the engine's prompts and scored sequences and the trainers' sequences."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex:
+            raise TypeError(f"token ids must be a 1-D integer tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Seq):
+        raise TypeError(f"token ids must be a list of ints, got {type(ids).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token id")
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, bool):
+            raise TypeError(f"token {i} is a bool ({t}), not a token id")
+        try:
+            t = operator.index(t)
+        except TypeError:
+            raise TypeError(f"token {i} is a {type(t).__name__} ({t!r}), not an int token id") from None
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"token id {t} at index {i} is outside the vocabulary [0, {vocab_size})")
+        out.append(t)
+    return out
