@@ -88,8 +88,10 @@ def build_trainer(cfg: Qwen3Config, checkpoint=None, *, device="cpu", dtype=torc
 
 
 def server_weights(trainer: Qwen3Trainer) -> dict[str, torch.Tensor]:
-    """The server's own copy of the tensors the trainer's forward reads."""
-    return {name: t.clone() for name, t in trainer.forward_weights().items()}
+    """The server's own tensors, shaped as the ones the trainer's forward
+    reads; left unfilled: the pair's first sync writes every byte (a clone
+    here would copy the whole model twice at start-up)."""
+    return {name: torch.empty_like(t) for name, t in trainer.forward_weights().items()}
 
 
 def read_lora_adapter(directory) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], LoRAConfig]:
