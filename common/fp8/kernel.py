@@ -48,7 +48,7 @@ def _tile_coords(tile, n_m, n_n, GROUP_M: tl.constexpr):
     return first_m + (tile % size_m), (tile % (GROUP_M * n_n)) // size_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(p_xq, p_xs, p_wq, p_ws, p_y, M, N, K, KB,
                      stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -104,7 +104,7 @@ def _pairwise_sum(x, BM: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
     return tl.reshape(x, (BM,))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _lm_head_fwd_kernel(
     h, w, tgt, z_out, m_out, l_out, zt_out,
     T, V, K, G,
@@ -137,7 +137,7 @@ def _lm_head_fwd_kernel(
             tl.store(zt_out + o_m, b_zt, mask=m_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _lm_head_merge_kernel(
     m_in, l_in, zt_in, lp_out, lse_out,
     T, G,
@@ -172,7 +172,7 @@ def _lm_head_merge_kernel(
         tl.store(lp_out + o_r, b_zt - b_lse, mask=m_r)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _lm_head_dz_kernel(
     h, w, tgt, lse, grad, dz,
     T, V, K, g0, n_cols,

@@ -69,7 +69,7 @@ def _tile_coords(tile, n_m, n_n, GROUP_M: tl.constexpr):
     return first_m + (tile % size_m), (tile % (GROUP_M * n_n)) // size_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _mm_fused_kernel(p_x, p_w, p_y, M, N, K,
                      stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                      N_SEG, SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -86,7 +86,7 @@ def _mm_fused_kernel(p_x, p_w, p_y, M, N, K,
              b_total.to(p_y.dtype.element_ty), mask=(o_m[:, None] < M) & (o_n[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _mm_split_kernel(p_x, p_w, p_ws, M, N, K,
                      stride_xm, stride_xk, stride_wn, stride_wk,
                      SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -101,7 +101,7 @@ def _mm_split_kernel(p_x, p_w, p_ws, M, N, K,
              mask=(o_m[:, None] < M) & (o_n[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _mm_merge_kernel(p_ws, p_y, M, N, stride_ym, stride_yn, N_SEG, BLOCK: tl.constexpr):
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = o < M * N
@@ -112,7 +112,7 @@ def _mm_merge_kernel(p_ws, p_y, M, N, stride_ym, stride_yn, N_SEG, BLOCK: tl.con
     tl.store(p_y + i_m * stride_ym + i_n * stride_yn, b_total.to(p_y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _mm_tma_persistent_kernel(d_x, d_w, d_y, M, N, K, N_SEG,
                               SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr):

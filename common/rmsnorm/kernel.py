@@ -2,15 +2,20 @@
 
 Reduction order (the contract; ``cpu.py`` computes the same order):
 
-* row sums (``sum(x^2)`` forward, ``sum(dn * n)`` backward): the whole row is
-  one (BM, BLOCK_H) tile, BLOCK_H = next_pow2(H), masked lanes hold 0; the
-  tile is summed by ``_row_tree_sum``, a pairwise tree over adjacent lanes
-  built from ``reshape`` + ``split`` + element-wise ``+``.  Its result is
-  fixed by the tensor *semantics*, not by the layout Triton picks: ``tl.sum``'s
-  order follows the layout (``sizePerThread``), and the seeds saw one extra
-  bf16 store change that layout and 2,854 of 8,192 outputs.  So the plain and
-  the fused kernel (which stores the new residual) add in the same order, and
-  ``num_warps`` and rows per program (BM) are free launch knobs.
+* row sums (``sum(x^2)`` forward, ``sum(dn * n)`` backward): the pairwise
+  tree over the row's P = next_pow2(H) lanes (masked lanes hold 0),
+  ``s[i] <- s[2i] + s[2i+1]``.  A row of more than ``FWD_CHUNK`` = 256 lanes
+  is read in NC = P / 256 chunks: each chunk's 8-level subtree, then the
+  log2(NC)-level tree over the chunk sums -- exactly the levels of the P-lane
+  tree, so the bits do not depend on the chunking, which only keeps the
+  compiled tree small (a single 4096-lane tile took ptxas minutes at
+  H = 4096).  ``_row_tree_sum`` builds each tree from ``reshape`` + ``split``
+  + element-wise ``+``, so its result is fixed by the tensor *semantics*,
+  not by the layout Triton picks: ``tl.sum``'s order follows the layout
+  (``sizePerThread``), and the seeds saw one extra bf16 store change that
+  layout and 2,854 of 8,192 outputs.  So the plain and the fused kernel
+  (which stores the new residual) add in the same order, and ``num_warps``
+  and rows per program (BM) are free launch knobs.
 * ``dw``: two levels of "slots, then a pairwise tree" (``cpu.py`` spells the
   order out): one program per block of S * DW_TILES rows accumulates tile row
   s into slot s and trees the S slots (``_col_tree_sum``); ``_dw_sum_kernel``
@@ -48,6 +53,30 @@ def _row_tree_sum(b, BM: tl.constexpr, LOG2_H: tl.constexpr):
 
 
 @triton.jit
+def _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES: tl.constexpr, STORE_RES: tl.constexpr):
+    """fp32 (BM, CHUNK) tile of the rows to normalise: x, or the fused sum
+    s = dtype(x + res) (stored as the new residual when STORE_RES)."""
+    b_x = tl.load(p_x + o_x, mask=m_x, other=0.0).to(tl.float32)
+    if HAS_RES:
+        b_s = (b_x + tl.load(p_res + o_x, mask=m_x, other=0.0).to(tl.float32)).to(dtype)
+        if STORE_RES:
+            tl.store(p_res_out + o_x, b_s, mask=m_x)
+        b_x = b_s.to(tl.float32)
+    return b_x
+
+
+@triton.jit
+def _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_h, m_h, o_x, m_x, dtype, HAS_Z: tl.constexpr):
+    b_w = tl.load(p_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+    b_n = (b_x * b_rstd[:, None]).to(dtype).to(tl.float32)
+    b_y = (b_n * b_w[None, :]).to(dtype)
+    if HAS_Z:
+        b_z = tl.load(p_z + o_x, mask=m_x, other=0.0).to(tl.float32)
+        b_y = (b_y.to(tl.float32) * (b_z / (1.0 + tl.exp(-b_z)))).to(dtype)
+    tl.store(p_y + o_x, b_y, mask=m_x)
+
+
+@triton.jit(do_not_specialize=["M"])
 def _rmsnorm_fwd_kernel(
     p_x,
     p_res,
@@ -59,39 +88,53 @@ def _rmsnorm_fwd_kernel(
     M,
     eps,
     H: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    LOG2_H: tl.constexpr,
+    CHUNK: tl.constexpr,
+    LOG2_CHUNK: tl.constexpr,
+    NC: tl.constexpr,
+    LOG2_NC: tl.constexpr,
     BM: tl.constexpr,
     HAS_RES: tl.constexpr,
     HAS_Z: tl.constexpr,
 ):
+    """The row's P = NC * CHUNK lanes in NC chunks: each chunk's subtree, then
+    the tree over the NC chunk sums -- the levels of one P-lane pairwise tree.
+    NC > 1 reads the rows twice (sum, then normalise) and recomputes the fused
+    sum in the second pass rather than reading back its own store."""
     i_m = tl.program_id(0)
     o_m = i_m * BM + tl.arange(0, BM)  # (BM,)
-    o_h = tl.arange(0, BLOCK_H)  # (BLOCK_H,)
+    o_c = tl.arange(0, CHUNK)  # (CHUNK,)
     m_m = o_m < M
-    m_h = o_h < H
-    m_x = m_m[:, None] & m_h[None, :]
-    o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]  # (BM, BLOCK_H)
     dtype = p_y.dtype.element_ty
-
-    b_x = tl.load(p_x + o_x, mask=m_x, other=0.0).to(tl.float32)
-    if HAS_RES:
-        b_s = (b_x + tl.load(p_res + o_x, mask=m_x, other=0.0).to(tl.float32)).to(dtype)
-        tl.store(p_res_out + o_x, b_s, mask=m_x)
-        b_x = b_s.to(tl.float32)
-
-    b_ss = _row_tree_sum(b_x * b_x, BM, LOG2_H)  # (BM,)
+    if NC == 1:
+        m_h = o_c < H
+        m_x = m_m[:, None] & m_h[None, :]
+        o_x = o_m[:, None].to(tl.int64) * H + o_c[None, :]  # (BM, CHUNK)
+        b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, True)
+        b_ss = _row_tree_sum(b_x * b_x, BM, LOG2_CHUNK)  # (BM,)
+    else:
+        o_k = tl.arange(0, NC)
+        b_part = tl.zeros((BM, NC), dtype=tl.float32)
+        for i_c in range(NC):
+            o_h = i_c * CHUNK + o_c
+            m_x = m_m[:, None] & (o_h < H)[None, :]
+            o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]
+            b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, True)
+            b_sub = _row_tree_sum(b_x * b_x, BM, LOG2_CHUNK)  # (BM,): lanes [i_c * CHUNK, (i_c + 1) * CHUNK)
+            b_part = tl.where(o_k[None, :] == i_c, b_sub[:, None], b_part)
+        b_ss = _row_tree_sum(b_part, BM, LOG2_NC)
     b_var = tl.math.div_rn(b_ss, tl.full((BM,), H, tl.float32))
     b_rstd = tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), tl.math.sqrt_rn(b_var + eps))
     tl.store(p_rstd + o_m, b_rstd, mask=m_m)
-
-    b_w = tl.load(p_w + o_h, mask=m_h, other=0.0).to(tl.float32)
-    b_n = (b_x * b_rstd[:, None]).to(dtype).to(tl.float32)
-    b_y = (b_n * b_w[None, :]).to(dtype)
-    if HAS_Z:
-        b_z = tl.load(p_z + o_x, mask=m_x, other=0.0).to(tl.float32)
-        b_y = (b_y.to(tl.float32) * (b_z / (1.0 + tl.exp(-b_z)))).to(dtype)
-    tl.store(p_y + o_x, b_y, mask=m_x)
+    if NC == 1:
+        _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_c, m_h, o_x, m_x, dtype, HAS_Z)
+    else:
+        for i_c in range(NC):
+            o_h = i_c * CHUNK + o_c
+            m_h = o_h < H
+            m_x = m_m[:, None] & m_h[None, :]
+            o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]
+            b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, False)
+            _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_h, m_h, o_x, m_x, dtype, HAS_Z)
 
 
 @triton.jit
@@ -101,6 +144,35 @@ def _col_tree_sum(b, S: tl.constexpr, BLOCK: tl.constexpr, LOG2_S: tl.constexpr)
 
 
 @triton.jit
+def _bwd_terms(p_dy, p_x, p_z, p_dz, b_w, b_rstd, o_x, m_x, HAS_Z: tl.constexpr, STORE_DZ: tl.constexpr):
+    """(n, dh) of a (S, CHUNK) tile: n = x * rstd; dh = dy (gated: dy * silu(z),
+    and dz stored when STORE_DZ)."""
+    b_x = tl.load(p_x + o_x, mask=m_x, other=0.0).to(tl.float32)
+    b_dy = tl.load(p_dy + o_x, mask=m_x, other=0.0).to(tl.float32)
+    b_n = b_x * b_rstd
+    if HAS_Z:
+        b_z = tl.load(p_z + o_x, mask=m_x, other=0.0).to(tl.float32)
+        b_e = tl.exp(-b_z)
+        if STORE_DZ:
+            b_sig = 1.0 / (1.0 + b_e)
+            b_dz = b_dy * (b_n * b_w) * (b_sig * (1.0 + b_z * (1.0 - b_sig)))
+            tl.store(p_dz + o_x, b_dz.to(p_dz.dtype.element_ty), mask=m_x)
+        b_dh = b_dy * (b_z / (1.0 + b_e))
+    else:
+        b_dh = b_dy
+    return b_n, b_dh
+
+
+@triton.jit
+def _dx_store(b_n, b_dh, b_w, b_rstd, b_c, p_dres, p_dx, o_x, m_x, HAS_DRES: tl.constexpr):
+    """dx = rstd * (dh * w - n * c) (+ dres), rounded once."""
+    b_dx = b_rstd * (b_dh * b_w - b_n * b_c[:, None])
+    if HAS_DRES:
+        b_dx = b_dx + tl.load(p_dres + o_x, mask=m_x, other=0.0).to(tl.float32)
+    tl.store(p_dx + o_x, b_dx.to(p_dx.dtype.element_ty), mask=m_x)
+
+
+@triton.jit(do_not_specialize=["M"])
 def _rmsnorm_bwd_kernel(
     p_dy,
     p_x,
@@ -111,52 +183,80 @@ def _rmsnorm_bwd_kernel(
     p_dx,
     p_dz,
     p_dw_part,
+    p_c,
     M,
     H: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    LOG2_H: tl.constexpr,
+    CHUNK: tl.constexpr,
+    LOG2_CHUNK: tl.constexpr,
+    NC: tl.constexpr,
+    LOG2_NC: tl.constexpr,
     S: tl.constexpr,
     LOG2_S: tl.constexpr,
     TILES: tl.constexpr,
     HAS_DRES: tl.constexpr,
     HAS_Z: tl.constexpr,
 ):
-    """One program per block of S * TILES rows, as TILES (S, BLOCK_H) tiles in
-    order; writes dx (and dz) per row and the block's dw partial: row t*S + s of
-    the block goes to slot s, then the pairwise tree over the S slots."""
+    """One program per block of S * TILES rows, as TILES (S, P) tiles in order;
+    writes dx (and dz) per row and the block's dw partial: row t*S + s of the
+    block goes to slot s, then the pairwise tree over the S slots.
+    NC > 1 (P = NC * CHUNK lanes): pass 1 computes each row's c = tree(dn * n) / H
+    chunk by chunk (subtrees, then the tree over the chunk sums) into the
+    scratch ``p_c``; pass 2 walks the chunks, each over the block's tiles."""
     i_b = tl.program_id(0)
-    o_h = tl.arange(0, BLOCK_H)
-    m_h = o_h < H
-    b_w = tl.load(p_w + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]  # (1, BLOCK_H)
-    b_acc = tl.zeros((S, BLOCK_H), dtype=tl.float32)
-    for i_t in range(TILES):
-        o_m = (i_b * TILES + i_t) * S + tl.arange(0, S)  # (S,)
-        m_m = o_m < M
-        m_x = m_m[:, None] & m_h[None, :]
-        o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]  # (S, BLOCK_H)
-        b_x = tl.load(p_x + o_x, mask=m_x, other=0.0).to(tl.float32)
-        b_dy = tl.load(p_dy + o_x, mask=m_x, other=0.0).to(tl.float32)
-        b_rstd = tl.load(p_rstd + o_m, mask=m_m, other=0.0)[:, None]  # (S, 1)
-        b_n = b_x * b_rstd
-        if HAS_Z:
-            b_z = tl.load(p_z + o_x, mask=m_x, other=0.0).to(tl.float32)
-            b_e = tl.exp(-b_z)
-            b_sig = 1.0 / (1.0 + b_e)
-            b_dz = b_dy * (b_n * b_w) * (b_sig * (1.0 + b_z * (1.0 - b_sig)))
-            tl.store(p_dz + o_x, b_dz.to(p_dz.dtype.element_ty), mask=m_x)
-            b_dh = b_dy * (b_z / (1.0 + b_e))
-        else:
-            b_dh = b_dy
-        b_dn = b_dh * b_w
-        b_c = _row_tree_sum(b_dn * b_n, S, LOG2_H)  # (S,)
-        b_c = tl.math.div_rn(b_c, tl.full((S,), H, tl.float32))
-        b_dx = b_rstd * (b_dn - b_n * b_c[:, None])
-        if HAS_DRES:
-            b_dx = b_dx + tl.load(p_dres + o_x, mask=m_x, other=0.0).to(tl.float32)
-        tl.store(p_dx + o_x, b_dx.to(p_dx.dtype.element_ty), mask=m_x)
-        b_acc = b_acc + b_dh * b_n
-    b_part = _col_tree_sum(b_acc, S, BLOCK_H, LOG2_S)  # (BLOCK_H,)
-    tl.store(p_dw_part + i_b * H + o_h, b_part, mask=m_h)
+    o_c = tl.arange(0, CHUNK)
+    if NC == 1:
+        m_h = o_c < H
+        b_w = tl.load(p_w + o_c, mask=m_h, other=0.0).to(tl.float32)[None, :]  # (1, CHUNK)
+        b_acc = tl.zeros((S, CHUNK), dtype=tl.float32)
+        for i_t in range(TILES):
+            o_m = (i_b * TILES + i_t) * S + tl.arange(0, S)  # (S,)
+            m_m = o_m < M
+            m_x = m_m[:, None] & m_h[None, :]
+            o_x = o_m[:, None].to(tl.int64) * H + o_c[None, :]  # (S, CHUNK)
+            b_rstd = tl.load(p_rstd + o_m, mask=m_m, other=0.0)[:, None]  # (S, 1)
+            b_n, b_dh = _bwd_terms(p_dy, p_x, p_z, p_dz, b_w, b_rstd, o_x, m_x, HAS_Z, True)
+            b_c = _row_tree_sum((b_dh * b_w) * b_n, S, LOG2_CHUNK)  # (S,)
+            b_c = tl.math.div_rn(b_c, tl.full((S,), H, tl.float32))
+            _dx_store(b_n, b_dh, b_w, b_rstd, b_c, p_dres, p_dx, o_x, m_x, HAS_DRES)
+            b_acc = b_acc + b_dh * b_n
+        b_part = _col_tree_sum(b_acc, S, CHUNK, LOG2_S)  # (CHUNK,)
+        tl.store(p_dw_part + i_b * H + o_c, b_part, mask=m_h)
+    else:
+        o_k = tl.arange(0, NC)
+        for i_t in range(TILES):
+            o_m = (i_b * TILES + i_t) * S + tl.arange(0, S)
+            m_m = o_m < M
+            b_rstd = tl.load(p_rstd + o_m, mask=m_m, other=0.0)[:, None]
+            b_sums = tl.zeros((S, NC), dtype=tl.float32)
+            for i_c in range(NC):
+                o_h = i_c * CHUNK + o_c
+                m_h = o_h < H
+                m_x = m_m[:, None] & m_h[None, :]
+                o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]
+                b_w = tl.load(p_w + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]
+                b_n, b_dh = _bwd_terms(p_dy, p_x, p_z, p_dz, b_w, b_rstd, o_x, m_x, HAS_Z, False)
+                b_sub = _row_tree_sum((b_dh * b_w) * b_n, S, LOG2_CHUNK)
+                b_sums = tl.where(o_k[None, :] == i_c, b_sub[:, None], b_sums)
+            b_c = tl.math.div_rn(_row_tree_sum(b_sums, S, LOG2_NC), tl.full((S,), H, tl.float32))
+            tl.store(p_c + o_m, b_c, mask=m_m)
+        tl.debug_barrier()  # pass 2 reads c written by other threads of this program
+        for i_c in range(NC):
+            o_h = i_c * CHUNK + o_c
+            m_h = o_h < H
+            b_w = tl.load(p_w + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]
+            b_acc = tl.zeros((S, CHUNK), dtype=tl.float32)
+            for i_t in range(TILES):
+                o_m = (i_b * TILES + i_t) * S + tl.arange(0, S)
+                m_m = o_m < M
+                m_x = m_m[:, None] & m_h[None, :]
+                o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]
+                b_rstd = tl.load(p_rstd + o_m, mask=m_m, other=0.0)[:, None]
+                b_c = tl.load(p_c + o_m, mask=m_m, other=0.0)
+                b_n, b_dh = _bwd_terms(p_dy, p_x, p_z, p_dz, b_w, b_rstd, o_x, m_x, HAS_Z, True)
+                _dx_store(b_n, b_dh, b_w, b_rstd, b_c, p_dres, p_dx, o_x, m_x, HAS_DRES)
+                b_acc = b_acc + b_dh * b_n
+            b_part = _col_tree_sum(b_acc, S, CHUNK, LOG2_S)
+            tl.store(p_dw_part + i_b * H + o_h, b_part, mask=m_h)
 
 
 @triton.jit
@@ -174,19 +274,23 @@ def _dw_sum_kernel(p_part, p_dw, NB, H, S2: tl.constexpr, LOG2_S2: tl.constexpr,
     tl.store(p_dw + o_h, b_dw.to(p_dw.dtype.element_ty), mask=m_h)
 
 
-def _fwd_config(H: int) -> tuple[int, int]:
-    """Default (rows per program, num_warps) from the width only; neither shapes
-    the reduction (see module docstring), so any value gives the same bits."""
-    block_h = tree_width(H)
-    bm = max(1, min(16, 2048 // block_h))
-    return bm, max(1, min(16, bm * block_h // 512))
+FWD_CHUNK = 256  # lanes per chunk of the forward's row tree (compile-time size; not part of the order)
+
+
+def _fwd_config(H: int) -> tuple[int, int, int]:
+    """Default (chunk lanes, rows per program, num_warps) from the width only;
+    none shapes the reduction (see module docstring), so any value gives the
+    same bits."""
+    chunk = min(tree_width(H), FWD_CHUNK)
+    bm = max(1, min(16, 2048 // chunk))
+    return chunk, bm, max(1, min(16, bm * chunk // 512))
 
 
 def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warps=None):
     """x, residual, z: (M, H) contiguous; w: (H,) -> (y, new_residual or None, rstd (M,) fp32)."""
     M, H = x.shape
-    block_h = tree_width(H)
-    bm, nw = _fwd_config(H)
+    chunk, bm, nw = _fwd_config(H)
+    n_chunks = tree_width(H) // chunk
     bm = block_rows or bm
     nw = num_warps or nw
     if bm & (bm - 1):
@@ -207,8 +311,10 @@ def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warp
         M,
         float(eps),
         H=H,
-        BLOCK_H=block_h,
-        LOG2_H=block_h.bit_length() - 1,
+        CHUNK=chunk,
+        LOG2_CHUNK=chunk.bit_length() - 1,
+        NC=n_chunks,
+        LOG2_NC=n_chunks.bit_length() - 1,
         BM=bm,
         HAS_RES=residual is not None,
         HAS_Z=z is not None,
@@ -221,9 +327,10 @@ def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warp
 def rmsnorm_bwd_cuda(dy, x, w, rstd, dres=None, z=None, num_warps=None):
     """Backward of the three variants -> (dx, dz or None, dw); see ``cpu.rmsnorm_bwd_cpu``."""
     M, H = x.shape
-    block_h = tree_width(H)
+    chunk = min(tree_width(H), FWD_CHUNK)
+    n_chunks = tree_width(H) // chunk
     S = dw_slots(H)
-    nw = num_warps or max(1, min(16, S * block_h // 512))
+    nw = num_warps or max(2, min(16, S * chunk // 256))
     dx = torch.empty_like(x)
     dz = torch.empty_like(z) if z is not None else None
     nb = max(1, triton.cdiv(M, S * DW_TILES))
@@ -238,10 +345,13 @@ def rmsnorm_bwd_cuda(dy, x, w, rstd, dres=None, z=None, num_warps=None):
         dx,
         dz if dz is not None else dx,
         part,
+        torch.empty(M, dtype=torch.float32, device=x.device) if n_chunks > 1 else rstd,  # c scratch
         M,
         H=H,
-        BLOCK_H=block_h,
-        LOG2_H=block_h.bit_length() - 1,
+        CHUNK=chunk,
+        LOG2_CHUNK=chunk.bit_length() - 1,
+        NC=n_chunks,
+        LOG2_NC=n_chunks.bit_length() - 1,
         S=S,
         LOG2_S=S.bit_length() - 1,
         TILES=DW_TILES,
@@ -251,7 +361,7 @@ def rmsnorm_bwd_cuda(dy, x, w, rstd, dres=None, z=None, num_warps=None):
         enable_fp_fusion=False,
     )
     dw = torch.empty_like(w)
-    block = min(128, block_h)
+    block = min(128, tree_width(H))
     _dw_sum_kernel[(triton.cdiv(H, block),)](
         part, dw, nb, H, S2=DW_SLOTS2, LOG2_S2=DW_SLOTS2.bit_length() - 1, BLOCK=block, num_warps=4, enable_fp_fusion=False
     )

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def rope_kernel(
     p_x,
     p_y,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _swiglu_fwd_kernel(
     p_g,
     p_u,
@@ -53,7 +53,7 @@ def _swiglu_fwd_kernel(
     tl.store(p_y + o_m[:, None] * s_y + o_n[None, :], b_y.to(p_y.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _swiglu_bwd_kernel(
     p_dy,
     p_g,
