@@ -14,6 +14,7 @@ must equal the sampler's bit for bit: any difference stops the run
     python examples/qwen3_rl.py --stream             # backward group by group as groups complete
     python examples/qwen3_rl.py --unaligned          # the mismatch this project removes
     python examples/qwen3_rl.py --lora 8             # train rank-8 LoRA adapters on a frozen base
+    python examples/qwen3_rl.py --config qwen3-0.6b --device cuda --steps 5   # real shapes on a GPU
 Writes OUT/log.jsonl (one line per step) and OUT/rl.png (reward and K3 against step).
 """
 from __future__ import annotations
@@ -63,6 +64,9 @@ def parse(argv=None):
                     help="train LoRA adapters of rank R (lora_alpha 2R) on all seven projections of a frozen base; 0: off")
     ap.add_argument("--lora-mode", choices=("merged", "separate"), default="merged",
                     help="merged: W + s·B·A is what the trainer reads and the sync ships; separate: base + branch")
+    ap.add_argument("--config", default=None, metavar="PRESET",
+                    help="a qwen3 preset (e.g. qwen3-0.6b): its shapes and vocabulary instead of the tiny task model "
+                         "(random init; for timing and K3 at real shapes, the task is not learned in a few steps)")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -74,7 +78,7 @@ def parse(argv=None):
 
 
 def build_pair(args, **kw):
-    cfg = {"vocab_size": VOCAB, "max_position": 64}
+    cfg = args.config or {"vocab_size": VOCAB, "max_position": 64}
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     if args.lora:
         kw |= dict(lora={"r": args.lora, "lora_alpha": 2 * args.lora, "target_modules": "all-linear"},

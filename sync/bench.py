@@ -3,6 +3,7 @@
     python -m alignzoo.sync.bench                 # bf16, on CUDA
     python -m alignzoo.sync.bench --fp8           # the layer matrices as float8 codes + scales
     python -m alignzoo.sync.bench --device cpu --small
+    python -m alignzoo.sync.bench --adam 1e-6 [--fp8]  # weights from FP32 masters after Adam steps
 
 Holds four copies of the weights on the device: trainer, shadow, server,
 and (for full payloads) the payload.
@@ -37,6 +38,34 @@ def qwen3_like(device, fp8: bool, small: bool) -> dict[str, torch.Tensor]:
     return w
 
 
+def from_masters(masters: dict[str, torch.Tensor], W: dict[str, torch.Tensor]) -> float:
+    """Requantize the shipped weights from the FP32 masters, as the trainer does
+    once per optimizer step: bf16 by rounding, FP8 matrices by 128x128 blocks.
+    -> the fraction of shipped elements (codes; scales not counted) whose bits changed."""
+    from ..common.fp8 import quantize_weight_fp8
+
+    changed = total = 0
+    for n, m in masters.items():
+        old = W[n].clone()
+        if n + "_scale_inv" in W:
+            codes, scale_inv = quantize_weight_fp8(m)
+            W[n].copy_(codes)
+            W[n + "_scale_inv"].copy_(scale_inv)
+        else:
+            W[n].copy_(m)
+        changed += int((as_int(old) != as_int(W[n])).sum())
+        total += old.numel()
+    return changed / total
+
+
+def adam_step(masters: dict[str, torch.Tensor], lr: float, seed: int) -> None:
+    """An Adam step on every master: with fresh moments the update m/sqrt(v) is
+    g/|g|, so each element moves by lr in a random direction."""
+    g = torch.Generator(device=next(iter(masters.values())).device).manual_seed(seed)
+    for m in masters.values():
+        m.add_(torch.randn(m.shape, device=m.device, generator=g).sign_(), alpha=-lr)
+
+
 def touch(weights: dict[str, torch.Tensor], frac: float, seed: int = 1) -> None:
     """Flip one bit in a random ``frac`` of the rows of every matrix (all of every tensor at frac 1)."""
     for n, t in weights.items():
@@ -53,6 +82,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--adam", type=float, default=None, metavar="LR",
+                    help="weights requantized from FP32 masters after Adam steps of this lr (instead of bit flips)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -68,6 +99,22 @@ def main() -> None:
     print(f"{len(W)} tensors, {sum(t.numel() * t.element_size() for t in W.values()) / 2**30:.2f} GiB on {dev}")
     S = {n: torch.zeros_like(t) for n, t in W.items()}
     pub, rx = Publisher(lambda: W), Receiver(S)
+    if args.adam is not None:
+        masters = {n: (torch.randn(t.shape, device=dev) * 0.02) for n, t in W.items() if not n.endswith("_scale_inv")}
+        from_masters(masters, W)
+        _, t = timed(lambda: rx.apply(pub.publish()))
+        print(f"first (full) publish + apply {t:.3f} s")
+        for step in range(1, 4):
+            adam_step(masters, args.adam, seed=step)
+            frac, tq = timed(lambda: from_masters(masters, W))
+            p, tp = timed(pub.publish)
+            _, ta = timed(lambda: rx.apply(p))
+            print(f"Adam step {step} (lr {args.adam:g}): {100 * frac:.3f}% of elements changed; "
+                  f"requantize (+ diff count) {tq:.3f} s, publish {tp:.3f} s, "
+                  f"apply + end-state check {ta:.3f} s, publish + apply {tp + ta:.3f} s | {p.stats}")
+            del p
+        assert weights_checksum(S) == weights_checksum(W)
+        return
     for _ in range(2):
         print(f"weights_checksum: {timed(lambda: weights_checksum(W))[1]:.3f} s")
     for label, frac in [("first (full)", None), ("nothing changed", 0), ("0.1% of rows", 0.001),
