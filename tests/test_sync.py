@@ -168,6 +168,23 @@ def test_checksums_see_every_byte():
     assert weights_checksum({"x": t}) != weights_checksum({"y": t})
 
 
+@pytest.mark.gpu
+def test_checksum_cuda_kernel_equals_cpu():
+    """The CUDA kernel and the CPU torch passes give the same checksum, at odd
+    sizes and offsets (a block boundary, a partial word, a view into a buffer)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randint(0, 256, (3 * 4096 * 4 + 13,), dtype=torch.uint8, generator=g)
+    for n in (1, 4, 7, 4096 * 4, 4096 * 4 + 4, 3 * 4096 * 4 + 9):
+        for off in (0, 4, 1):
+            t = buf[off:off + n]
+            assert tensor_checksum(t.cuda()) == tensor_checksum(t), (n, off)
+    w = torch.randn(1000, 4099, generator=g).bfloat16()
+    assert tensor_checksum(w.cuda()) == tensor_checksum(w)
+    assert tensor_checksum(w.cuda()[:, 1:]) == tensor_checksum(w[:, 1:])
+
+
 def test_views_and_expert_stacks():
     """Server tensors that are views at odd offsets of one flat buffer, a
     transposed (non-contiguous) trainer tensor, and a float8 expert stack
