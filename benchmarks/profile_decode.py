@@ -1,0 +1,158 @@
+"""Where a decode step's time goes: the engine's step split into graph replay,
+sampling and host work, the kernels of one decode forward, and the weight-read
+bound — for the aligned server and the vendor-kernel server side by side.
+
+    python benchmarks/profile_decode.py --config qwen3-8b --batches 1,64 --out DIR
+
+Per batch size B (prompts of --prompt tokens, then decode steps timed one by one):
+  step ms      wall time of ``engine.step()`` in steady decode (host included)
+  replay ms    the captured decode graph replayed alone (CUDA events)
+  sample ms    ``sample_fwd`` on the graph's logits with the step's sampling params
+  host ms      step - replay - sample: batch building, copies, scheduling, .tolist()
+  bound ms     weight bytes / copy bandwidth measured in the same run (batch 1's floor)
+Then the top kernels of one eager decode forward (torch.profiler), by CUDA time.
+Writes profile_decode.json and profile_decode.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_primitives import commit  # noqa: E402
+
+
+def cuda_ms(fn, reps: int = 20) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = cuda_ms(lambda: b.copy_(a), reps=10)
+    return 2 * nbytes / (ms / 1e3)
+
+
+def weight_bytes(server) -> int:
+    model = server.runner.model
+    return sum(t.numel() * t.element_size() for t in getattr(model, "weights", {}).values())
+
+
+def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> dict:
+    from alignzoo import SamplingParams
+    from alignzoo.common.engine.model_runner import first_rows
+    from alignzoo.common.sampling import params_to_tensors, sample_fwd
+
+    eng = pair.server
+    V = pair.config.vocab_size
+    sp = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=steps + 8, seed=1, stop_token_ids=())
+    for _ in range(B):
+        eng.add_request(torch.randint(0, V, (prompt,), generator=g).tolist(), sp)
+    seqs = eng.scheduler.running
+    while len(seqs) < B or any(s.num_cached < len(s.prompt) for s in seqs):  # until every prompt is prefilled
+        eng.step()
+        seqs = eng.scheduler.running
+    for _ in range(3):
+        eng.step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    step_ms = 1e3 * sorted(times)[len(times) // 2]
+    runner = eng.runner
+    bucket = runner.graphs.bucket(B) if runner.graphs is not None else None
+    replay_ms = cuda_ms(lambda: runner.graphs.graphs[bucket].replay()) if bucket else float("nan")
+    logits = runner.graphs.logits[bucket][:B] if bucket else torch.randn(B, V, device="cuda")
+    params = {k: v.cuda() for k, v in params_to_tensors([sp] * B, [0] * B).items()}
+
+    def sample():
+        tok, lp = sample_fwd(logits, **params)
+        tok.tolist()
+
+    sample_ms = cuda_ms(sample)
+    while eng.has_unfinished():
+        eng.step()
+    eager = first_rows(runner.graphs.static, bucket) if bucket else None
+    kernels = []
+    if eager is not None:
+        with torch.inference_mode():
+            runner.model.forward(eager, runner.kv_cache)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    runner.model.forward(eager, runner.kv_cache)
+                torch.cuda.synchronize()
+        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
+            kernels.append({"kernel": e.key[:90], "calls": e.count // 3, "ms_per_forward": e.device_time_total / 3e3})
+    return {"batch": B, "step_ms": step_ms, "replay_ms": replay_ms, "sample_ms": sample_ms,
+            "host_ms": step_ms - replay_ms - sample_ms, "kernels": kernels}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="qwen3-8b")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--kernels", default="aligned,vendor", help="server kernels to profile, comma-separated")
+    ap.add_argument("--out", default="gpu_out")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("profile_decode needs a CUDA device", file=sys.stderr)
+        return 2
+    import alignzoo
+
+    batches = [int(b) for b in args.batches.split(",")]
+    bw = copy_bandwidth()
+    head = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "commit": commit(), "command": " ".join(sys.argv), "config": args.config, "copy_GBps": bw / 1e9}
+    results = {}
+    for kind in args.kernels.split(","):
+        pair = alignzoo.load_pair("qwen3", config=args.config, device="cuda", max_batch_size=max(batches),
+                                  server_kernels=kind)
+        g = torch.Generator().manual_seed(0)
+        wb = weight_bytes(pair.server)
+        rows = [profile_batch(pair, B, args.prompt, args.steps, g) for B in batches]
+        results[kind] = {"weight_bytes": wb, "bound_ms": 1e3 * wb / (bw / 2), "rows": rows}
+        print(json.dumps({kind: results[kind]}), flush=True)
+        del pair
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile_decode.json"), "w") as f:
+        json.dump({**head, "results": results}, f, indent=1)
+    lines = [f"# Decode step profile: qwen3 {args.config}", "", *(f"- {k}: {v}" for k, v in head.items()), "",
+             "| server | batch | step ms | replay ms | sample ms | host ms | weight-read bound ms |",
+             "|---|---|---|---|---|---|---|"]
+    for kind, r in results.items():
+        lines += [f"| {kind} | {x['batch']} | {x['step_ms']:.2f} | {x['replay_ms']:.2f} | {x['sample_ms']:.2f} | "
+                  f"{x['host_ms']:.2f} | {r['bound_ms']:.2f} |" for x in r["rows"]]
+    for kind, r in results.items():
+        for x in r["rows"]:
+            lines += ["", f"## {kind}, batch {x['batch']}: top kernels of one eager decode forward", "",
+                      "| kernel | calls | ms per forward |", "|---|---|---|"]
+            lines += [f"| `{k['kernel']}` | {k['calls']} | {k['ms_per_forward']:.3f} |" for k in x["kernels"]]
+    with open(os.path.join(args.out, "profile_decode.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
