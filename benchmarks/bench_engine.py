@@ -6,6 +6,13 @@ aligned qwen3 pair at real shapes with random weights.
 Prefill: B prompts of --prompt tokens with max_new_tokens=1 (prompt tokens / s).
 Decode: the same prompts with --new tokens each; decode tok/s = B * (new - 1) /
 (total time - the prefill time measured alone).  Writes engine.json and engine.md.
+
+The model's max_position is cut to what the benchmark uses (prompt + new,
+rounded up to a page; --max-position 0 keeps the preset's): decode graphs are
+captured with a block table of max_position / 64 pages, and the vendor server
+gathers that whole width per sequence and step (40960 positions for the 8B
+preset: tens of GB per layer at batch 256), where a vendor stack's paged
+kernel reads only the cached pages.  Both engines get the same cut.
 """
 from __future__ import annotations
 
@@ -21,13 +28,70 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_primitives import commit  # noqa: E402
 
+PAGE = 64  # common.kv_cache.PAGE_SIZE
 
-def timed(fn):
-    torch.cuda.synchronize()
+
+def fit_max_position(*lengths: int) -> int:
+    """The longest of ``lengths`` rounded up to a whole KV page."""
+    return -(-max(lengths) // PAGE) * PAGE
+
+
+def load(config: str, *, server_kernels: str = "aligned", max_batch_size: int, cuda_graphs: bool = True,
+         max_position: int | None = None, num_layers: int | None = None, device="cuda", **engine_kwargs):
+    """A qwen3 pair of preset ``config`` (random weights), optionally with
+    max_position cut and fewer layers (same kernels and shapes per layer:
+    one layer compiles everything the full model runs)."""
+    import alignzoo
+    from alignzoo.models.qwen3 import Qwen3Config
+
+    changes = {k: v for k, v in (("max_position", max_position), ("num_layers", num_layers)) if v}
+    cfg = Qwen3Config.preset(config).replace(**changes)
+    return alignzoo.load_pair("qwen3", config=cfg, device=device, max_batch_size=max_batch_size,
+                              cuda_graphs=cuda_graphs, server_kernels=server_kernels, **engine_kwargs)
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: all of them but an untied
+    embedding table (only the batch's rows of it are read)."""
+    w = model.weights
+    skip = {"embed.weight"} if "lm_head.weight" in w else set()
+    return sum(t.numel() * t.element_size() for n, t in w.items() if n not in skip)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device="cuda"):
+    _sync(device)
     t0 = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    _sync(device)
     return out, time.perf_counter() - t0
+
+
+def measure(eng, vocab: int, batch: int, prompt: int, new: int, seed: int = 0) -> dict:
+    """Prefill and decode throughput of ``batch`` random prompts on engine ``eng``."""
+    from alignzoo import SamplingParams
+
+    dev = eng.model.device
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (prompt,), generator=g).tolist() for _ in range(batch)]
+    sp1 = SamplingParams(temperature=1.0, max_new_tokens=1, seed=1)
+    spn = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=new, seed=1, stop_token_ids=())
+    # warm-up (Triton compiles) with every prefill chunk shape the timed run meets; decode replays
+    # graphs captured at load, but eager decode compiles for its batch size
+    warm = prompts if eng.runner.graphs is None else prompts[:max(1, min(batch, eng.max_batch_tokens // prompt))]
+    eng.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=2, seed=1, stop_token_ids=()))
+    pre0 = eng.num_preemptions
+    _, t_pre = timed(lambda: eng.generate(prompts, sp1), dev)
+    outs, t_all = timed(lambda: eng.generate(prompts, spn), dev)
+    n_dec = sum(len(o.tokens) - 1 for o in outs)
+    return {"batch": batch, "prompt": prompt, "new": new, "prefill_s": t_pre, "total_s": t_all,
+            "prefill_tok_s": batch * prompt / t_pre, "decode_tok_s": n_dec / max(t_all - t_pre, 1e-9),
+            "decode_step_ms": 1e3 * (t_all - t_pre) / max(new - 1, 1),
+            "preemptions": eng.num_preemptions - pre0}
 
 
 def main() -> int:
@@ -36,6 +100,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--batches", default="1,8,64,256")
+    ap.add_argument("--max-position", type=int, default=None,
+                    help="the model's max_position (default: prompt + new, page-rounded; 0: the preset's)")
     ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
     ap.add_argument("--server-kernels", choices=("aligned", "vendor"), default="aligned",
                     help="vendor: the same engine on torch's kernels (the baseline of issue 7)")
@@ -44,34 +110,21 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_engine needs a CUDA device", file=sys.stderr)
         return 2
-    import alignzoo
-    from alignzoo import SamplingParams
-
     batches = [int(b) for b in args.batches.split(",")]
+    max_pos = fit_max_position(args.prompt + args.new) if args.max_position is None else args.max_position
     t0 = time.perf_counter()
-    pair = alignzoo.load_pair("qwen3", config=args.config, device="cuda", max_batch_size=max(batches),
-                              cuda_graphs=args.cuda_graphs == "on", server_kernels=args.server_kernels)
+    pair = load(args.config, server_kernels=args.server_kernels, max_batch_size=max(batches),
+                cuda_graphs=args.cuda_graphs == "on", max_position=max_pos)
     print(f"loaded {args.config} in {time.perf_counter() - t0:.1f}s; {pair.server.num_pages} KV pages", flush=True)
-    eng, V = pair.server, pair.config.vocab_size
-    g = torch.Generator().manual_seed(0)
     rows = []
     for B in batches:
-        prompts = [torch.randint(0, V, (args.prompt,), generator=g).tolist() for _ in range(B)]
-        sp1 = SamplingParams(temperature=1.0, max_new_tokens=1, seed=1)
-        spn = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=args.new, seed=1, stop_token_ids=())
-        eng.generate(prompts[:1], sp1)  # warm-up (compiles)
-        _, t_pre = timed(lambda: eng.generate(prompts, sp1))
-        outs, t_all = timed(lambda: eng.generate(prompts, spn))
-        n_dec = sum(len(o.tokens) - 1 for o in outs)
-        row = {"batch": B, "prompt": args.prompt, "new": args.new, "prefill_s": t_pre, "total_s": t_all,
-               "prefill_tok_s": B * args.prompt / t_pre, "decode_tok_s": n_dec / max(t_all - t_pre, 1e-9),
-               "decode_step_ms": 1e3 * (t_all - t_pre) / max(args.new - 1, 1)}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(measure(pair.server, pair.config.vocab_size, B, args.prompt, args.new))
+        print(json.dumps(rows[-1]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     head = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "commit": commit(), "command": " ".join(sys.argv), "config": args.config,
-            "cuda_graphs": args.cuda_graphs, "server_kernels": args.server_kernels}
+            "max_position": pair.config.max_position, "cuda_graphs": args.cuda_graphs,
+            "server_kernels": args.server_kernels}
     stem = "engine" if args.server_kernels == "aligned" else "engine_vendor"
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({**head, "rows": rows}, f, indent=1)
