@@ -12,8 +12,13 @@ One run, one process, three sections (Hq 32, Hkv 8, D 128, bf16):
   one sequence of S = 1024, 4096, 16384 and a packed batch of 4 x 1024.
 - backward: ``attention_bwd`` against the SDPA flash backward
   (``torch.autograd.grad`` of the flash forward) at S = 4096.
-- decode: ``paged_attention_fwd`` with ``max_seqlen_q=1`` (one query per
-  sequence, cache pages shuffled by ``BlockManager``) against the first vendor
+- decode: ``paged_attention_fwd`` with ``max_seqlen_q=1`` — the split decode
+  kernel: one program per (1024-position segment, sequence, kv head), then the
+  in-order merge kernel; its tile is ``kernel.decode_config`` (recorded in the
+  table note; ``--decode-tile prefill`` runs the prefill tile instead) — (one
+  query per sequence, cache pages shuffled by ``BlockManager``; the block
+  table padded to ``--decode-table-pages`` pages when given, as a CUDA-graph
+  batch pads it, so the extra segments' programs are timed) against the first vendor
   paged-decode kernel that imports, runs and agrees with ours to bf16
   tolerance: flash_attn ``flash_attn_with_kvcache`` (its own page-256 cache
   holding the same K/V), flashinfer ``BatchDecodeWithPagedKVCacheWrapper``,
@@ -457,10 +462,14 @@ def bench_decode(ctx, B, n_ctx):
     q = q_all[last].contiguous()  # (B, Hq, D): each sequence's last query
     del q_all
     kc, vc, bt, sl = _paged_cache(k, v, lens, seed=B + n_ctx)
+    bt_ours = bt
+    if ctx.table_pages > bt.shape[1]:  # a CUDA-graph batch's fixed width: more (empty) segments
+        bt_ours = torch.zeros(B, ctx.table_pages, dtype=bt.dtype, device=dev)
+        bt_ours[:, : bt.shape[1]] = bt
     cu_q = torch.arange(B + 1, dtype=torch.int32, device=dev)
 
     def ours():
-        return paged_attention_fwd(q, kc, vc, cu_q, sl, bt, max_seqlen_q=1)[0]
+        return paged_attention_fwd(q, kc, vc, cu_q, sl, bt_ours, max_seqlen_q=1)[0]
 
     o_dec = ours()
     r = _row("decode", f"B={B} ctx={n_ctx}", "paged_attention_fwd (max_seqlen_q=1)", None,
@@ -510,6 +519,7 @@ def _write(out_dir, meta, rows):
          "(column 'check'), run before timing; a FAIL row is still timed and marked. No CUDA graphs: the "
          "smallest decode configs may include either side's CPU launch overhead.", "",
          f"Vendor packages: {', '.join(f'{k}: {v}' for k, v in meta['packages'].items())}.", "",
+         f"Decode (ours): {meta['decode_kernel']}.", "",
          f"Decode baseline: {meta['decode_baseline'] or 'none chosen'}"
          + ("" if not meta["decode_attempts"] else " (attempts: "
             + "; ".join(f"{k}: {v}" for k, v in meta["decode_attempts"].items()) + ")") + ".", ""]
@@ -539,6 +549,23 @@ def _print_row(r):
           + (f"  ERROR {r['error']}" if r["error"] else "") + (f"  ({r['note']})" if r["note"] else ""), flush=True)
 
 
+def _decode_kernel_note(dev, tile, table_pages) -> str:
+    """What ``paged_attention_fwd(max_seqlen_q=1)`` runs here (sets the tile)."""
+    from alignzoo.common.attention.op import SEGMENT
+
+    width = f"; block tables padded to {table_pages} pages" if table_pages else ""
+    if dev.type != "cuda":
+        return f"CPU path (attend_rows), segments of {SEGMENT} positions{width}"
+    from alignzoo.common.attention import kernel
+
+    kernel.DECODE_SMALL_TILE = tile == "decode"
+    cfg = kernel.decode_config(D, DTYPE)
+    return (f"split kernel, grid (segments of {SEGMENT} positions = ceil(table pages / {SEGMENT // 64}), B, Hkv), "
+            f"then the in-order merge kernel (one launch when the table holds one segment); tile block_m="
+            f"{cfg['block_m']}, num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']} "
+            f"(kernel.decode_config, DECODE_SMALL_TILE={kernel.DECODE_SMALL_TILE}){width}")
+
+
 # ---------------------------------------------------------------- main
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -551,6 +578,10 @@ def main():
     ap.add_argument("--budget-s", type=float, default=120.0,
                     help="start no new configuration after this many seconds (it gets a 'skipped' row)")
     ap.add_argument("--max-cache-gib", type=float, default=40.0, help="skip decode configs whose K+V cache is larger")
+    ap.add_argument("--decode-tile", choices=("decode", "prefill"), default="decode",
+                    help="decode's tile: kernel.decode_config as shipped, or the prefill tile (DECODE_SMALL_TILE=False)")
+    ap.add_argument("--decode-table-pages", type=int, default=0,
+                    help="pad decode block tables to this many pages (a CUDA-graph batch's width; 0: as needed)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="time CUDA-graph replays (bench_primitives --cuda-graphs; not yet seen to finish on the H200)")
     ap.add_argument("--cpu-smoke", action="store_true",
@@ -577,7 +608,7 @@ def main():
     dev = torch.device("cpu" if args.cpu_smoke else "cuda")
     shapes = SMOKE if args.cpu_smoke else QUICK if args.quick else FULL
     ctx = SimpleNamespace(dev=dev, timer=_time_cpu if args.cpu_smoke else _time, decode_baseline=None,
-                          decode_attempts={}, max_ctx=max(shapes["decode_ctx"]))
+                          decode_attempts={}, max_ctx=max(shapes["decode_ctx"]), table_pages=args.decode_table_pages)
     meta = dict(
         gpu=torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU smoke ({platform.processor() or 'cpu'})",
         capability=".".join(map(str, torch.cuda.get_device_capability())) if dev.type == "cuda" else None,
@@ -589,6 +620,7 @@ def main():
                 if args.cuda_graphs else
                 "bench_primitives._time = triton.testing.do_bench(warmup=25, rep=100) median, L2 flushed"),
         quick=args.quick, packages=None, decode_baseline=None, decode_attempts=ctx.decode_attempts, elapsed_s=0.0,
+        decode_kernel=_decode_kernel_note(dev, args.decode_tile, args.decode_table_pages),
     )
     for key in ("gpu", "torch", "triton", "date", "commit", "command"):
         print(f"# {key}: {meta[key]}", flush=True)

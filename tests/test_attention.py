@@ -1,6 +1,7 @@
 """Exact attention: every row has the same bits on the training path (packed),
 server prefill, token-by-token decode and chunked prefill, whatever the batch
-and page placement; accuracy and gradients against float64."""
+and page placement, across the 1024-position KV segments; accuracy and
+gradients against float64."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,15 @@ import math
 import pytest
 import torch
 
-from alignzoo.common.attention import attention, attention_bwd, attention_fwd, attention_ref, decode_attention, paged_attention
+from alignzoo.common.attention import (
+    attention,
+    attention_bwd,
+    attention_fwd,
+    attention_ref,
+    decode_attention,
+    paged_attention,
+    paged_attention_fwd,
+)
 from alignzoo.common.attention.checks import (
     chunked_schedule,
     compare_rows,
@@ -16,10 +25,12 @@ from alignzoo.common.attention.checks import (
     ladder,
     make_inputs,
     prefill_schedule,
+    resegmented_decode,
     serve,
     split_kv_decode,
 )
-from alignzoo.common.kv_cache import allocate_kv_cache
+from alignzoo.common.attention.op import SEGMENT
+from alignzoo.common.kv_cache import BlockManager, allocate_kv_cache, write_kv
 from alignzoo.common.ladder import bitwise_equal, rel_err
 
 
@@ -68,24 +79,49 @@ def test_train_prefill_decode_chunked_same_bits(device, case):
     _assert_paths_equal(_all_paths(q, k, v, cu, window=window, scale=scale))
 
 
-def test_long_sequences_cpu():
-    """Lengths to 1500 on the CPU: prefill in chunks at odd split points, then
-    decode token by token past position 1400, a second sequence alongside."""
-    lens = [1500, 700]
-    q, k, v, cu = make_inputs(lens, 2, 1, 16, seed=7)
-    o, lse = attention_fwd(q, k, v, cu)
-    steps = [{0: 517, 1: 700}, {0: 507}, {0: 376}] + [{0: 1}] * 100
-    o_s, lse_s = serve(q, k, v, cu, steps, shuffle_seed=5)
+# lens [2100, 1030, 64]: chunks up to just before a segment boundary, then decode steps across
+# it (1024 for sequences 0 and 1, 2048 for sequence 0), mixed with the other sequences' chunks
+SEGMENT_LENS = [2100, 1030, 64]
+SEGMENT_STEPS = ([{0: 1019, 1: 1000, 2: 60}] + [{0: 1, 1: 1, 2: 1}] * 4 + [{0: 1, 1: 1}] * 6
+                 + [{0: 1015, 1: 10}] + [{0: 1, 1: 1}] * 10 + [{0: 46}])
+
+
+@pytest.mark.parametrize("hq,hkv,window", [(4, 2, 0), (3, 1, 128)], ids=["gqa2", "gqa3-window128"])
+def test_long_sequences_cpu(hq, hkv, window):
+    """Lengths to 2100 on the CPU (three 1024-position segments): prefill,
+    and chunks then token-by-token decode across the 1024 and 2048 boundaries
+    with the other sequences alongside.  With the window, rows from position
+    1151 on see nothing in segment 0, and row chunks across a boundary hold
+    rows that see nothing in the next segment (empty segments to merge)."""
+    assert SEGMENT == 1024
+    q, k, v, cu = make_inputs(SEGMENT_LENS, hq, hkv, 8, seed=7)
+    o, lse = attention_fwd(q, k, v, cu, window=window)
+    o_s, lse_s = serve(q, k, v, cu, SEGMENT_STEPS, window=window, shuffle_seed=5)
     assert torch.equal(o_s, o) and torch.equal(lse_s, lse)
-    o_p, _ = serve(q, k, v, cu, prefill_schedule(lens), shuffle_seed=6)
-    assert torch.equal(o_p, o)
-    ref = attention_ref(q, k, v, cu)
+    o_p, lse_p = serve(q, k, v, cu, prefill_schedule(SEGMENT_LENS), window=window, shuffle_seed=6)
+    assert torch.equal(o_p, o) and torch.equal(lse_p, lse)
+    ref, lse_ref = attention_ref(q, k, v, cu, window=window, return_lse=True)
     assert rel_err(o, ref) < 4e-3
-    # a 128-token sliding window over the same sequences
-    ow, _ = attention_fwd(q, k, v, cu, window=128)
-    steps = [{0: 1000, 1: 333}, {0: 1, 1: 367}] + [{0: 1}] * 80 + [{0: 419}]
-    assert torch.equal(serve(q, k, v, cu, steps, window=128, shuffle_seed=8)[0], ow)
-    assert rel_err(ow, attention_ref(q, k, v, cu, window=128)) < 4e-3
+    assert (lse.double() - lse_ref).abs().max().item() < 1e-4
+
+
+def test_segment_size_is_caught(device):
+    """A decode that merges 512-position segments instead of 1024 differs
+    from training (rows past position 512) and is caught; it stays accurate."""
+    lens = [700, 600]
+    q, k, v, cu = make_inputs(lens, 4, 2, 16, device=device, seed=8)
+    o, lse = attention_fwd(q, k, v, cu)
+    steps = [{0: 640, 1: 540}] + [{0: 1, 1: 1}] * 60
+    o_h, lse_h = serve(q, k, v, cu, steps)
+    assert torch.equal(o_h, o) and torch.equal(lse_h, lse)
+    o_w, lse_w = serve(q, k, v, cu, steps, attn=resegmented_decode)
+    rows = torch.cat([torch.arange(640, 700), torch.arange(700 + 540, 1300)]).to(device)
+    bad = (lse_w[rows] != lse[rows]).any(-1) | (o_w[rows] != o[rows]).flatten(1).any(-1)
+    assert int(bad.sum()) > 0
+    keep = torch.ones(q.shape[0], dtype=torch.bool, device=device)
+    keep[rows] = False
+    assert torch.equal(o_w[keep], o[keep])  # only the decode rows changed
+    assert rel_err(o_w, attention_ref(q, k, v, cu)) < 2e-2
 
 
 @pytest.mark.gpu
@@ -93,7 +129,7 @@ def test_long_sequences_cpu():
 def test_long_sequences_gpu(d, window):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    lens = [8192, 3001, 1, 700]
+    lens = [8200, 3100, 1, 700, 1100]  # the decoded last 300 tokens cross 8192, 3072 and 1024
     q, k, v, cu = make_inputs(lens, 8, 2, d, device="cuda", seed=11)
     o, lse = attention_fwd(q, k, v, cu, window=window)
     assert rel_err(o, attention_ref(q, k, v, cu, window=window)) < 1e-2
@@ -104,7 +140,8 @@ def test_long_sequences_gpu(d, window):
     # decode the last 300 tokens of every sequence token by token
     steps = [{b: n - min(n, 300) for b, n in enumerate(lens) if n > 300}]
     steps += decode_schedule([min(n, 300) for n in lens])
-    assert torch.equal(serve(q, k, v, cu, steps, window=window, shuffle_seed=3)[0], o)
+    o_d, lse_d = serve(q, k, v, cu, steps, window=window, shuffle_seed=3)
+    assert torch.equal(o_d, o) and torch.equal(lse_d, lse)
 
 
 def test_page_placement_and_padding(device):
@@ -118,8 +155,6 @@ def test_page_placement_and_padding(device):
     cu_pad = torch.tensor([0, 0, 150, 150, 190, 193, 193], dtype=torch.int32, device=device)
     assert torch.equal(attention_fwd(q, k, v, cu_pad)[0], o)
     # paged: a zero-length sequence in the middle of a decode batch
-    from alignzoo.common.kv_cache import BlockManager, write_kv
-
     kc, vc = allocate_kv_cache(8, 2, 16, device=device)
     bm = BlockManager(8, shuffle_seed=4)
     slots = bm.append(0, 150) + bm.append(1, 40)
@@ -183,7 +218,8 @@ def test_ladder_passes(device):
 
 def test_split_kv_decode_is_caught(device):
     """A decode that splits KV at a page boundary and merges the halves by LSE
-    — the second reduction we forbid — differs from training and is caught."""
+    — a second reduction outside the fixed segment order — differs from
+    training and is caught."""
     lens = [200, 130, 70]
     q, k, v, cu = make_inputs(lens, 4, 2, 16, device=device, seed=5)
     o, _ = attention_fwd(q, k, v, cu)
@@ -200,6 +236,9 @@ def test_row_chunk_and_threads_do_not_change_bits():
     o, lse = attention_fwd(q, k, v, cu)
     for rc in (1, 7, 64):
         assert torch.equal(attention_fwd(q, k, v, cu, row_chunk=rc)[0], o)
+    q2, k2, v2, cu2 = make_inputs([1100, 3], 2, 1, 8, seed=6)  # row chunks across a segment boundary
+    o2, lse2 = attention_fwd(q2, k2, v2, cu2, window=128)
+    assert all(torch.equal(a, b) for a, b in zip(attention_fwd(q2, k2, v2, cu2, window=128, row_chunk=37), (o2, lse2)))
     n = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -235,16 +274,71 @@ def test_gpu_free_launch_knobs_same_bits():
 
 
 @pytest.mark.gpu
-def test_gpu_tile_shape_probe():
-    """Probe, not a contract: do BLOCK_M = 64 (4 warps) and 128 (8 warps) give
-    the same bits on this GPU?  If yes, decode may use the cheaper 64-row tile;
-    if this fails, keep ``fwd_config``'s one shape on every path (as now)."""
+@pytest.mark.parametrize("d,window", [(128, 0), (128, 128), (64, 0)], ids=["d128", "d128-window128", "d64"])
+def test_gpu_segments_same_bits(d, window):
+    """SEGMENT_STEPS on the GPU: decode steps across 1024 and 2048 (the split
+    decode kernel, ``decode_config``'s tile) between multi-query chunks (the
+    tile kernel's in-register merge), under the free decode knobs."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    q, k, v, cu = make_inputs([1000, 64, 65, 1], 8, 2, 128, device="cuda")
-    o128, _ = attention_fwd(q, k, v, cu, block_m=128, num_warps=8)
-    o64, _ = attention_fwd(q, k, v, cu, block_m=64, num_warps=4)
-    assert torch.equal(o64, o128)
+    q, k, v, cu = make_inputs(SEGMENT_LENS, 8, 2, d, device="cuda", seed=12)
+    o, lse = attention_fwd(q, k, v, cu, window=window)
+    for knobs in ({}, {"num_stages": 2}, {"num_stages": 4}, {"mask_all": True}):
+        o_s, lse_s = serve(q, k, v, cu, SEGMENT_STEPS, window=window, shuffle_seed=5, **knobs)
+        assert torch.equal(o_s, o) and torch.equal(lse_s, lse), knobs
+
+
+@pytest.mark.gpu
+def test_gpu_tile_shape_probe():
+    """Probe, not a contract: do BLOCK_M = 64 (4 warps) and 128 (8 warps) give
+    the same bits on this GPU?  ``kernel.decode_config`` relies on it for
+    D <= 128 (``DECODE_SMALL_TILE``); if this fails, set that to False."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for d in (128, 64):
+        q, k, v, cu = make_inputs([1000, 64, 65, 1], 8, 2, d, device="cuda")
+        o128, _ = attention_fwd(q, k, v, cu, block_m=128, num_warps=8)
+        o64, _ = attention_fwd(q, k, v, cu, block_m=64, num_warps=4)
+        assert torch.equal(o64, o128), d
+
+
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph_replay():
+    """Decode captured once in a CUDA graph over a fixed-width block table
+    (4 segments), replayed while the sequences grow across 1024 and 2048:
+    every replay gives the packed path's rows (and eager decode's)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    lens = [2100, 1100, 300, 1]
+    B, width = len(lens), 64  # 64 pages: 4 segments, wider than any sequence needs
+    q, k, v, cu = make_inputs(lens, 8, 2, 128, device="cuda", seed=13)
+    o, lse = attention_fwd(q, k, v, cu)
+    n_pages = sum(-(-n // 64) for n in lens) + 1
+    kc, vc = allocate_kv_cache(n_pages, 2, 128, device="cuda")
+    bm = BlockManager(n_pages, shuffle_seed=3)
+    slots = [s for b, n in enumerate(lens) for s in bm.append(b, n)]  # all K/V up front: never read past seq_lens
+    write_kv(k, v, kc, vc, torch.tensor(slots, dtype=torch.int32, device="cuda"))
+    table = torch.zeros(B, width, dtype=torch.int32, device="cuda")
+    for b in range(B):
+        pages = bm.block_table(b)
+        table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    cu_q = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    q_s = q[cu[:-1].long()].clone()  # static inputs: position 0 of every sequence
+    sl_s = torch.ones(B, dtype=torch.int32, device="cuda")
+    paged_attention_fwd(q_s, kc, vc, cu_q, sl_s, table, max_seqlen_q=1)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_s, lse_s = paged_attention_fwd(q_s, kc, vc, cu_q, sl_s, table, max_seqlen_q=1)
+    for p in (0, 1, 63, 64, 700, 1022, 1023, 1024, 1025, 1099, 2046, 2047, 2048, 2049, 2099):
+        pos = [min(p, n - 1) for n in lens]
+        rows = (cu[:-1] + torch.tensor(pos, device="cuda")).long()
+        q_s.copy_(q[rows])
+        sl_s.copy_(torch.tensor(pos, dtype=torch.int32, device="cuda") + 1)
+        graph.replay()
+        o_e, lse_e = paged_attention_fwd(q_s, kc, vc, cu_q, sl_s, table, max_seqlen_q=1)
+        assert torch.equal(o_s, o[rows]) and torch.equal(lse_s, lse[rows]), p
+        assert torch.equal(o_e, o_s) and torch.equal(lse_e, lse_s), p
 
 
 # ---------------------------------------------------------------- bad input

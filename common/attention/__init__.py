@@ -1,6 +1,7 @@
 """Exact causal GQA attention: one per-row reduction order for packed
-training/prefill, paged decode and chunked prefill (no split-KV), a float64
-reference, and a deterministic backward for the packed case."""
+training/prefill, paged decode and chunked prefill (64-position KV blocks in
+fixed 1024-position segments, merged in increasing order on every path), a
+float64 reference, and a deterministic backward for the packed case."""
 from .naive import attention_ref
 from .op import (
     AttentionFunction,

@@ -4,7 +4,8 @@ Rung 1: the packed forward twice.  Rung 2: a sequence's rows do not depend on
 the batch (other sequences, order, padding sequences, launch knobs).  Rung 3:
 the same tokens through the server — full prefill, token-by-token decode with
 sequences joining late, chunked prefill at random split points mixed with
-decode — give the training path's bits for every row (shuffled page order).
+decode, decode across the 1024-position segment boundaries — give the training
+path's bits for every row (shuffled page order).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from ..kv_cache import BlockManager, allocate_kv_cache, write_kv
 from ..ladder import RungResult, accuracy, rows_differing, rung1_repeat, rung2_rows
 from .naive import attention_ref
-from .op import attention_fwd, check_paged_inputs, paged_attention_fwd
+from .op import _scale, attention_fwd, check_paged_inputs, paged_attention_fwd
 
 NAME = "attention"
 
@@ -72,7 +73,7 @@ def serve(q, k, v, cu_seqlens, steps, *, window=0, scale=None, shuffle_seed=0, n
     k/v with ``write_kv`` (pages from a shuffled free list; the cache starts
     as NaN so a read of an unwritten slot shows) and runs the paged forward on
     their queries.  Returns (o, lse) in the packed order of q.
-    ``attn`` replaces ``paged_attention_fwd`` (the split-KV counter-example).
+    ``attn`` replaces ``paged_attention_fwd`` (the counter-examples below).
     """
     attn = attn or paged_attention_fwd
     cu = cu_seqlens.tolist()
@@ -109,8 +110,9 @@ def serve(q, k, v, cu_seqlens, steps, *, window=0, scale=None, shuffle_seed=0, n
 
 
 def split_kv_decode(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, split=64, **kw):
-    """A deliberately wrong decode: KV split at a page boundary, two passes,
-    merged by their LSEs (the split-KV second reduction we forbid)."""
+    """A deliberately wrong decode: KV split at a page boundary that is not a
+    segment boundary, two passes, merged by their LSEs (a split-KV merge that
+    is not the fixed segment order)."""
     o_a, lse_a = paged_attention_fwd(q, k_cache, v_cache, cu_seqlens_q, torch.clamp(seq_lens, max=split), block_table, **kw)
     long = seq_lens > split
     if not bool(long.any()):
@@ -123,6 +125,24 @@ def split_kv_decode(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *,
     merged = (o_a.float() * w_a + o_b.float() * w_b).to(q.dtype)
     rows = long.repeat_interleave(torch.diff(cu_seqlens_q).long())[:, None, None]
     return torch.where(rows, merged, o_a), torch.where(rows[..., 0], lse, lse_a)
+
+
+def resegmented_decode(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, *, max_seqlen_q, seg_blocks=8,
+                       window=0, scale=None, **kw):
+    """A deliberately wrong decode: one-query steps merge segments of
+    ``seg_blocks`` pages (512 positions) instead of ``op.SEGMENT``; longer
+    steps are left honest."""
+    if max_seqlen_q != 1:
+        return paged_attention_fwd(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
+                                   max_seqlen_q=max_seqlen_q, window=window, scale=scale, **kw)
+    args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
+    if q.is_cuda:
+        from .kernel import paged_attention_fwd_cuda
+
+        return paged_attention_fwd_cuda(*args, 1, window, _scale(scale, q.shape[-1]), seg_blocks=seg_blocks, **kw)
+    from .cpu import paged_attention_fwd_cpu
+
+    return paged_attention_fwd_cpu(*args, window, _scale(scale, q.shape[-1]), seg_blocks=seg_blocks, **kw)
 
 
 def compare_rows(primitive, check, out, ref) -> RungResult:
@@ -193,6 +213,12 @@ def _ladder(device: torch.device) -> list[RungResult]:
     results.append(compare_rows(NAME, "train==chunked prefill", serve(q, k, v, cu, chunked_schedule(lens, seed=2), shuffle_seed=2)[0], o))
     ow, _ = attention_fwd(q, k, v, cu, window=128)
     results.append(compare_rows(NAME, "window 128: train==chunked", serve(q, k, v, cu, chunked_schedule(lens, seed=3), window=128, shuffle_seed=3)[0], ow))
+    # decode steps across the 1024-position segment boundaries (CUDA: the split decode kernel)
+    seg_lens = [1040, 2070] if gpu else [1040, 300]
+    q3, k3, v3, cu3 = make_inputs(seg_lens, hq, hkv, d, device=device, seed=6)
+    steps = [{0: 1000, 1: seg_lens[1] - 40}] + [{0: 1, 1: 1}] * 40
+    results.append(compare_rows(NAME, "train==decode across segments", serve(q3, k3, v3, cu3, steps, shuffle_seed=4)[0],
+                                attention_fwd(q3, k3, v3, cu3)[0]))
 
     qa, ka, va, cua = make_inputs([593, 100, 7], hq, hkv, 60 if not gpu else 96, device=device, seed=4)
     ref = attention_ref(qa, ka, va, cua)

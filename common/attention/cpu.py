@@ -14,9 +14,12 @@ For one query row (query head h, position ``pos``; window W: it sees KV
 positions ``lo = max(0, pos - W + 1) .. pos``, ``lo = 0`` without a window),
 over the KV blocks j of ``BLOCK_N = 64`` positions (block j = positions
 ``64j .. 64j+63`` = page ``block_table[j]``) that hold a visible position,
-``j = lo // 64 .. pos // 64``, in increasing order::
+``j = lo // 64 .. pos // 64``, in increasing order, cut into segments of
+``SEG_BLOCKS = 16`` blocks (segment k = absolute positions
+``1024k .. 1024k+1023``; ``op.SEGMENT``).  Each segment k = lo // 1024 ..
+pos // 1024 runs the online softmax from the fresh state over its blocks::
 
-    m = -inf, l = 0, acc = 0                                  (fp32)
+    m = -inf, l = 0, acc = 0                                  (fp32, per segment)
     s_n   = tree_D(q_d * k_nd) * scale     # pairwise tree over head_dim, fixed
     s_n   = -inf where n is not visible (n > pos or n < lo)
     m_new = max(m, tree_64(max)(s))        # max is exact
@@ -24,7 +27,21 @@ over the KV blocks j of ``BLOCK_N = 64`` positions (block j = positions
     p_n   = exp(s_n - m_new)
     l     = l * alpha + tree_64(p)                             (two roundings)
     acc   = acc * alpha + tree_64(p_n * v_nd)                  (two roundings)
-    out   = acc / l, rounded once to the output dtype;  lse = m + log(l)
+
+and the segments' states are merged into the total (m_t, l_t, acc_t), starting
+empty (-inf, 0, 0), in increasing k by ``merge_states``::
+
+    m_n   = max(m_t, m_s)
+    a_t   = exp(m_t - m_n);  a_s = exp(m_s - m_n)
+    l_t   = l_t * a_t + l_s * a_s                              (three roundings)
+    acc_t = acc_t * a_t + acc_s * a_s                          (three roundings)
+    except: m_s == -inf (the segment saw nothing) -> the total is kept as it is;
+            m_t == -inf (nothing merged yet)      -> the total is the segment, copied
+    out   = acc_t / l_t, rounded once to the output dtype;  lse = m_t + log(l_t)
+
+The two exceptions are ``where``s, not ``exp(-inf) == 0``, so a row of up to
+1024 positions (one segment) gets exactly the bits of the unsegmented
+recurrence.  The CUDA kernels compute the same order in base 2.
 
 ``tree_n`` is a pairwise tree over a dim of fixed length n (D, or the block's
 64 positions): halves added element-wise, an odd element carried up.  Exact
@@ -33,10 +50,12 @@ For q.k^T the tree replaces ``matmul.cpu.fixed_order_dot``'s left-to-right
 loop: just as fixed, but log2(D) torch calls instead of 2D, and decode makes
 one call per token.
 
-Blocks are evaluated in chunks of rows and blocks to bound memory; a block that
-holds no visible position for a row leaves that row's (m, l, acc) untouched
-(``where``), so which extra blocks a chunk visits, how rows are grouped into
-streams, padding rows, other sequences and page placement cannot change a bit.
+Blocks are evaluated in chunks of rows and blocks (never across a segment
+boundary) to bound memory; a block that holds no visible position for a row
+leaves that row's (m, l, acc) untouched (``where``), and so does a segment
+(its state stays empty and the merge keeps the total), so which extra blocks
+and segments a chunk visits, how rows are grouped into streams, padding rows,
+other sequences and page placement cannot change a bit.
 Packed training, server prefill, decode and chunked prefill only differ in
 where k/v come from (the packed tensor or the pages) and in each row's
 ``pos``; they all call ``attend_rows``.
@@ -60,8 +79,10 @@ from __future__ import annotations
 import torch
 
 from ..kv_cache.op import PAGE_SIZE
+from .op import SEGMENT
 
 BLOCK_N = PAGE_SIZE  # KV block = one cache page
+SEG_BLOCKS = SEGMENT // BLOCK_N  # KV blocks per merge segment (16)
 BWD_ROWS = 128  # fixed: the dK/dV row-sum order depends on it
 _BUDGET = 1 << 22  # fp32 elements per large temporary (16 MiB); never changes bits
 _NEG_INF = float("-inf")
@@ -84,6 +105,19 @@ def _tree_max0(x: torch.Tensor) -> torch.Tensor:
     return x[0]
 
 
+def merge_states(m_t, l_t, acc_t, m_s, l_s, acc_s):
+    """Merge a segment's state (m_s (..), l_s (..), acc_s (.., D)) into the
+    running total (module docstring; natural-log m).  Element-wise only."""
+    m_n = torch.maximum(m_t, m_s)
+    a_t, a_s = torch.exp(m_t - m_n), torch.exp(m_s - m_n)  # NaN where both are -inf: never selected
+    l_n = l_t * a_t + l_s * a_s
+    acc_n = acc_t * a_t[..., None] + acc_s * a_s[..., None]
+    s_empty, t_empty = m_s == _NEG_INF, m_t == _NEG_INF
+    l = torch.where(s_empty, l_t, torch.where(t_empty, l_s, l_n))
+    acc = torch.where(s_empty[..., None], acc_t, torch.where(t_empty[..., None], acc_s, acc_n))
+    return m_n, l, acc
+
+
 def _window_lo(pos: torch.Tensor, window: int) -> torch.Tensor:
     return (pos - window + 1).clamp(min=0) if window > 0 else torch.zeros_like(pos)
 
@@ -99,6 +133,7 @@ def attend_rows(
     *,
     block0: int = 0,
     row_chunk: int | None = None,
+    seg_blocks: int = SEG_BLOCKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-row recurrence of the module docstring, for S independent streams.
 
@@ -107,7 +142,9 @@ def attend_rows(
     position and first visible KV position (``pos < 0``: a padding row);
     kv_len: (S,) — K/V at positions >= kv_len are never data (may be garbage).
     Returns out (S, M, D) fp32 = acc / l (not rounded) and lse (S, M) fp32.
-    ``row_chunk`` only bounds memory: it cannot change bits.
+    ``row_chunk`` only bounds memory: it cannot change bits.  ``seg_blocks``
+    is part of the order: anything but ``SEG_BLOCKS`` breaks the contract
+    (the tests' counter-example uses it).
     """
     S, M, D = q.shape
     NB = k.shape[1] // BLOCK_N
@@ -132,43 +169,50 @@ def attend_rows(
         j1 = int(jhi[:, m0:m1][ok].max()) - block0 + 1
         pos_c, lo_c = pos[:, m0:m1], lo[:, m0:m1]
         jlo_c, jhi_c = jlo[:, m0:m1], jhi[:, m0:m1]
-        m = torch.full((S, m1 - m0), _NEG_INF)
-        l = torch.zeros(S, m1 - m0)
-        acc = torch.zeros(S, m1 - m0, D)
+        m_t = torch.full((S, m1 - m0), _NEG_INF)
+        l_t = torch.zeros(S, m1 - m0)
+        acc_t = torch.zeros(S, m1 - m0, D)
         bc = max(1, _BUDGET // max(1, D * BLOCK_N * S * (m1 - m0)))
-        for b0 in range(j0, j1, bc):
-            b1 = min(j1, b0 + bc)
-            nb = b1 - b0
-            s = _tree_sum0(qT[:, None, :, m0:m1, None] * kT[:, :, :, None, b0:b1]) * scale  # (64, S, Mc, nb)
-            n = n_abs.view(NB, BLOCK_N)[b0:b1].t()[:, None, None, :]  # (64, 1, 1, nb)
-            vis = (n <= pos_c[None, :, :, None]) & (n >= lo_c[None, :, :, None])
-            s = torch.where(vis, s, _NEG_INF)
-            run = torch.cat([m[..., None], _tree_max0(s)], -1).cummax(-1).values  # (S, Mc, nb+1)
-            m_prev, m_new = run[..., :-1], run[..., 1:]
-            m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)
-            p = torch.exp(s - m_safe[None])  # (64, S, Mc, nb)
-            alpha = torch.where(m_new > m_prev, torch.exp(m_prev - m_safe), 1.0)  # (S, Mc, nb)
-            rs = _tree_sum0(p)  # (S, Mc, nb)
-            pv = _tree_sum0(p[..., None] * vT[:, :, None, b0:b1, :])  # (S, Mc, nb, D)
-            jj = block0 + torch.arange(b0, b1)
-            act = (jj >= jlo_c[..., None]) & (jj <= jhi_c[..., None])  # (S, Mc, nb)
-            all_act = act.flatten(0, 1).all(0).tolist()
-            any_act = act.flatten(0, 1).any(0).tolist()
-            for t in range(nb):
-                if not any_act[t]:
-                    continue
-                l_new = l * alpha[..., t] + rs[..., t]
-                acc_new = acc * alpha[..., t, None] + pv[:, :, t]
-                if all_act[t]:
-                    l, acc = l_new, acc_new
-                else:
-                    a = act[..., t]
-                    l = torch.where(a, l_new, l)
-                    acc = torch.where(a[..., None], acc_new, acc)
-            m = m_new[..., -1]
-        l_safe = torch.where(ok, l, 1.0)
-        out[:, m0:m1] = torch.where(ok[..., None], acc / l_safe[..., None], 0.0)
-        lse[:, m0:m1] = torch.where(ok, m + torch.log(l_safe), _NEG_INF)
+        a0, a1 = block0 + j0, block0 + j1  # absolute block range of the chunk
+        for g0 in range(a0 - a0 % seg_blocks, a1, seg_blocks):  # segments, in increasing order
+            m = torch.full((S, m1 - m0), _NEG_INF)
+            l = torch.zeros(S, m1 - m0)
+            acc = torch.zeros(S, m1 - m0, D)
+            seg_hi = min(a1, g0 + seg_blocks) - block0
+            for b0 in range(max(a0, g0) - block0, seg_hi, bc):
+                b1 = min(seg_hi, b0 + bc)
+                nb = b1 - b0
+                s = _tree_sum0(qT[:, None, :, m0:m1, None] * kT[:, :, :, None, b0:b1]) * scale  # (64, S, Mc, nb)
+                n = n_abs.view(NB, BLOCK_N)[b0:b1].t()[:, None, None, :]  # (64, 1, 1, nb)
+                vis = (n <= pos_c[None, :, :, None]) & (n >= lo_c[None, :, :, None])
+                s = torch.where(vis, s, _NEG_INF)
+                run = torch.cat([m[..., None], _tree_max0(s)], -1).cummax(-1).values  # (S, Mc, nb+1)
+                m_prev, m_new = run[..., :-1], run[..., 1:]
+                m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)
+                p = torch.exp(s - m_safe[None])  # (64, S, Mc, nb)
+                alpha = torch.where(m_new > m_prev, torch.exp(m_prev - m_safe), 1.0)  # (S, Mc, nb)
+                rs = _tree_sum0(p)  # (S, Mc, nb)
+                pv = _tree_sum0(p[..., None] * vT[:, :, None, b0:b1, :])  # (S, Mc, nb, D)
+                jj = block0 + torch.arange(b0, b1)
+                act = (jj >= jlo_c[..., None]) & (jj <= jhi_c[..., None])  # (S, Mc, nb)
+                all_act = act.flatten(0, 1).all(0).tolist()
+                any_act = act.flatten(0, 1).any(0).tolist()
+                for t in range(nb):
+                    if not any_act[t]:
+                        continue
+                    l_new = l * alpha[..., t] + rs[..., t]
+                    acc_new = acc * alpha[..., t, None] + pv[:, :, t]
+                    if all_act[t]:
+                        l, acc = l_new, acc_new
+                    else:
+                        a = act[..., t]
+                        l = torch.where(a, l_new, l)
+                        acc = torch.where(a[..., None], acc_new, acc)
+                m = m_new[..., -1]
+            m_t, l_t, acc_t = merge_states(m_t, l_t, acc_t, m, l, acc)
+        l_safe = torch.where(ok, l_t, 1.0)
+        out[:, m0:m1] = torch.where(ok[..., None], acc_t / l_safe[..., None], 0.0)
+        lse[:, m0:m1] = torch.where(ok, m_t + torch.log(l_safe), _NEG_INF)
     return out, lse
 
 
@@ -205,6 +249,7 @@ def attention_fwd_cpu(
     scale: float,
     *,
     row_chunk: int | None = None,
+    seg_blocks: int = SEG_BLOCKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen causal attention.  q (T, Hq, D), k/v (T, Hkv, D) ->
     o (T, Hq, D) in q.dtype, lse (T, Hq) fp32."""
@@ -222,7 +267,7 @@ def attention_fwd_cpu(
         pos = torch.arange(L).repeat_interleave(g).expand(hkv, -1)
         out, ls = attend_rows(
             _rows_of(q[s0:s1], hkv), kb, vb, pos, _window_lo(pos, window), torch.full((hkv,), L), scale,
-            row_chunk=row_chunk,
+            row_chunk=row_chunk, seg_blocks=seg_blocks,
         )
         o[s0:s1] = _unrows(out, L).to(q.dtype)
         lse[s0:s1] = _unrows(ls, L)
@@ -240,6 +285,7 @@ def paged_attention_fwd_cpu(
     scale: float,
     *,
     row_chunk: int | None = None,
+    seg_blocks: int = SEG_BLOCKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries (T, Hq, D) packed by cu_seqlens_q against the paged cache; query
     i of sequence b sits at position ``seq_lens[b] - q_len_b + i``.  Decode is
@@ -275,7 +321,8 @@ def paged_attention_fwd_cpu(
         kv_len = torch.tensor(lens)[grp].repeat_interleave(hkv)
         pos = pos.view(-1, ml)
         lo = torch.where(pos >= 0, _window_lo(pos, window), 0)
-        out, ls = attend_rows(qg.view(-1, ml, d), kg, vg, pos, lo, kv_len, scale, block0=block0, row_chunk=row_chunk)
+        out, ls = attend_rows(qg.view(-1, ml, d), kg, vg, pos, lo, kv_len, scale, block0=block0, row_chunk=row_chunk,
+                              seg_blocks=seg_blocks)
         out, ls = out.view(len(grp), hkv, ml, d), ls.view(len(grp), hkv, ml)
         for i, b in enumerate(grp):
             n = qlens[b]

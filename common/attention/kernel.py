@@ -1,18 +1,20 @@
-"""Triton kernels for exact causal GQA attention: one forward kernel for packed
-varlen (training, server prefill) and paged KV (decode, chunked prefill), and a
-deterministic backward for the packed case.
+"""Triton kernels for exact causal GQA attention: one forward tile kernel for
+packed varlen (training, server prefill) and paged KV (chunked prefill), a
+split decode kernel and its merge, and a deterministic backward for the packed
+case.
 
-Reduction order and rounding points (forward, ``_attn_fwd_kernel``)
---------------------------------------------------------------------
-A program owns a tile of ``BLOCK_M`` query rows of ONE sequence and ONE kv
-head: ``TPT`` consecutive query tokens x ``HPT`` query heads of the kv head's
-GQA group (row r = token ``r // HPT``, head ``r % HPT``; decode is one token,
-its group's heads, the rest padding rows).  Every row keeps FP32 ``(m, l, acc)``
-(m, l in base 2: scores are pre-multiplied by ``scale * log2(e)``) and walks the
-KV blocks j of ``BLOCK_N = 64`` positions (block j = sequence positions
-``64j .. 64j+63`` = cache page ``block_table[j]``) that hold a position it can
-see (``lo // 64 .. pos // 64``; ``lo = max(0, pos - W + 1)`` with a window W,
-else 0), in increasing order, starting at the first; no split-KV:
+Reduction order and rounding points (forward)
+---------------------------------------------
+A row is one query token x one query head.  Every row keeps FP32 ``(m, l,
+acc)`` (m, l in base 2: scores are pre-multiplied by ``scale * log2(e)``).
+Its visible KV positions (``lo .. pos``; ``lo = max(0, pos - W + 1)`` with a
+window W, else 0) lie in KV blocks j of ``BLOCK_N = 64`` positions (block j =
+sequence positions ``64j .. 64j+63`` = cache page ``block_table[j]``), and the
+blocks in fixed segments of ``SEG_BLOCKS = 16`` blocks (segment k = positions
+``1024k .. 1024k+1023``, ``op.SEGMENT``; never a function of the batch, the
+path or the query count).  Each segment k = lo // 1024 .. pos // 1024 runs the
+online softmax from the fresh state ``(-inf, 0, 0)`` over its blocks that hold
+a visible position, in increasing order (``_segment_state`` / ``_fwd_block``):
 
     s     = tl.dot(q, k^T)  (bf16 x bf16 -> fp32, K = head_dim)  * qk_scale
     s     = -inf where the position is not visible
@@ -21,42 +23,94 @@ else 0), in increasing order, starting at the first; no split-KV:
     p     = exp2(s - m_new)                          (fp32)
     l     = l * alpha + tl.sum(p, 1)
     acc   = tl.dot(p.to(v.dtype), v, acc * alpha)    (p rounded to bf16 once)
-    out   = acc / l, rounded once to the output dtype;  lse = (m + log2 l) * ln 2
+
+and the segments' states are folded, in increasing k, into the total
+``(m_t, l_t, acc_t)``, which starts at ``(-inf, 0, 0)``, by one element-wise
+merge (``_merge``; no reduction, so no thread layout enters it):
+
+    m_n   = max(m_t, m_s)
+    a_t   = exp2(m_t - m_n);   a_s = exp2(m_s - m_n)
+    l_t   = l_t * a_t + l_s * a_s                    (mul, mul, add: three roundings)
+    acc_t = acc_t * a_t + acc_s * a_s                (likewise, per element)
+    with two ``tl.where``s taking precedence: m_s == -inf (the row saw nothing
+    in the segment) keeps the total as it is; m_t == -inf (nothing merged yet)
+    makes the total an exact copy of the segment (never exp2(-inf) == 0).
+    out   = acc_t / l_t, rounded once to the output dtype;  lse = (m_t + log2 l_t) * ln 2
+
+A row of up to 1024 positions has one segment, so its bits are those of the
+plain recurrence (what this kernel computed before segments existed).
+
+Two schedules compute that arithmetic:
+- ``_attn_fwd_kernel`` (packed, and paged with ``max_seqlen_q > 1``): a program
+  owns a tile of ``BLOCK_M`` query rows of ONE sequence and ONE kv head:
+  ``TPT`` consecutive query tokens x ``HPT`` query heads of the kv head's GQA
+  group (row r = token ``r // HPT``, head ``r % HPT``).  It walks the segments
+  its rows touch in increasing order, each over the tile's block range cut to
+  the segment, and folds each into a second running total at the segment's
+  end (``acc_t`` is touched once per 16 blocks; ptxas may keep it in local
+  memory).
+- ``_attn_decode_split_kernel`` + ``_attn_decode_merge_kernel`` (paged with
+  ``max_seqlen_q == 1``, i.e. decode): a program owns ONE segment of ONE
+  decode query x its kv head's query heads (padding to ``BLOCK_M``), computes
+  that segment's state with the same ``_segment_state`` and writes it in FP32
+  to a scratch ``(segments, tokens, Hq[, D])``; the merge kernel folds
+  segments ``lo // 1024 .. pos // 1024`` (exactly those the split kernel
+  wrote: the others hold no visible block, and merging an empty segment is the
+  identity) in increasing order with the same ``_merge``, then ``_finalize``.
+  The grid is ``(ceil(block_table.shape[1] / 16), B, Hkv * head chunks)``:
+  sized from the table's width, never from ``seq_lens``, so a CUDA graph
+  captured once replays while sequences grow; a program whose segment lies
+  outside its row's blocks returns at once.  When the table holds one
+  segment, the split kernel writes out/lse itself (``FINAL``: merging one
+  segment into the empty total is a copy) and the merge is not launched.
 
 Why a row gets the same bits on every path (train / prefill / decode / chunks)
-- The tile shape is the same on every path: ``(BLOCK_M, BLOCK_N, BLOCK_D,
-  num_warps)`` come from ``fwd_config(head_dim, dtype)`` only, never from the number
-  of queries.  Decode pads its 1 x G rows up to ``BLOCK_M``, so both ``tl.dot``s
-  lower to the same MMA instruction (wgmma on Hopper: a tile of fewer than 64
-  rows could lower to mma.sync) with the same K order (head_dim for q.k^T, the
-  block's 64 positions for p.v), and ``tl.max``/``tl.sum`` reduce a row over the
-  same thread layout.  A row's position inside the tile does not matter: a
-  row's MMA and row-reduction results depend on its own operands only (DESIGN
-  §5: BM = 64 and 128 gave identical bits for the same BK and K order).
-- Blocks are aligned to absolute positions (multiples of 64 from position 0),
-  so the packed path (rows of one sequence from ``cu_seqlens``) and the paged
-  path (page ``block_table[j]``) load the same 64 keys for block j.
+- Segments and blocks are aligned to absolute positions (multiples of 1024 and
+  64 from position 0), so every path cuts a row's positions the same way; the
+  packed path (rows of one sequence from ``cu_seqlens``) and the paged path
+  (page ``block_table[j]``) load the same 64 keys for block j.
+- The tile shape is the same on every path that must agree: ``(BLOCK_M,
+  BLOCK_N, BLOCK_D, num_warps)`` come from ``fwd_config(head_dim, dtype)``
+  (multi-query) and ``decode_config`` (decode), never from the number of
+  queries.  Decode pads its 1 x G rows up to ``BLOCK_M`` >= 64, so both
+  ``tl.dot``s lower to wgmma on Hopper (a tile of fewer than 64 rows could
+  lower to mma.sync) with the same K order (head_dim for q.k^T, the block's 64
+  positions for p.v), and a row's MMA and row-reduction results depend on its
+  own operands only (DESIGN §5: BM = 64 and 128 gave identical bits for the
+  same BK and K order).  ``decode_config`` takes 64 rows / 4 warps at
+  head_dim <= 128 because the H200 probe (``tests/test_attention.py::
+  test_gpu_tile_shape_probe``) gave those the bits of 128 / 8; the constant
+  ``DECODE_SMALL_TILE = False`` puts decode back on ``fwd_config``'s shape.
 - A tile visits the union of its rows' block ranges.  For a row, a block that
   holds none of its visible positions must change nothing: the masked stage
   keeps the row's old ``(m, l, acc)`` with ``tl.where`` (no reliance on
-  ``exp2(0) == 1`` or on an MMA adding exact zeros).
+  ``exp2(0) == 1`` or on an MMA adding exact zeros); a segment in which a row
+  sees nothing stays ``(-inf, 0, 0)`` and its merge keeps the total.
 - Interior blocks (every row of the tile sees all 64 positions) skip the masks;
   with all-true masks the masked stage computes the same values, so a block
   gets the same bits whichever stage a path puts it in.  ``MASK_ALL=True``
   forces the masked stage everywhere (a debugging knob; same bits).
-- FMA contraction is off (``enable_fp_fusion=False``): otherwise
-  ``dot * qk_scale - m`` could fuse into one FMA in one stage and not in the
-  other.
+- FMA contraction is off (``enable_fp_fusion=False``) in every kernel:
+  otherwise ``dot * qk_scale - m`` could fuse into one FMA in one stage and not
+  in the other, or the merge's ``l_t * a_t + l_s * a_s`` in one kernel and not
+  the other.  The merge and ``_finalize`` are element-wise, so the tile kernel
+  and the merge kernel run the same instructions on a row's values (sm_90
+  PTX: mul.rn / add.rn / ex2.approx.ftz / div.full; the only fma is libdevice's
+  log2f, the same in both).
 - K/V rows at positions >= the sequence's length are loaded as 0 (never read
-  from memory), so garbage or NaN in a page's unused tail cannot leak.
+  from memory), so garbage or NaN in a page's unused tail cannot leak; decode
+  reads no page past its row's last segment.
 
 Launch knobs: ``block_m`` and ``num_warps`` shape the MMA and the row
-reductions' thread layout — ``fwd_config`` fixes them per (head_dim, dtype) and
-every path that has to agree must use the same pair (``tests/test_attention.py
-::test_gpu_tile_shape_probe`` asks whether 64/4 and 128/8 happen to agree).
-``num_stages`` only pipelines loads, ``mask_all`` only skips a shortcut: both
-free.  Compiled here for sm_90 (no GPU): every dot is a wgmma, no mma.sync, no
-fma.f32; D <= 128 uses 253-255 registers with at most 16 B/thread of spill.
+reductions' thread layout — fixed per (head_dim, dtype) by ``fwd_config`` /
+``decode_config``; every path that has to agree must use shapes that give the
+same bits.  ``num_stages`` only pipelines loads, ``mask_all`` only skips a
+shortcut: both free.  Compiled here for sm_90 (no GPU, triton 3.9, ptxas
+13.4): every dot is a wgmma, no mma.sync, no fma.f32 outside log2f; all
+forward kernels use 255 registers at D = 128; the segment total added spill
+(tile kernel: ~750 B/thread of spill stores packed, ~1.7 KB paged, from
+~120 B / ~950 B without it; decode split at 64 / 4: ~870 B, as the
+unsegmented 64 / 4 tile) — the H200 benchmark decides whether it costs.
 
 head_dim: up to 256 (``BLOCK_D`` = next power of two, zero-padded; zeros add
 exactly).  512 would need the output's head_dim split across programs (each
@@ -66,8 +120,9 @@ each of shared memory per stage.
 
 Backward (packed only), deterministic run to run, no atomics:
 - ``_bwd_preprocess_kernel``: delta = sum_d(o * do) in fp32 (``tl.sum``).
-- ``_attn_bwd_dq_kernel``: tiles as the forward; p = exp2(s - lse2) recomputed;
-  dq = sum over KV blocks in increasing order of tl.dot(ds.to(bf16), k).
+- ``_attn_bwd_dq_kernel``: tiles as the forward; p = exp2(s - lse2) recomputed
+  from the saved (merged) lse; dq = sum over KV blocks in increasing order of
+  tl.dot(ds.to(bf16), k).
 - ``_attn_bwd_dkdv_kernel``: one program per (KV block, sequence, kv head);
   dk, dv accumulate over the query tiles that see the block, head chunks
   outer, tiles in increasing order; the GQA group's heads are summed inside
@@ -81,15 +136,18 @@ import triton
 import triton.language as tl
 
 from ..kv_cache.op import PAGE_SIZE
+from .op import SEGMENT
 
 BLOCK_N = PAGE_SIZE
+SEG_BLOCKS = SEGMENT // BLOCK_N  # KV blocks per merge segment (16)
 _LOG2E = 1.4426950408889634
 
 
 def fwd_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Tile shape of the forward, fixed per head_dim (shared by every path).
-    fp32 (parity checks only; ``ieee`` dots are FMA loops, not MMA) gets one
-    stage: three needed ~225 KiB of shared memory at D = 128."""
+    """Tile shape of the multi-query forward (packed, prefill, chunked
+    prefill), fixed per head_dim.  fp32 (parity checks only; ``ieee`` dots are
+    FMA loops, not MMA) gets one stage: three needed ~225 KiB of shared memory
+    at D = 128."""
     if dtype == torch.float32:
         return {**fwd_config(head_dim), "num_stages": 1}
     if head_dim <= 128:
@@ -97,6 +155,26 @@ def fwd_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     # 4 warps spilled ~1.3 KB/thread at D=256 (sm_90 compile); 8 warps split the 64 rows' columns
     # over two warpgroups — a different reduction layout, but the same one on every path
     return {"block_m": 64, "num_warps": 8, "num_stages": 2}
+
+
+# Decode's tile holds one token's G heads, so 128 rows are mostly padding.  The H200 probe
+# (tests/test_attention.py::test_gpu_tile_shape_probe) gave 64 rows / 4 warps the bits of
+# 128 / 8 at D = 128, so decode takes the smaller tile at D <= 128.  If a GPU contract test
+# fails (decode != train), set this to False: decode then runs fwd_config's shape.  Speed is
+# open: compiled here for sm_90 (triton 3.9, ptxas 13.4) 64 / 4 spills inside the block loop
+# (~100-140 local loads per loop; 128 threads each stage twice the K/V of 256), 128 / 8 less
+# (0-64); bench_attention.py --decode-tile prefill times the other shape.
+DECODE_SMALL_TILE = True
+
+
+def decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tile shape of the split decode kernel: ``fwd_config``'s, or 64 rows /
+    4 warps at head_dim <= 128 (bf16) while ``DECODE_SMALL_TILE``.
+    ``num_stages`` only pipelines the loads (free)."""
+    cfg = dict(fwd_config(head_dim, dtype))
+    if DECODE_SMALL_TILE and dtype != torch.float32 and head_dim <= 128:
+        cfg.update(block_m=64, num_warps=4, num_stages=3)
+    return cfg
 
 
 def bwd_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -165,6 +243,99 @@ def _fwd_block(
 
 
 @triton.jit
+def _first_visible(r_pos, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each row's first visible KV position (0 without a window)."""
+    if WINDOW > 0:
+        return tl.maximum(r_pos - WINDOW + 1, 0)
+    else:
+        return tl.zeros([BLOCK_M], dtype=tl.int32)
+
+
+@triton.jit
+def _block_ranges(pos_first, pos_last, WINDOW: tl.constexpr, MASK_ALL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """KV blocks [j_lo, j_hi] seen by query positions pos_first..pos_last, and
+    the interior [mid_lo, mid_hi) every one of them sees whole (empty: both
+    j_hi + 1)."""
+    j_hi = pos_last // BLOCK_N
+    if WINDOW > 0:
+        j_lo = tl.maximum(pos_first - WINDOW + 1, 0) // BLOCK_N
+        mid_lo = (tl.maximum(pos_last - WINDOW + 1, 0) + BLOCK_N - 1) // BLOCK_N
+    else:
+        j_lo = pos_first * 0
+        mid_lo = pos_first * 0
+    mid_hi = (pos_first + 1) // BLOCK_N
+    if MASK_ALL:
+        mid_lo = j_hi + 1
+        mid_hi = j_hi + 1
+    has_mid = mid_lo < mid_hi
+    mid_lo = tl.where(has_mid, mid_lo, j_hi + 1)
+    mid_hi = tl.where(has_mid, mid_hi, j_hi + 1)
+    return j_lo, j_hi, mid_lo, mid_hi
+
+
+@triton.jit
+def _segment_state(
+    b_q, k, v, block_table, i_b, i_kvh, bos, kv_len, j0, j1, mid_lo, mid_hi,
+    r_pos, r_lo, o_d, m_d,
+    stride_kt, stride_kh, stride_kp, stride_vt, stride_vh, stride_vp, stride_bt,
+    qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """(m, l, acc) of blocks [j0, j1) (inside one segment), from the fresh
+    state, in increasing order: masked head, interior, masked tail."""
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for j in range(j0, tl.minimum(mid_lo, j1)):
+        b_m, b_l, b_acc = _fwd_block(
+            b_q, b_m, b_l, b_acc, k, v, block_table, i_b, i_kvh, bos, kv_len, j, r_pos, r_lo, o_d, m_d,
+            stride_kt, stride_kh, stride_kp, stride_vt, stride_vh, stride_vp, stride_bt, qk_scale,
+            BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=True, EVEN_D=EVEN_D, PRECISION=PRECISION,
+        )
+    for j in range(tl.maximum(mid_lo, j0), tl.minimum(mid_hi, j1)):
+        b_m, b_l, b_acc = _fwd_block(
+            b_q, b_m, b_l, b_acc, k, v, block_table, i_b, i_kvh, bos, kv_len, j, r_pos, r_lo, o_d, m_d,
+            stride_kt, stride_kh, stride_kp, stride_vt, stride_vh, stride_vp, stride_bt, qk_scale,
+            BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=False, EVEN_D=EVEN_D, PRECISION=PRECISION,
+        )
+    for j in range(tl.maximum(mid_hi, j0), j1):
+        b_m, b_l, b_acc = _fwd_block(
+            b_q, b_m, b_l, b_acc, k, v, block_table, i_b, i_kvh, bos, kv_len, j, r_pos, r_lo, o_d, m_d,
+            stride_kt, stride_kh, stride_kp, stride_vt, stride_vh, stride_vp, stride_bt, qk_scale,
+            BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=True, EVEN_D=EVEN_D, PRECISION=PRECISION,
+        )
+    return b_m, b_l, b_acc
+
+
+@triton.jit
+def _merge(b_mt, b_lt, b_acct, b_ms, b_ls, b_accs):
+    """Fold a segment's state (b_ms, b_ls, b_accs) into the running total;
+    rows are dim 0.  Element-wise only (no reduction, so no layout enters the
+    bits); the two ``where``s make an empty segment a no-op and the first
+    non-empty one an exact copy, never relying on exp2(-inf) == 0."""
+    b_mn = tl.maximum(b_mt, b_ms)
+    b_at = tl.exp2(b_mt - b_mn)  # NaN where both are -inf: never selected
+    b_as = tl.exp2(b_ms - b_mn)
+    b_ln = b_lt * b_at + b_ls * b_as
+    b_accn = b_acct * b_at[:, None] + b_accs * b_as[:, None]
+    s_empty = b_ms == float("-inf")
+    t_empty = b_mt == float("-inf")
+    b_l = tl.where(s_empty, b_lt, tl.where(t_empty, b_ls, b_ln))
+    b_acc = tl.where(s_empty[:, None], b_acct, tl.where(t_empty[:, None], b_accs, b_accn))
+    return b_mn, b_l, b_acc
+
+
+@triton.jit
+def _finalize(b_m, b_l, b_acc, r_ok):
+    """out = acc / l (fp32; the caller rounds it once), lse in natural log."""
+    b_l = tl.where(r_ok, b_l, 1.0)  # padding rows only: every real row sees itself
+    b_o = b_acc / b_l[:, None]
+    b_lse = (b_m + tl.log2(b_l)) * 0.6931471805599453
+    return b_o, b_lse
+
+
+@triton.jit(do_not_specialize=["n_m_tiles"])  # no recompile per query count (== 1, % 16)
 def _attn_fwd_kernel(
     q, k, v, o, lse, cu_q, seq_lens, block_table,
     stride_qt, stride_qh,
@@ -175,7 +346,7 @@ def _attn_fwd_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr,
     G: tl.constexpr, HPT: tl.constexpr, N_HC: tl.constexpr, TPT: tl.constexpr,
     WINDOW: tl.constexpr, PAGED: tl.constexpr, MASK_ALL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr,
 ):
     # late query tiles (the most KV blocks) are launched first
     i_m = n_m_tiles - 1 - tl.program_id(0)
@@ -200,61 +371,134 @@ def _attn_fwd_kernel(
     r_ok = (o_r < TPT * HPT) & (r_tok < q_len) & (r_hh < G)
     r_head = i_kvh * G + r_hh
     r_pos = ctx + r_tok
-    if WINDOW > 0:
-        r_lo = tl.maximum(r_pos - WINDOW + 1, 0)
-    else:
-        r_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
+    r_lo = _first_visible(r_pos, WINDOW, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
     p_q = q + (bos + r_tok).to(tl.int64)[:, None] * stride_qt + r_head[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=r_ok[:, None] & m_d[None, :], other=0.0)
 
-    # blocks [j_lo, j_hi]; interior [mid_lo, mid_hi) is fully visible to every row
     pos_first = ctx + tok0
     pos_last = ctx + tl.minimum(tok0 + TPT, q_len) - 1
-    j_hi = pos_last // BLOCK_N
-    if WINDOW > 0:
-        j_lo = tl.maximum(pos_first - WINDOW + 1, 0) // BLOCK_N
-        mid_lo = (tl.maximum(pos_last - WINDOW + 1, 0) + BLOCK_N - 1) // BLOCK_N
-    else:
-        j_lo = 0
-        mid_lo = 0
-    mid_hi = (pos_first + 1) // BLOCK_N
-    if MASK_ALL:
-        mid_lo = j_hi + 1
-        mid_hi = j_hi + 1
-    has_mid = mid_lo < mid_hi
-    mid_lo = tl.where(has_mid, mid_lo, j_hi + 1)
-    mid_hi = tl.where(has_mid, mid_hi, j_hi + 1)
+    j_lo, j_hi, mid_lo, mid_hi = _block_ranges(pos_first, pos_last, WINDOW, MASK_ALL, BLOCK_N)
 
-    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for j in range(j_lo, mid_lo):
-        b_m, b_l, b_acc = _fwd_block(
-            b_q, b_m, b_l, b_acc, k, v, block_table, i_b, i_kvh, bos, kv_len, j, r_pos, r_lo, o_d, m_d,
+    # segments in increasing order, each from the fresh state, folded into the total at its end
+    b_mt = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_lt = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acct = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for i_s in range(j_lo // SEG_BLOCKS, j_hi // SEG_BLOCKS + 1):
+        j0 = tl.maximum(j_lo, i_s * SEG_BLOCKS)
+        j1 = tl.minimum(j_hi + 1, i_s * SEG_BLOCKS + SEG_BLOCKS)
+        b_m, b_l, b_acc = _segment_state(
+            b_q, k, v, block_table, i_b, i_kvh, bos, kv_len, j0, j1, mid_lo, mid_hi, r_pos, r_lo, o_d, m_d,
             stride_kt, stride_kh, stride_kp, stride_vt, stride_vh, stride_vp, stride_bt, qk_scale,
-            BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=True, EVEN_D=BLOCK_D == D, PRECISION=PRECISION,
+            BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGED=PAGED, EVEN_D=BLOCK_D == D, PRECISION=PRECISION,
         )
-    for j in range(mid_lo, mid_hi):
-        b_m, b_l, b_acc = _fwd_block(
-            b_q, b_m, b_l, b_acc, k, v, block_table, i_b, i_kvh, bos, kv_len, j, r_pos, r_lo, o_d, m_d,
-            stride_kt, stride_kh, stride_kp, stride_vt, stride_vh, stride_vp, stride_bt, qk_scale,
-            BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=False, EVEN_D=BLOCK_D == D, PRECISION=PRECISION,
-        )
-    for j in range(mid_hi, j_hi + 1):
-        b_m, b_l, b_acc = _fwd_block(
-            b_q, b_m, b_l, b_acc, k, v, block_table, i_b, i_kvh, bos, kv_len, j, r_pos, r_lo, o_d, m_d,
-            stride_kt, stride_kh, stride_kp, stride_vt, stride_vh, stride_vp, stride_bt, qk_scale,
-            BLOCK_N=BLOCK_N, PAGED=PAGED, MASKED=True, EVEN_D=BLOCK_D == D, PRECISION=PRECISION,
-        )
+        b_mt, b_lt, b_acct = _merge(b_mt, b_lt, b_acct, b_m, b_l, b_acc)
 
-    b_l = tl.where(r_ok, b_l, 1.0)  # padding rows only: every real row sees itself
-    b_o = b_acc / b_l[:, None]
+    b_o, b_lse = _finalize(b_mt, b_lt, b_acct, r_ok)
     p_o = o + (bos + r_tok).to(tl.int64)[:, None] * stride_ot + r_head[:, None] * stride_oh + o_d[None, :]
     tl.store(p_o, b_o.to(o.dtype.element_ty), mask=r_ok[:, None] & m_d[None, :])
-    b_lse = (b_m + tl.log2(b_l)) * 0.6931471805599453
     tl.store(lse + (bos + r_tok).to(tl.int64) * stride_lt + r_head, b_lse, mask=r_ok)
+
+
+@triton.jit(do_not_specialize=["n_tok"])  # no recompile per batch size (== 1, % 16)
+def _attn_decode_split_kernel(
+    q, k, v, o, lse, ws_m, ws_l, ws_acc, cu_q, seq_lens, block_table,
+    stride_qt, stride_qh,
+    stride_kt, stride_kh, stride_kp,
+    stride_vt, stride_vh, stride_vp,
+    stride_ot, stride_oh, stride_lt, stride_bt,
+    qk_scale, n_tok, n_heads,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+    G: tl.constexpr, HPT: tl.constexpr, N_HC: tl.constexpr,
+    WINDOW: tl.constexpr, MASK_ALL: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr, FINAL: tl.constexpr,
+):
+    """One segment of one decode query (token ``cu_q[b]`` at position
+    ``seq_lens[b] - 1``) x one kv head's query heads (rows; padding to BLOCK_M).
+    Writes the segment's (m, l, acc) to ws[i_s, token, head]; FINAL (the table
+    holds one segment) writes out/lse instead, which is what merging one
+    segment into the empty total gives.  A segment outside the row's visible
+    blocks writes nothing (the merge reads only those that hold one)."""
+    i_s = tl.program_id(0)
+    i_b = tl.program_id(1)
+    i_hc = tl.program_id(2)
+    i_kvh = i_hc // N_HC
+    i_c = i_hc % N_HC
+    bos = tl.load(cu_q + i_b)
+    if tl.load(cu_q + i_b + 1) == bos:  # no query for this sequence in the step
+        return
+    kv_len = tl.load(seq_lens + i_b)
+    pos = kv_len - 1
+    j_lo, j_hi, mid_lo, mid_hi = _block_ranges(pos, pos, WINDOW, MASK_ALL, BLOCK_N)
+    j0 = tl.maximum(j_lo, i_s * SEG_BLOCKS)
+    j1 = tl.minimum(j_hi + 1, i_s * SEG_BLOCKS + SEG_BLOCKS)
+    if j0 >= j1:
+        return
+
+    o_r = tl.arange(0, BLOCK_M)
+    r_hh = i_c * HPT + o_r
+    r_ok = (o_r < HPT) & (r_hh < G)
+    r_head = i_kvh * G + r_hh
+    r_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + pos
+    r_lo = _first_visible(r_pos, WINDOW, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    p_q = q + bos.to(tl.int64) * stride_qt + r_head[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=r_ok[:, None] & m_d[None, :], other=0.0)
+    b_m, b_l, b_acc = _segment_state(
+        b_q, k, v, block_table, i_b, i_kvh, bos, kv_len, j0, j1, mid_lo, mid_hi, r_pos, r_lo, o_d, m_d,
+        stride_kt, stride_kh, stride_kp, stride_vt, stride_vh, stride_vp, stride_bt, qk_scale,
+        BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGED=True, EVEN_D=BLOCK_D == D, PRECISION=PRECISION,
+    )
+    if FINAL:
+        b_o, b_lse = _finalize(b_m, b_l, b_acc, r_ok)
+        p_o = o + bos.to(tl.int64) * stride_ot + r_head[:, None] * stride_oh + o_d[None, :]
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=r_ok[:, None] & m_d[None, :])
+        tl.store(lse + bos.to(tl.int64) * stride_lt + r_head, b_lse, mask=r_ok)
+    else:
+        r_w = (i_s * n_tok + bos).to(tl.int64) * n_heads + r_head  # ws row (segment, token, head)
+        tl.store(ws_m + r_w, b_m, mask=r_ok)
+        tl.store(ws_l + r_w, b_l, mask=r_ok)
+        tl.store(ws_acc + r_w[:, None] * D + o_d[None, :], b_acc, mask=r_ok[:, None] & m_d[None, :])
+
+
+@triton.jit(do_not_specialize=["n_tok"])  # no recompile per batch size (== 1, % 16)
+def _attn_decode_merge_kernel(
+    o, lse, ws_m, ws_l, ws_acc, cu_q, seq_lens,
+    stride_ot, stride_oh, stride_lt,
+    n_tok, n_heads,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr,
+):
+    """Merge decode segments in increasing order into the total (``_merge``,
+    the tile kernel's arithmetic), then out/lse (``_finalize``).  One program:
+    one decode query x BLOCK_H heads (rows)."""
+    i_b = tl.program_id(0)
+    bos = tl.load(cu_q + i_b)
+    if tl.load(cu_q + i_b + 1) == bos:
+        return
+    pos = tl.load(seq_lens + i_b) - 1
+    j_lo, j_hi, _, _ = _block_ranges(pos, pos, WINDOW, False, BLOCK_N)
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < n_heads
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    m_hd = m_h[:, None] & m_d[None, :]
+    b_mt = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_lt = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acct = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    # exactly the segments the split kernel wrote: those holding a visible block
+    for i_s in range(j_lo // SEG_BLOCKS, j_hi // SEG_BLOCKS + 1):
+        r_w = (i_s * n_tok + bos).to(tl.int64) * n_heads + o_h
+        b_ms = tl.load(ws_m + r_w, mask=m_h, other=float("-inf"))
+        b_ls = tl.load(ws_l + r_w, mask=m_h, other=0.0)
+        b_accs = tl.load(ws_acc + r_w[:, None] * D + o_d[None, :], mask=m_hd, other=0.0)
+        b_mt, b_lt, b_acct = _merge(b_mt, b_lt, b_acct, b_ms, b_ls, b_accs)
+    b_o, b_lse = _finalize(b_mt, b_lt, b_acct, m_h)
+    p_o = o + bos.to(tl.int64) * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_hd)
+    tl.store(lse + bos.to(tl.int64) * stride_lt + o_h, b_lse, mask=m_h)
 
 
 @triton.jit
@@ -403,16 +647,20 @@ def _precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None  # None: the default (bf16 operands have one MMA path)
 
 
-def _fwd_launch(q, k, v, cu_q, seq_lens, block_table, max_q_len, window, scale, paged, cfg, mask_all):
-    T, hq, d = q.shape
-    hkv = k.shape[-2]
-    G = hq // hkv
-    B = cu_q.shape[0] - 1
-    block_m, num_warps, num_stages = cfg["block_m"], cfg["num_warps"], cfg["num_stages"]
-    hpt, n_hc, tpt = _tiling(G, block_m)
+def _launch_setup(q, k, cu_q, block_m):
+    """(G, B, tiling) and the empty outputs o (T, Hq, D), lse (T, Hq) fp32."""
+    T, hq, _ = q.shape
+    G = hq // k.shape[-2]
     o = torch.empty_like(q)
     lse = torch.empty(T, hq, dtype=torch.float32, device=q.device)
-    if T == 0 or B == 0:
+    return G, cu_q.shape[0] - 1, _tiling(G, block_m), o, lse
+
+
+def _fwd_launch(q, k, v, cu_q, seq_lens, block_table, max_q_len, window, scale, paged, cfg, mask_all):
+    d, hkv = q.shape[-1], k.shape[-2]
+    block_m, num_warps, num_stages = cfg["block_m"], cfg["num_warps"], cfg["num_stages"]
+    G, B, (hpt, n_hc, tpt), o, lse = _launch_setup(q, k, cu_q, block_m)
+    if q.shape[0] == 0 or B == 0:
         return o, lse
     n_m = triton.cdiv(max_q_len, tpt)
     if paged:
@@ -431,9 +679,51 @@ def _fwd_launch(q, k, v, cu_q, seq_lens, block_table, max_q_len, window, scale, 
         D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         G=G, HPT=hpt, N_HC=n_hc, TPT=tpt,
         WINDOW=window, PAGED=paged, MASK_ALL=mask_all, PRECISION=_precision(q.dtype),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, SEG_BLOCKS=SEG_BLOCKS,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
+    return o, lse
+
+
+def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mask_all, seg_blocks):
+    """Split decode: (segments, sequences, kv heads x head chunks) programs,
+    then the merge.  Nothing here reads a device value: the grid follows the
+    block table's width, so a CUDA graph captured once replays as sequences
+    grow."""
+    T, hq, d = q.shape
+    hkv = k.shape[-2]
+    block_m, num_warps, num_stages = cfg["block_m"], cfg["num_warps"], cfg["num_stages"]
+    G, B, (hpt, n_hc, _), o, lse = _launch_setup(q, k, cu_q, block_m)
+    if T == 0 or B == 0:
+        return o, lse
+    n_seg = max(1, triton.cdiv(block_table.shape[1], seg_blocks))
+    final = n_seg == 1
+    if final:
+        ws_m = ws_l = ws_acc = lse  # unused
+    else:
+        ws_m = torch.empty(n_seg, T, hq, dtype=torch.float32, device=q.device)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty(n_seg, T, hq, d, dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(d))
+    _attn_decode_split_kernel[(n_seg, B, hkv * n_hc)](
+        q, k, v, o, lse, ws_m, ws_l, ws_acc, cu_q, seq_lens, block_table,
+        q.stride(0), q.stride(1),
+        k.stride(1), k.stride(2), k.stride(0), v.stride(1), v.stride(2), v.stride(0),
+        o.stride(0), o.stride(1), lse.stride(0), block_table.stride(0),
+        scale * _LOG2E, T, hq,
+        D=d, BLOCK_D=block_d, G=G, HPT=hpt, N_HC=n_hc,
+        WINDOW=window, MASK_ALL=mask_all, PRECISION=_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, SEG_BLOCKS=seg_blocks, FINAL=final,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
+    )
+    if not final:
+        block_h = min(16, triton.next_power_of_2(hq))
+        _attn_decode_merge_kernel[(B, triton.cdiv(hq, block_h))](
+            o, lse, ws_m, ws_l, ws_acc, cu_q, seq_lens,
+            o.stride(0), o.stride(1), lse.stride(0), T, hq,
+            D=d, BLOCK_D=block_d, BLOCK_H=block_h, WINDOW=window, BLOCK_N=BLOCK_N, SEG_BLOCKS=seg_blocks,
+            num_warps=4, enable_fp_fusion=False,
+        )
     return o, lse
 
 
@@ -452,7 +742,14 @@ def attention_fwd_cuda(q, k, v, cu_seqlens, max_seqlen, window, scale, *,
 
 
 def paged_attention_fwd_cuda(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, window, scale, *,
-                             block_m=None, num_warps=None, num_stages=None, mask_all=False):
+                             block_m=None, num_warps=None, num_stages=None, mask_all=False, seg_blocks=SEG_BLOCKS):
+    """``max_seqlen_q == 1``: the split decode (``decode_config``); else the
+    tile kernel (``fwd_config``).  ``seg_blocks`` other than SEG_BLOCKS breaks
+    the contract (decode only; the tests' counter-example)."""
+    if max_seqlen_q == 1:
+        cfg = _config(q.shape[-1], q.dtype, decode_config, block_m, num_warps, num_stages)
+        return _decode_launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, window, scale, cfg, mask_all,
+                              seg_blocks)
     cfg = _config(q.shape[-1], q.dtype, fwd_config, block_m, num_warps, num_stages)
     return _fwd_launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, window, scale, True, cfg, mask_all)
 

@@ -7,9 +7,19 @@ recurrence (see ``cpu.py`` / ``kernel.py`` docstrings), so a row has the same
 bits on every path.  ``*_fwd``/``*_bwd`` launchers do no checks (CUDA-graph
 safe); the public functions validate first.
 
+The order, in one line: a row's visible KV positions are cut into fixed
+segments of ``SEGMENT = 1024`` absolute positions; each segment is an online
+softmax over its 64-position blocks in increasing order from the fresh state;
+the segments' states are merged in increasing order by one element-wise merge;
+out = acc / l.  A row shorter than 1024 positions is one segment: the order it
+had before segments existed.  The packed and multi-query paged paths merge
+inside one program; decode (``max_seqlen_q == 1`` on CUDA) runs one program per
+segment and merges in a second kernel, with the same arithmetic.
+
 Launch knobs that never change bits: ``row_chunk`` (CPU), ``num_stages`` and
 ``mask_all`` (CUDA).  ``block_m``/``num_warps`` (CUDA) are fixed per head_dim by
-``kernel.fwd_config``: keep them the same on every path that must agree.
+``kernel.fwd_config`` (prefill) and ``kernel.decode_config`` (decode): keep
+them giving the same bits on every path that must agree.
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
 from ..kv_cache.op import PAGE_SIZE
 
 MAX_HEAD_DIM = 256
+SEGMENT = 1024  # KV positions per merge segment: part of the reduction order, the same on every path
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -109,7 +120,14 @@ def paged_attention_fwd(
     mask_all: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged forward -> (o (T, Hq, D), lse (T, Hq) fp32).  Pass
-    ``max_seqlen_q`` (1 for decode) to avoid a device sync."""
+    ``max_seqlen_q`` (1 for decode) to avoid a device sync.
+
+    On CUDA, ``max_seqlen_q == 1`` runs the split decode (one program per
+    1024-position segment, sequence and kv head, then an in-order merge); its
+    grid is sized from ``block_table.shape[1]``, never from ``seq_lens``, so a
+    captured CUDA graph replays correctly while sequences grow (keep the table's
+    width fixed across replays, as the engine's static batch does).  Longer
+    queries run the tile kernel, which merges the same segments in-register."""
     scale = _scale(scale, q.shape[-1])
     if q.is_cuda:
         from .kernel import paged_attention_fwd_cuda
