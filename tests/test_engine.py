@@ -1,8 +1,11 @@
 """The serving engine's contract on a toy model built from the real kernels:
 a request's tokens and FP32 log-probs are the same bits alone, in any batch,
 in any order, joining mid-decode, after preemption, with any prefill chunking,
-and when teacher-forced through ``score``."""
+and when teacher-forced through ``score``; and with per-request LoRA adapters
+sharing a batch (``adapter_ids``, a static input of the decode graphs)."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -205,7 +208,8 @@ def test_greedy_is_argmax_with_logprob_zero(model, alone):
     batch = ForwardBatch(
         tokens=torch.tensor(seq[:-1]), positions=torch.arange(T), cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32),
         seq_lens=torch.tensor([T], dtype=torch.int32), block_table=torch.tensor([[0, 1]], dtype=torch.int32),
-        slot_mapping=torch.arange(T), logit_rows=torch.arange(P - 1, T), max_seqlen_q=T)
+        slot_mapping=torch.arange(T), logit_rows=torch.arange(P - 1, T), adapter_ids=torch.full((T,), -1),
+        max_seqlen_q=T)
     logits = model.forward(batch, kv)
     assert logits.argmax(-1).tolist() == out.tokens
 
@@ -295,6 +299,75 @@ def test_padded_decode_path_on_cpu(model, alone):
     assert {6, 4, 1} <= set(replays)  # 5 rows in bucket 6, then 3 in bucket 4: pad rows ride along
 
 
+# LoRA adapters named per request, served in one batch (the toy adapts its qkv projection)
+ADAPTERS = ("x", "y", "z")
+LORA_PICK = [None, "x", "y", "x", "z"]
+LORA_PARAMS = [replace(sp, max_new_tokens=n) for sp, n in zip(PARAMS, (9, 12, 7, 10, 8))]
+
+
+@pytest.fixture(scope="module")
+def lora_model():
+    return ToyServeModel(adapters=ADAPTERS)
+
+
+def test_adapters_share_a_batch(lora_model):
+    m = lora_model
+    alone = [Engine(m, num_pages=64).generate([p], sp, adapters=a)[0]
+             for p, sp, a in zip(PROMPTS, LORA_PARAMS, LORA_PICK)]
+    assert [o.adapter for o in alone] == LORA_PICK
+    plain = solo(m, PROMPTS[1], LORA_PARAMS[1])  # the base model: another draw
+    assert plain.adapter is None and not torch.equal(plain.logprobs, alone[1].logprobs)
+    # one batch, chunked prefill beside decode rows, then reversed order with preemption
+    eng = Engine(m, num_pages=64, max_batch_tokens=48, page_shuffle_seed=2)
+    for got, want in zip(eng.generate(PROMPTS, LORA_PARAMS, adapters=LORA_PICK), alone):
+        assert_same(got, want)
+        assert got.adapter == want.adapter
+    eng = Engine(m, num_pages=4, max_batch_tokens=96, page_shuffle_seed=6)
+    for got, want in zip(eng.generate(PROMPTS[::-1], LORA_PARAMS[::-1], adapters=LORA_PICK[::-1]), alone[::-1]):
+        assert_same(got, want)
+    assert eng.num_preemptions > 0
+    # teacher-forced: prefilled, and token by token (the short ones)
+    seqs, lens = [o.prompt + o.tokens for o in alone], [len(p) for p in PROMPTS]
+    for lp, o in zip(Engine(m, num_pages=64).score(seqs, lens, LORA_PARAMS, adapters=LORA_PICK), alone):
+        assert torch.equal(lp, o.logprobs)
+    short = [1, 4]
+    for i, lp in zip(short, Engine(m, num_pages=64).score([seqs[i] for i in short], [lens[i] for i in short],
+                                                          [LORA_PARAMS[i] for i in short],
+                                                          adapters=[LORA_PICK[i] for i in short], chunk_tokens=1)):
+        assert torch.equal(lp, alone[i].logprobs)
+    # the padded graph path: adapter ids copied into the static batch, pad rows -1
+    eng = Engine(m, num_pages=64, max_batch_size=6)
+    runner, sizes = eng.runner, graph_batch_sizes(6)
+    static = static_decode_batch(6, runner.graph_width, "cpu")
+    logits = {bs: torch.empty(bs, m.vocab_size) for bs in sizes}
+    runner.graphs = DecodeGraphs(static, {bs: EagerReplay(m, runner.kv_cache, first_rows(static, bs), logits[bs])
+                                          for bs in sizes}, logits)
+    replays, real = [], runner._replay
+    runner._replay = lambda bs, *a: (replays.append(a[4]), real(bs, *a))[1]
+    for got, want in zip(eng.generate(PROMPTS, LORA_PARAMS, adapters=LORA_PICK), alone):
+        assert_same(got, want)
+    assert [-1, 0, 1, 0, 2, -1] in replays  # five decode rows and a pad row in bucket 6
+
+
+def test_unknown_adapter_fails_alone(model, lora_model, alone):
+    eng = Engine(lora_model, num_pages=16)
+    outs = eng.generate(PROMPTS[:3], LORA_PARAMS[:3], adapters=["x", "nope", None])
+    assert outs[1].finish_reason == "error" and outs[1].adapter == "nope"
+    assert "unknown adapter 'nope': the model serves adapters 'x', 'y', 'z'" in outs[1].error
+    assert outs[0].error is None and outs[2].error is None and len(outs[2].tokens) == LORA_PARAMS[2].max_new_tokens
+    bad = eng.generate([PROMPTS[0]], LORA_PARAMS[0], adapters=3)[0]
+    assert bad.finish_reason == "error" and "adapter must be an adapter name (str) or None, got int" in bad.error
+    with pytest.raises(ValueError, match="3 prompts but 2 adapters"):
+        eng.generate(PROMPTS[:3], LORA_PARAMS[0], adapters=["x", "y"])
+    with pytest.raises(ValueError, match="sequence 1: unknown adapter 'w'"):
+        eng.score([[1, 2, 3], [1, 2, 3]], [1, 1], LORA_PARAMS[0], adapters=["x", "w"])
+    # a model without adapters serves the base model and refuses any name
+    out = Engine(model, num_pages=16).generate(PROMPTS[:2], PARAMS[:2], adapters=[None, "x"])
+    assert_same(out[0], alone[0])
+    assert "unknown adapter 'x': the model serves adapters none" in out[1].error
+    assert eng.block_manager.num_free == 16 and not eng.has_unfinished()
+
+
 @pytest.mark.gpu
 def test_cuda_graph_decode_matches_eager():
     model = ToyServeModel(device="cuda")
@@ -316,3 +389,22 @@ def test_cuda_graph_decode_matches_eager():
     scored = graph_eng.score([o.prompt + o.tokens for o in graphed], [len(p) for p in prompts], params)
     for lp, o in zip(scored, graphed):
         assert torch.equal(lp.cpu(), o.logprobs)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_with_adapters():
+    """Adapter ids are a static input of the captured graphs: graphed ==
+    eager == alone for mixed adapters, pad rows included."""
+    m = ToyServeModel(device="cuda", adapters=ADAPTERS)
+    prompts, pick = PROMPTS + [prompt(700, 3)], LORA_PICK + ["y"]
+    params = LORA_PARAMS + [RICH]
+    eager = Engine(m, num_pages=64, max_batch_size=8, cuda_graphs=False).generate(prompts, params, adapters=pick)
+    graph_eng = Engine(m, num_pages=64, max_batch_size=8, cuda_graphs=True, page_shuffle_seed=1)
+    replays, real = [], graph_eng.runner._replay
+    graph_eng.runner._replay = lambda bs, *a: (replays.append(bs), real(bs, *a))[1]
+    for g, e in zip(graph_eng.generate(prompts, params, adapters=pick), eager):
+        assert_same(g, e)
+    assert 8 in replays and 1 in replays  # 6 rows padded to 8, down to the last request alone
+    for i in (1, 5):
+        assert_same(Engine(m, num_pages=64, max_batch_size=8).generate([prompts[i]], params[i], adapters=pick[i])[0],
+                    eager[i])

@@ -1,5 +1,6 @@
 """LoRA: row invariance of each mode (bitwise), trainer == server, multi ==
-separate, gradients vs float64, the merged cache, B = 0, bad input, PEFT I/O."""
+separate (stacked or per-adapter lists, CUDA-graph captured), gradients vs
+float64, the merged cache, B = 0, bad input, PEFT I/O."""
 import json
 
 import pytest
@@ -129,6 +130,41 @@ def test_multi_equals_separate_row_by_row(device, dtype):
     base = matmul_fwd(x, w)
     assert bitwise_equal(lora_add_multi_fwd(base, x, idx, a_n, b_n, SCALES), out)
     assert bitwise_equal(lora_add_fwd(base, x, *ad0, SCALES[0]), lora_linear_separate_fwd(x, w, *ad0, SCALES[0]))
+
+
+def test_multi_adapter_lists_of_own_ranks(device):
+    """Adapters as lists, each of its own rank (no padding), None where an
+    adapter has no branch on this layer (its rows keep the base): each row is
+    the separate mode with its own adapter, trainer == server."""
+    x, w, ad0, ad1 = _setup(8, device, M=93)
+    base = matmul_fwd(x, w)
+    idx = torch.tensor([(i * 5) % 4 - 1 for i in range(93)]).to(device)  # -1, 0, 1, 2
+    a_n, b_n, scales = [ad0[0], None, ad1[0]], [ad0[1], None, ad1[1]], [SCALES[0], 7.0, SCALES[1]]
+    out = lora_add_multi_fwd(base, x, idx, a_n, b_n, scales)
+    assert bitwise_equal(lora_add_multi(base, x, idx, a_n, b_n, scales), out)
+    for j, want in ((-1, base), (1, base), (0, lora_add_fwd(base, x, *ad0, SCALES[0])),
+                    (2, lora_add_fwd(base, x, *ad1, SCALES[1]))):
+        rows = (idx == j).nonzero().squeeze(1)
+        assert rows.numel() and bitwise_equal(out[rows], want[rows]), f"adapter {j}"
+
+
+@pytest.mark.gpu
+def test_multi_adapter_captured_in_a_cuda_graph():
+    """The server launcher reads no index on the host: captured once, replayed
+    with other per-row adapters written into the same idx tensor."""
+    dev = torch.device("cuda")
+    x, w, ad0, ad1 = _setup(8, dev, M=37)
+    a_n, b_n = [ad0[0], ad1[0]], [ad0[1], ad1[1]]
+    idx = torch.full((37,), -1, dtype=torch.int64, device=dev)
+    lora_linear_multi_fwd(x, w, idx, a_n, b_n, SCALES)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lora_linear_multi_fwd(x, w, idx, a_n, b_n, SCALES)
+    for seed in range(3):
+        idx.copy_(torch.randint(-1, 2, (37,), generator=torch.Generator().manual_seed(seed)).to(dev))
+        graph.replay()
+        assert bitwise_equal(out, lora_linear_multi_fwd(x, w, idx, a_n, b_n, SCALES)), seed
 
 
 def test_lora_add_on_a_fused_projection_slice(device):
@@ -311,10 +347,16 @@ def test_bad_input_is_named():
         lora_add(torch.zeros(8, 59, dtype=x.dtype), x, a, b, 1.0)
     a_n, b_n = stack_adapters([(a, b), (a, b)])
     for bad in (2, -2):
+        idx = torch.tensor([0, 1, bad, 0, -1, 1, 0, 0])
         with pytest.raises(IndexError, match=f"adapter index {bad} out of range: 2 adapters"):
-            lora_linear_multi(x, w, torch.full((8,), bad), a_n, b_n, [1.0, 1.0])
-        with pytest.raises(IndexError, match="out of range"):
-            lora_linear_multi_fwd(x, w, torch.full((8,), bad), a_n, b_n, [1.0, 1.0])
+            lora_linear_multi(x, w, idx, a_n, b_n, [1.0, 1.0])
+        # the server launcher reads nothing on the host (graph capture): such a row keeps the base
+        got = lora_linear_multi_fwd(x, w, idx, a_n, b_n, [1.0, 1.0])
+        assert bitwise_equal(got[2:3], matmul_fwd(x[2:3], w))
+    with pytest.raises(ValueError, match="adapter 1: lora_A and lora_B must both be tensors or both None"):
+        lora_linear_multi(x, w, torch.zeros(8, dtype=torch.long), [a, a], [b, None], [1.0, 1.0])
+    with pytest.raises(ValueError, match=r"adapter 1: lora_B has shape \(60, 2\), expected \(60, 3\)"):
+        lora_linear_multi(x, w, torch.zeros(8, dtype=torch.long), [a, a], [b, b[:, :2].contiguous()], [1.0, 1.0])
     with pytest.raises(TypeError, match="idx has dtype int32"):
         lora_linear_multi(x, w, torch.zeros(8, dtype=torch.int32), a_n, b_n, [1.0, 1.0])
     with pytest.raises(ValueError, match="idx has 7 entries, expected one per row of x"):

@@ -1,10 +1,14 @@
-"""LoRA on the qwen3 pair, merged and separate: K3 == 0 after every sync.
+"""LoRA on the qwen3 pair, merged, separate and multi-adapter: K3 == 0 after every sync.
 
 RL-like steps (sample with temperature / top-k / top-p / min-p on mixed prompt
 lengths, one past 300 tokens; score with the trainer; backward; an optimizer
 on the adapters; ``pair.sync()``) keep trainer log-probs == sampler log-probs
 bitwise; the base stays frozen bit for bit; an untrained adapter is the base
 model; merged checkpoints and PEFT adapters round-trip to the same bits.
+Multi-adapter: base rows and three adapters in one engine batch, each row ==
+the request alone == server prefill == token-by-token scoring == the trainer
+under its adapter; a step on one adapter ships only it and changes no other
+row; an unknown adapter fails its request alone.
 """
 import json
 
@@ -315,3 +319,202 @@ def test_cuda_graph_decode_with_lora(mode):
     lp_s = pair.server.score([q + o.tokens for q, o in zip(prompts, outs)], [len(q) for q in prompts], sps)
     for o, e, s in zip(outs, eager.server.generate(prompts, sps), lp_s):
         assert o.tokens == e.tokens and torch.equal(o.logprobs, e.logprobs) and torch.equal(s, o.logprobs)
+
+
+# --------------------------------------------------------------------------- multi-adapter
+
+ADAPTERS = {  # ranks, scales and targets differ; together they cover all seven projections, some twice
+    "a": LoRAConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"]),
+    "b": LoRAConfig(r=4, lora_alpha=4, target_modules=["q_proj", "k_proj", "down_proj"]),
+    "c": LoRAConfig(r=3, lora_alpha=9, target_modules=["v_proj", "gate_proj", "up_proj"]),
+}
+MIXED = ["b", None, "a", "c", "a", None]  # one engine batch: base rows and three adapters
+MIXED_LENS = [610, 5, 47, 129, 1, 64]  # 610: past the 593 where CPU and CUDA rope tables part
+
+
+def make_multi(**kw):
+    """A multi-adapter pair whose adapters look trained (B != 0, each its own)."""
+    pair = alignzoo.load_pair("qwen3", config="tiny", device="cpu", seed=0, lora_adapters=ADAPTERS, **kw)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(2)
+        for n, p in pair.trainer.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return sharpen(pair)
+
+
+def mixed_sps(n, new_tokens=(5, 7, 4)):
+    return [SamplingParams(temperature=(0.9, 1.2, 0.7)[i % 3], top_k=(0, 40, 7)[i % 3], top_p=(0.9, 1.0, 0.8)[i % 3],
+                           min_p=(0.05, 0.0, 0.1)[i % 3], max_new_tokens=new_tokens[i % 3], seed=20 + i)
+            for i in range(n)]
+
+
+def assert_multi_k3_zero(pair, prompts, sps, adapters):
+    """One engine batch of mixed adapters: decode == server prefill == the
+    trainer under each row's adapter (one packed batch), bitwise."""
+    outs = pair.server.generate(prompts, sps, adapters=adapters)
+    seqs, lens = [p + o.tokens for p, o in zip(prompts, outs)], [len(p) for p in prompts]
+    with torch.no_grad():
+        lp_t = pair.trainer.logprobs(seqs, lens, sps, adapters=adapters)
+    lp_s = pair.server.score(seqs, lens, sps, adapters=adapters)
+    for i, (o, t, s) in enumerate(zip(outs, lp_t, lp_s)):
+        assert o.error is None and o.adapter == adapters[i], (o.error, o.adapter)
+        assert o.weight_version == pair.server.weight_version
+        t = t.cpu()
+        assert torch.equal(t, o.logprobs), (i, adapters[i], mismatch(t, o.logprobs))
+        assert torch.equal(s, o.logprobs), (i, adapters[i], mismatch(s, o.logprobs))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def multi():
+    pair = make_multi()
+    prompts = prompts_of(MIXED_LENS, pair.config.vocab_size, seed=9)
+    return pair, prompts, mixed_sps(len(prompts))
+
+
+def test_multi_adapter_batch_is_each_request_alone_and_the_trainer(multi):
+    pair, prompts, sps = multi
+    outs = assert_multi_k3_zero(pair, prompts, sps, MIXED)
+    for i in (1, 2, 3, 5):  # alone in the engine (a batch of one: no other adapter beside it)
+        alone = pair.server.generate([prompts[i]], sps[i], adapters=MIXED[i])[0]
+        assert alone.tokens == outs[i].tokens and torch.equal(alone.logprobs, outs[i].logprobs), i
+    seqs, lens = [p + o.tokens for p, o in zip(prompts, outs)], [len(p) for p in prompts]
+    with torch.no_grad():  # the trainer with one adapter for the whole batch; then another adapter
+        lp = pair.trainer.logprobs([seqs[2], seqs[4]], [lens[2], lens[4]], [sps[2], sps[4]], adapters="a")
+        other = pair.trainer.logprobs([seqs[2]], [lens[2]], [sps[2]], adapters="b")[0]
+    assert torch.equal(lp[0], outs[2].logprobs) and torch.equal(lp[1], outs[4].logprobs)
+    assert not torch.equal(other, outs[2].logprobs)  # the adapters matter
+    # decode-shaped scoring, token by token (the short rows)
+    short = [1, 4]
+    lp1 = pair.server.score([seqs[i] for i in short], [lens[i] for i in short], [sps[i] for i in short],
+                            adapters=[MIXED[i] for i in short], chunk_tokens=1)
+    for i, lp in zip(short, lp1):
+        assert torch.equal(lp, outs[i].logprobs), i
+
+
+def test_multi_adapter_training_step_then_sync(multi):
+    """A step on adapter "a" (its rows mixed with others in the batch): only
+    a's tensors change and ship, K3 == 0 again, and rows of the other
+    adapters and of the base model give the same bits as before the step."""
+    _, prompts, sps = multi
+    prompts = [p[:48] for p in prompts]  # long prompts: the test above
+    pair = make_multi()
+    t = pair.trainer
+    before = {n: p.detach().clone() for n, p in t.named_parameters()}
+    outs = pair.server.generate(prompts, sps, adapters=MIXED)
+    seqs, lens = [p + o.tokens for p, o in zip(prompts, outs)], [len(p) for p in prompts]
+    lps = t.logprobs(seqs, lens, sps, adapters=MIXED)
+    for o, lp in zip(outs, lps):
+        assert torch.equal(lp.detach(), o.logprobs)
+    rewards = torch.tensor([float(sum(o.tokens) % 3) - 1.0 for o in outs])
+    (-sum(r * lp[torch.isfinite(lp)].sum() for r, lp in zip(rewards, lps))).backward()
+    grads = {n for n, p in t.named_parameters() if p.grad is not None}
+    assert grads == {n for n in before if ".lora_" in n}  # every adapter in the batch, never the base
+    opt = torch.optim.Adam(t.adapter_parameters("a"), lr=1e-2)
+    opt.step()
+    served = {n: w.clone() for n, w in pair.server.model.weights.items()}
+    pair.sync()
+    assert pair.weights_match()
+    mine = {n for n in served if ".adapters.0." in n}
+    assert {n for n, w in pair.server.model.weights.items() if not torch.equal(w, served[n])} == mine
+    for n, p in t.named_parameters():
+        assert torch.equal(p, before[n]) == (".adapters.0." not in n), n
+    again = assert_multi_k3_zero(pair, prompts, sps, MIXED)
+    for a, o, o2 in zip(MIXED, outs, again):
+        same = o.tokens == o2.tokens and torch.equal(o.logprobs, o2.logprobs)
+        assert same == (a != "a"), a
+
+
+def test_multi_adapter_bad_requests_and_config(multi, tmp_path):
+    pair, prompts, sps = multi
+    outs = pair.server.generate(prompts[1:4], sps[1:4], adapters=[None, "nope", "c"])
+    assert outs[1].finish_reason == "error" and "unknown adapter 'nope': the model serves adapters 'a', 'b', 'c'" \
+        in outs[1].error
+    for i in (0, 2):
+        assert outs[i].error is None and len(outs[i].tokens) == sps[1 + i].max_new_tokens
+    with pytest.raises(ValueError, match="sequence 1: unknown adapter 'nope': the model has adapters 'a', 'b', 'c'"):
+        pair.trainer.logprobs([prompts[1], prompts[1]], [1, 1], adapters=["a", "nope"])
+    with pytest.raises(ValueError, match="2 sequences but 3 adapters"):
+        pair.trainer.logprobs([prompts[1], prompts[1]], [1, 1], adapters=["a", "b", None])
+    with pytest.raises(ValueError, match="name one of the adapters 'a', 'b', 'c'"):
+        pair.save_pretrained(tmp_path, adapter_only=True)
+    plain = make_pair()
+    with pytest.raises(ValueError, match="no named LoRA adapters"):
+        plain.trainer.logprobs([prompts[1]], [1], adapters="a")
+    assert "the model serves adapters none" in plain.server.generate([prompts[1]], sps[1], adapters="a")[0].error
+    cases = [
+        (dict(lora_adapters=ADAPTERS, lora=LORA), ValueError, "neither lora= nor lora_adapter="),
+        (dict(lora_mode="multi"), ValueError, "multi-adapter LoRA takes lora_adapters="),
+        (dict(lora_adapters=ADAPTERS, lora_mode="separate"), ValueError, "multi-adapter LoRA takes lora_adapters="),
+        (dict(lora_adapters={}), ValueError, "needs a non-empty"),
+        (dict(lora_adapters=["a"]), TypeError, "lora_adapters must be a dict"),
+        (dict(lora_adapters={"a": {"r": 4, "lora_alpha": 8, "target_modules": "qkv"}}), ValueError,
+         "adapter 'a': unknown LoRA target module 'qkv'"),
+        (dict(lora_adapters=ADAPTERS, server_kernels="vendor"), NotImplementedError, "vendor"),
+    ]
+    for kw, err, match in cases:
+        with pytest.raises(err, match=match):
+            alignzoo.load_pair("qwen3", config="tiny", device="cpu", **kw)
+
+
+def test_multi_adapter_save_and_load(multi, tmp_path):
+    """One adapter of a multi pair out as a PEFT directory and back in (as a
+    named adapter of another multi pair, and into a live one), bit for bit."""
+    pair = multi[0]
+    pair.save_pretrained(tmp_path, adapter_only=True, adapter="c")
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"], cfg["target_modules"]) == (3, 9, ["v_proj", "gate_proj", "up_proj"])
+    want = pair.trainer.lora_adapters("c")
+    other = alignzoo.load_pair("qwen3", config="tiny", device="cpu", lora_adapters={"b": ADAPTERS["b"], "x": tmp_path})
+    assert other.server.adapter_names == ("b", "x") and other.weights_match()
+    live = make_multi()
+    load_adapter(live, tmp_path, adapter="c")
+    for got in (other.trainer.lora_adapters("x"), live.trainer.lora_adapters("c")):
+        assert set(got) == set(want) and all(torch.equal(got[n][k], want[n][k]) for n in want for k in (0, 1))
+    with pytest.raises(ValueError, match="r=3.*the model's LoRA has r=8"):
+        load_adapter(live, tmp_path, adapter="a")
+    # merged with one adapter: the weights merged mode would serve for it
+    pair.save_pretrained(tmp_path / "merged", adapter="c")
+    plain = alignzoo.load_pair("qwen3", checkpoint=tmp_path / "merged", device="cpu")
+    qkv = pair.trainer.layers[1].qkv
+    assert torch.equal(plain.trainer.layers[1].qkv.weight, qkv.merge(2))
+    assert torch.equal(plain.trainer.layers[1].down.weight, pair.trainer.layers[1].down.weight)  # c leaves down
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_with_multi_adapters():
+    """0.6B shapes on the GPU, three adapters and the base in one batch:
+    trainer == prefill == eager decode == CUDA-graph decode == alone, before
+    and after a step on one adapter."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ads = {"a": LORA, "b": ADAPTERS["b"], "c": ADAPTERS["c"]}
+    kw = dict(config="qwen3-0.6b", device="cuda", max_batch_size=8, kv_cache_bytes=4 << 30, lora_adapters=ads)
+    pair = alignzoo.load_pair("qwen3", **kw)
+    eager = alignzoo.load_pair("qwen3", cuda_graphs=False, **kw)
+    assert pair.server.runner.graphs is not None
+    prompts = prompts_of([1500, 333, 17, 64, 5], pair.config.vocab_size, seed=4)
+    pick = ["a", None, "b", "c", "a"]
+    sps = [SamplingParams(temperature=0.8, top_k=100, top_p=0.9, min_p=0.01, max_new_tokens=n, seed=n)
+           for n in (40, 30, 20, 25, 33)]
+    for p in (pair, eager):
+        with torch.no_grad():
+            g = torch.Generator(device="cuda").manual_seed(3)
+            for n, q in p.trainer.named_parameters():
+                if ".lora_B." in n:
+                    q.normal_(0.0, 0.05, generator=g)
+        p.sync()
+    for step in range(2):
+        outs = assert_multi_k3_zero(pair, prompts, sps, pick)
+        for o, e in zip(outs, eager.server.generate(prompts, sps, adapters=pick)):
+            assert o.tokens == e.tokens and torch.equal(o.logprobs, e.logprobs)
+        alone = pair.server.generate([prompts[2]], sps[2], adapters=pick[2])[0]  # bucket 1
+        assert alone.tokens == outs[2].tokens and torch.equal(alone.logprobs, outs[2].logprobs)
+        for p in (pair, eager):
+            opt = torch.optim.SGD(p.trainer.adapter_parameters("a"), lr=1e-2)
+            seqs = [q + o.tokens for q, o in zip(prompts, outs)]
+            lps = p.trainer.logprobs(seqs, [len(q) for q in prompts], sps, adapters=pick)
+            sum(lp[torch.isfinite(lp)].sum() for lp in lps).backward()
+            opt.step()
+            p.sync()

@@ -53,6 +53,7 @@ class Engine:
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a model on CUDA; this one is on {device}")
         self.model = model
+        self.adapter_names = tuple(getattr(model, "adapter_names", ()))
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.progress = progress
@@ -95,17 +96,20 @@ class Engine:
             self.weight_version += 1
             return self.weight_version
 
-    def add_request(self, prompt_token_ids, sampling: SamplingParams) -> int:
-        """Queue a request; return its id.  A bad request is not queued: the
-        next ``step()`` returns it as a Completion with finish_reason "error"."""
+    def add_request(self, prompt_token_ids, sampling: SamplingParams, adapter: str | None = None) -> int:
+        """Queue a request; return its id.  ``adapter``: the name of a LoRA
+        adapter of the model's ``adapter_names`` to serve it with (None: the
+        base model).  A bad request is not queued: the next ``step()`` returns
+        it as a Completion with finish_reason "error"."""
         try:
             prompt = self._check_request(prompt_token_ids, sampling)
+            lora = self._adapter(adapter)
         except (TypeError, ValueError) as e:
             rid = next(Sequence._ids)
             self._rejected.append(Completion(_as_list(prompt_token_ids), [], torch.empty(0), "error", str(e),
-                                             request_id=rid))
+                                             request_id=rid, adapter=adapter if isinstance(adapter, str) else None))
             return rid
-        seq = Sequence(prompt, sampling)
+        seq = Sequence(prompt, sampling, adapter=lora)
         self.scheduler.add(seq)
         return seq.id
 
@@ -117,11 +121,15 @@ class Engine:
         done, self._unclaimed = self._unclaimed, []
         return done + self._step()
 
-    def generate(self, prompts: Seq[Seq[int]], sampling: SamplingParams | Seq[SamplingParams]) -> list[Completion]:
+    def generate(self, prompts: Seq[Seq[int]], sampling: SamplingParams | Seq[SamplingParams],
+                 adapters: str | None | Seq[str | None] = None) -> list[Completion]:
         """Complete every prompt; Completions in prompt order.  ``sampling`` is
-        one SamplingParams for all or a list with one per prompt."""
+        one SamplingParams for all or a list with one per prompt; ``adapters``
+        likewise one LoRA adapter name (None: the base model) or one per
+        prompt, all served in the same batches."""
         sps = self._per_prompt(prompts, sampling, "prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, sps)]
+        loras = _one_each(adapters, prompts, "prompts", "adapters")
+        ids = [self.add_request(p, sp, a) for p, sp, a in zip(prompts, sps, loras)]
         index = {rid: i for i, rid in enumerate(ids)}
         out: list[Completion | None] = [None] * len(ids)
         with tqdm(total=len(ids), disable=not self.progress, desc="generate") as bar:
@@ -138,17 +146,19 @@ class Engine:
         return out
 
     def score(self, sequences: Seq[Seq[int]], prompt_lens: Seq[int],
-              sampling: SamplingParams | Seq[SamplingParams], *, chunk_tokens: int | None = None) -> list[torch.Tensor]:
+              sampling: SamplingParams | Seq[SamplingParams], *, adapters: str | None | Seq[str | None] = None,
+              chunk_tokens: int | None = None) -> list[torch.Tensor]:
         """Teacher-forced log-probs: for each sequence, (len - prompt_len,) fp32
         CPU, the log-prob of ``sequence[prompt_len:]`` under the sampling
-        transforms, bitwise what ``generate`` returned for the same tokens.
+        transforms (and LoRA adapter: as ``generate``), bitwise what
+        ``generate`` returned for the same tokens.
 
         The sequences prefill through the same forward, at most
         ``chunk_tokens`` new tokens per sequence and step (default: as the
         token budget allows; 1 makes every step decode-shaped), in the pages
         left free by running requests, and free them after.  Raises ValueError
         on bad input, naming the sequence."""
-        seqs = self._score_sequences(sequences, prompt_lens, sampling, chunk_tokens)
+        seqs = self._score_sequences(sequences, prompt_lens, sampling, adapters, chunk_tokens)
         with self._lock:
             self._run_hooks()
             sched = Scheduler(self.block_manager, self.max_batch_tokens, self.max_batch_size, chunk_tokens)
@@ -191,14 +201,15 @@ class Engine:
             self.scheduler.retire(finished)
             return done + [s.completion() for s in finished]
 
-    def _score_sequences(self, sequences, prompt_lens, sampling, chunk_tokens) -> list[Sequence]:
+    def _score_sequences(self, sequences, prompt_lens, sampling, adapters, chunk_tokens) -> list[Sequence]:
         if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
             raise ValueError(f"chunk_tokens must be an int >= 1 or None, got {chunk_tokens!r}")
         sps = self._per_prompt(sequences, sampling, "sequences")
         if len(prompt_lens) != len(sequences):
             raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens: give one per sequence")
         seqs = []
-        for i, (s, pl, sp) in enumerate(zip(sequences, prompt_lens, sps)):
+        loras = _one_each(adapters, sequences, "sequences", "adapters")
+        for i, (s, pl, sp, a) in enumerate(zip(sequences, prompt_lens, sps, loras)):
             try:
                 s = check_token_ids(s, self.model.vocab_size)
                 if not isinstance(sp, SamplingParams):
@@ -208,9 +219,10 @@ class Engine:
                 if len(s) > self.model.max_position:
                     raise ValueError(f"{len(s)} tokens exceed the model's max_position {self.model.max_position}")
                 self._check_fits(len(s) - 1)
+                lora = self._adapter(a)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"sequence {i}: {e}") from None
-            seqs.append(Sequence(s[:pl], sp, score_tokens=s[pl:]))
+            seqs.append(Sequence(s[:pl], sp, score_tokens=s[pl:], adapter=lora))
         return seqs
 
     def _run_hooks(self) -> None:
@@ -222,11 +234,18 @@ class Engine:
             raise TypeError(f"{what} must be a list of token-id lists, got {type(prompts).__name__}")
         if prompts and all(isinstance(p, int) for p in prompts):
             raise TypeError(f"{what} must be a list of token-id lists; got a flat list of ints (wrap one prompt in a list)")
-        if isinstance(sampling, (list, tuple)):
-            if len(sampling) != len(prompts):
-                raise ValueError(f"{len(prompts)} {what} but {len(sampling)} SamplingParams: give one, or one per prompt")
-            return list(sampling)
-        return [sampling] * len(prompts)
+        return _one_each(sampling, prompts, what, "SamplingParams")
+
+    def _adapter(self, name) -> tuple[str, int] | None:
+        """(name, index into ``adapter_names``) of a requested LoRA adapter; None: the base model."""
+        if name is None:
+            return None
+        if not isinstance(name, str):
+            raise TypeError(f"adapter must be an adapter name (str) or None, got {type(name).__name__}")
+        if name not in self.adapter_names:
+            have = ", ".join(map(repr, self.adapter_names)) if self.adapter_names else "none"
+            raise ValueError(f"unknown adapter {name!r}: the model serves adapters {have}")
+        return name, self.adapter_names.index(name)
 
     def _check_request(self, prompt, sampling) -> list[int]:
         if not isinstance(sampling, SamplingParams):
@@ -257,6 +276,15 @@ class Engine:
                 kv_cache_bytes = CPU_KV_CACHE_BYTES
         most = self.max_batch_size * -(-self.model.max_position // PAGE_SIZE)
         return max(1, min(most, kv_cache_bytes // self.model.kv_cache_spec().bytes_per_page()))
+
+
+def _one_each(value, items, what: str, kind: str) -> list:
+    """``value`` for every item, or ``value`` itself if it is a list (one per item)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != len(items):
+            raise ValueError(f"{len(items)} {what} but {len(value)} {kind}: give one, or one per prompt")
+        return list(value)
+    return [value] * len(items)
 
 
 def _as_list(ids) -> list:

@@ -29,6 +29,9 @@ class ForwardBatch:
     slot_mapping: (T,) int64   cache slot page * 64 + offset of each new token,
                                -1 for a padding token (nothing written)
     logit_rows:   (R,) int64   rows of ``tokens`` whose next-token logits are wanted
+    adapter_ids:  (T,) int64   LoRA adapter of each token's request: an index
+                               into the model's ``adapter_names``, -1 for none
+                               (the base model; padding rows too)
     max_seqlen_q: int          max new tokens of one sequence (1 for decode)
     """
 
@@ -39,6 +42,7 @@ class ForwardBatch:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     logit_rows: torch.Tensor
+    adapter_ids: torch.Tensor
     max_seqlen_q: int
 
 
@@ -67,6 +71,10 @@ class ServeModel(Protocol):
     no ``.tolist()``): decode steps are captured into CUDA graphs and replayed
     with new values written into the same input tensors.  It must give row r
     of its output the same bits whatever else is in the batch (the contract).
+
+    A model that serves several LoRA adapters in one batch also has
+    ``adapter_names: tuple[str, ...]``: the names requests may ask for, in the
+    order ``ForwardBatch.adapter_ids`` indexes them (absent: none).
     """
 
     vocab_size: int

@@ -44,12 +44,12 @@ def first_rows(b: ForwardBatch, n: int) -> ForwardBatch:
     """The first n rows of a decode batch (views: a graph reads them in place)."""
     return replace(b, tokens=b.tokens[:n], positions=b.positions[:n], cu_seqlens_q=b.cu_seqlens_q[: n + 1],
                    seq_lens=b.seq_lens[:n], block_table=b.block_table[:n], slot_mapping=b.slot_mapping[:n],
-                   logit_rows=b.logit_rows[:n])
+                   logit_rows=b.logit_rows[:n], adapter_ids=b.adapter_ids[:n])
 
 
 def static_decode_batch(n: int, width: int, device) -> ForwardBatch:
     """n pad rows: token 0, position 0, slot -1 (nothing written), seq_len 1
-    over a zero block-table row of the fixed ``width``."""
+    over a zero block-table row of the fixed ``width``, no adapter (-1)."""
     return ForwardBatch(
         tokens=torch.zeros(n, dtype=torch.int64, device=device),
         positions=torch.zeros(n, dtype=torch.int64, device=device),
@@ -58,6 +58,7 @@ def static_decode_batch(n: int, width: int, device) -> ForwardBatch:
         block_table=torch.zeros(n, width, dtype=torch.int32, device=device),
         slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
         logit_rows=torch.arange(n, dtype=torch.int64, device=device),
+        adapter_ids=torch.full((n,), -1, dtype=torch.int64, device=device),
         max_seqlen_q=1,
     )
 
@@ -101,12 +102,13 @@ class ModelRunner:
         """Forward the chunks as one batch; per chunk, the (token, log-prob)
         of each logit row: the sampled token of a generated sequence, or the
         given next token of a teacher-forced one."""
-        tokens, positions, slots, seq_lens, cu, rows, wanted = [], [], [], [], [0], [], []
+        tokens, positions, slots, seq_lens, cu, rows, wanted, adapters = [], [], [], [], [0], [], [], []
         for i, c in enumerate(chunks):
             seq = c.seq
             tokens += seq.token_ids(c.start, c.end)
             positions += range(c.start, c.end)
             slots += c.slots
+            adapters += [seq.adapter_id] * (c.end - c.start)
             for p in seq.logit_positions(c.start, c.end):
                 rows.append(cu[-1] + p - c.start)
                 wanted.append((i, p))
@@ -118,7 +120,8 @@ class ModelRunner:
         if bucket is not None:
             pad = bucket - B
             logits = self._replay(bucket, tokens + [0] * pad, positions + [0] * pad, seq_lens + [1] * pad,
-                                  slots + [-1] * pad, self._block_table(tables, bucket, self.graph_width))[:B]
+                                  slots + [-1] * pad, adapters + [-1] * pad,
+                                  self._block_table(tables, bucket, self.graph_width))[:B]
         else:
             batch = ForwardBatch(
                 tokens=self._to_device(tokens, torch.int64),
@@ -129,6 +132,7 @@ class ModelRunner:
                 slot_mapping=self._to_device(slots, torch.int64),
                 # a step of prefill chunks only still asks for one row: no model meets R = 0
                 logit_rows=self._to_device(rows or [len(tokens) - 1], torch.int64),
+                adapter_ids=self._to_device(adapters, torch.int64),
                 max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
             )
             logits = self.model.forward(batch, self.kv_cache)  # (R, V) fp32
@@ -174,10 +178,11 @@ class ModelRunner:
             [p for t in tables for p in t], dtype=torch.int32)
         return out
 
-    def _replay(self, bs, tokens, positions, seq_lens, slots, block_table) -> torch.Tensor:
+    def _replay(self, bs, tokens, positions, seq_lens, slots, adapters, block_table) -> torch.Tensor:
         s = first_rows(self.graphs.static, bs)
         for dst, data, dtype in ((s.tokens, tokens, torch.int64), (s.positions, positions, torch.int64),
-                                 (s.seq_lens, seq_lens, torch.int32), (s.slot_mapping, slots, torch.int64)):
+                                 (s.seq_lens, seq_lens, torch.int32), (s.slot_mapping, slots, torch.int64),
+                                 (s.adapter_ids, adapters, torch.int64)):
             dst.copy_(torch.tensor(data, dtype=dtype, pin_memory=self._pin), non_blocking=True)
         s.block_table.copy_(block_table, non_blocking=True)
         self.graphs.graphs[bs].replay()

@@ -34,6 +34,7 @@ class Completion:
     weight_version:  the version the last token was sampled under (-1: no token)
     weight_versions: the version of each token
     request_id:      what ``Engine.add_request`` returned
+    adapter:         the LoRA adapter it was served with (None: the base model)
     """
 
     prompt: list[int]
@@ -44,17 +45,22 @@ class Completion:
     weight_version: int = -1
     weight_versions: tuple[int, ...] = ()
     request_id: int = -1
+    adapter: str | None = None
 
 
 class Sequence:
     _ids = itertools.count()
 
-    def __init__(self, prompt: list[int], sampling: SamplingParams, *, score_tokens: list[int] | None = None):
+    def __init__(self, prompt: list[int], sampling: SamplingParams, *, score_tokens: list[int] | None = None,
+                 adapter: tuple[str, int] | None = None):
         """``score_tokens`` makes it teacher-forced: it feeds prompt + all but
-        the last scored token and wants logits from position len(prompt) - 1."""
+        the last scored token and wants logits from position len(prompt) - 1.
+        ``adapter``: (name, index into the model's ``adapter_names``) of the
+        LoRA adapter to serve it with; None: the base model."""
         self.id = next(Sequence._ids)
         self.prompt = prompt
         self.sampling = sampling
+        self.adapter_name, self.adapter_id = adapter if adapter is not None else (None, -1)
         self.teacher_forced = score_tokens is not None
         self.tokens: list[int] = list(score_tokens) if self.teacher_forced else []
         self.logprobs: list[float] = []  # fp32 values; a Python float holds them exactly
@@ -117,6 +123,7 @@ class Sequence:
             weight_version=self.versions[-1] if self.versions else -1,
             weight_versions=tuple(self.versions),
             request_id=self.id,
+            adapter=self.adapter_name,
         )
 
 

@@ -20,15 +20,22 @@ Rounding points (x, W, A, B share one dtype; ``s`` is rounded to fp32 once):
 * separate base = matmul_fwd(x, W), t = matmul_fwd(x, A), u = matmul_fwd(t, B),
            each rounded once to dtype by the matmul;
            y = dtype(fp32(base) + fp32(s · fp32(u)))  (multiply, add, round).
-* multi    rows of adapter j are gathered, run through the separate mode's
-           arithmetic with A[j], B[j], s[j], and scattered back; rows with
-           index -1 get ``base`` unchanged.  Row invariance of the matmul makes
-           row i equal to the separate mode with its own adapter, bit for bit.
+* multi    every row runs through each adapter j's separate-mode arithmetic
+           (A[j], B[j], s[j]: the rounding points above), and
+           ``torch.where(idx == j, branch_j, out)`` keeps, per row, its own
+           adapter's result (a copy, no arithmetic); rows with index -1 keep
+           ``base``.  Row invariance of the matmul makes row i equal to the
+           separate mode with its own adapter, bit for bit.  Shapes never
+           depend on ``idx`` and nothing reads it on the host, so decode can
+           be captured in a CUDA graph with idx a static input; the price is
+           J branches over all M rows (each r·(K + N) multiply-adds a row,
+           against the base's N·K: 3% of it at r = 16, K = N = 1024).
 
 Backward (deterministic run to run; every product in matmul's fixed order):
 separate/multi differentiate through ``matmul``'s autograd (dX = dY·W, dW = dYᵀ·X, each
 rounded once to dtype, formed only when needed) and the element-wise combine
-(the branch gets dtype(fp32(s) · fp32(dY))).  Merged: dW' = dYᵀ·X from
+(the branch gets dtype(fp32(s) · fp32(dY))); multi's ``torch.where`` hands
+adapter j's branch dY on its own rows and exact zeros elsewhere.  Merged: dW' = dYᵀ·X from
 ``matmul``, then dA = dtype(s · dtype(Bᵀ·dW')), dB = dtype(s · dtype(dW'·Aᵀ)).
 """
 from __future__ import annotations
@@ -217,28 +224,20 @@ def lora_linear_separate(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: t
 # --------------------------------------------------------------------------- multi
 
 
-def _groups(idx: torch.Tensor, n: int) -> list[tuple[int, torch.Tensor]]:
-    """[(adapter j, rows of j in increasing order)] for the adapters present.
-    Reads idx on the host (a device sync; no CUDA-graph capture)."""
-    present = torch.unique(idx).tolist()
-    bad = [j for j in present if j < -1 or j >= n]
-    if bad:
-        raise IndexError(f"adapter index {bad[0]} out of range: {n} adapters stacked, -1 means none")
-    return [(j, (idx == j).nonzero().squeeze(1)) for j in present if j >= 0]
-
-
 def _multi_body(base, x, idx, a_n, b_n, scales: Sequence[float], linear: Linear):
-    out = base.clone()  # (M, N); rows of each adapter overwritten in place (autograd records the writes)
-    for j, rows in _groups(idx, a_n.shape[0]):
-        y_j = _add_body(base.index_select(0, rows), x.index_select(0, rows), a_n[j], b_n[j], scales[j], linear)
-        out.index_copy_(0, rows, y_j)
+    """Static shapes, no host read of ``idx`` (CUDA-graph safe): every row goes
+    through each adapter's branch, and ``torch.where`` keeps the row's own."""
+    out = base  # (M, N)
+    for j, (a, b, s) in enumerate(zip(a_n, b_n, scales)):
+        if a is not None:
+            out = torch.where((idx == j).unsqueeze(1), _add_body(base, x, a, b, s, linear), out)
     return out
 
 
 def _scales(scales, n: int) -> list[float]:
     vals = scales.tolist() if isinstance(scales, torch.Tensor) else list(scales)
     if len(vals) != n:
-        raise ValueError(f"scales has {len(vals)} entries, expected one per stacked adapter ({n})")
+        raise ValueError(f"scales has {len(vals)} entries, expected one per adapter ({n})")
     for v in vals:
         _check_scale(v)
     return [_fp32(v) for v in vals]
@@ -246,54 +245,70 @@ def _scales(scales, n: int) -> list[float]:
 
 @torch.no_grad()
 def lora_add_multi_fwd(base, x, idx, a_n, b_n, scales) -> torch.Tensor:
-    """Server launcher of ``lora_add_multi``."""
-    return _multi_body(base, x, idx, a_n, b_n, _scales(scales, a_n.shape[0]), matmul_fwd)
+    """Server launcher of ``lora_add_multi``: no checks and no host read of
+    ``idx`` (rows whose index names no adapter keep ``base``).  Give
+    ``scales`` as Python floats inside a CUDA-graph capture."""
+    return _multi_body(base, x, idx, a_n, b_n, _scales(scales, len(a_n)), matmul_fwd)
 
 
 @torch.no_grad()
 def lora_linear_multi_fwd(x, w, idx, a_n, b_n, scales) -> torch.Tensor:
     """Server launcher of ``lora_linear_multi``."""
-    return _multi_body(matmul_fwd(x, w), x, idx, a_n, b_n, _scales(scales, a_n.shape[0]), matmul_fwd)
+    return _multi_body(matmul_fwd(x, w), x, idx, a_n, b_n, _scales(scales, len(a_n)), matmul_fwd)
 
 
 def _check_multi(x, n_out, idx, a_n, b_n) -> None:
-    check_tensor("lora_A", a_n, dtypes=(x.dtype,), ndim=3)
-    check_tensor("lora_B", b_n, dtypes=(x.dtype,), ndim=3)
     check_tensor("idx", idx, dtypes=(torch.int64,), ndim=1)
-    check_same_device(x=x, idx=idx, lora_A=a_n, lora_B=b_n)
-    n, r, K = a_n.shape
-    if K != x.shape[1]:
-        raise ValueError(f"lora_A has shape {tuple(a_n.shape)}, expected (n, r, {x.shape[1]})")
-    if tuple(b_n.shape) != (n, n_out, r):
-        raise ValueError(f"lora_B has shape {tuple(b_n.shape)}, expected ({n}, {n_out}, {r}): every stacked adapter "
-                         f"needs the same rank r (pad smaller ones with stack_adapters)")
+    check_same_device(x=x, idx=idx)
     if idx.shape[0] != x.shape[0]:
         raise ValueError(f"idx has {idx.shape[0]} entries, expected one per row of x ({x.shape[0]})")
+    if isinstance(a_n, torch.Tensor) or isinstance(b_n, torch.Tensor):
+        check_tensor("lora_A", a_n, dtypes=(x.dtype,), ndim=3)
+        check_tensor("lora_B", b_n, dtypes=(x.dtype,), ndim=3)
+        if b_n.shape[0] != a_n.shape[0] or b_n.shape[2] != a_n.shape[1]:
+            raise ValueError(f"lora_B has shape {tuple(b_n.shape)}, expected ({a_n.shape[0]}, {n_out}, "
+                             f"{a_n.shape[1]}): stacked adapters need the same rank r (stack_adapters pads smaller ones; "
+                             f"or pass lists)")
+    elif len(a_n) != len(b_n):
+        raise ValueError(f"{len(a_n)} lora_A but {len(b_n)} lora_B: give one of each per adapter")
+    for j, (a, b) in enumerate(zip(a_n, b_n)):
+        if (a is None) != (b is None):
+            raise ValueError(f"adapter {j}: lora_A and lora_B must both be tensors or both None")
+        if a is not None:
+            try:
+                _check_ab(a, b, x.dtype, n_out, x.shape[1])
+                check_same_device(x=x, lora_A=a)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"adapter {j}: {e}") from None
+    bad = ((idx < -1) | (idx >= len(a_n))).nonzero()  # a host read: the trainer is never graph-captured
+    if bad.numel():
+        raise IndexError(f"adapter index {int(idx[bad[0, 0]])} out of range: {len(a_n)} adapters, -1 means none")
 
 
 def lora_add_multi(base, x, idx, a_n, b_n, scales) -> torch.Tensor:
     """``lora_add`` with one adapter per row, with autograd.
 
-    base: (M, N), x: (M, K), idx: (M,) int64 in [-1, n) (-1: no adapter, the
-    row is ``base``), a_n: (n, r, K), b_n: (n, N, r) stacked adapters of one
-    rank, scales: n floats (or an (n,) tensor) -> (M, N).
+    base: (M, N), x: (M, K) contiguous, idx: (M,) int64 in [-1, J) (-1: no
+    adapter, the row is ``base``); a_n, b_n: J adapters, either stacked
+    (J, r, K) and (J, N, r) tensors of one rank, or sequences of J (r_j, K)
+    and (N, r_j) tensors, where None (in both) means adapter j has no branch
+    here and its rows keep ``base``; scales: J floats (or a (J,) tensor) -> (M, N).
     """
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
     check_tensor("base", base, dtypes=(x.dtype,), ndim=2, contiguous=False)
     _check_base(base, x, base.shape[1])
     _check_multi(x, base.shape[1], idx, a_n, b_n)
-    return _multi_body(base, x, idx, a_n, b_n, _scales(scales, a_n.shape[0]), _linear)
+    return _multi_body(base, x, idx, a_n, b_n, _scales(scales, len(a_n)), _linear)
 
 
 def lora_linear_multi(x, w, idx, a_n, b_n, scales) -> torch.Tensor:
     """Multi-LoRA linear: row i is ``lora_linear_separate(x[i], w, a_n[j],
     b_n[j], scales[j])`` with j = idx[i] (bit for bit), or x[i]·Wᵀ for j = -1.
 
-    x: (M, K) contiguous, w: (N, K), idx: (M,) int64, a_n: (n, r, K),
-    b_n: (n, N, r), scales: n floats -> (M, N).  Rows of one adapter are
-    gathered (index_select), projected, and scattered back (index_copy).
+    x: (M, K) contiguous, w: (N, K), idx: (M,) int64; a_n, b_n, scales: as
+    ``lora_add_multi`` -> (M, N).
     """
     check_tensor("w", w, dtypes=FLOAT_DTYPES, ndim=2)
     _check_rows(x, w)
     _check_multi(x, w.shape[0], idx, a_n, b_n)
-    return _multi_body(_linear(x, w), x, idx, a_n, b_n, _scales(scales, a_n.shape[0]), _linear)
+    return _multi_body(_linear(x, w), x, idx, a_n, b_n, _scales(scales, len(a_n)), _linear)

@@ -6,19 +6,23 @@ the base is frozen and each targeted projection trains an adapter; K3 == 0
 holds in both modes.  ``save_pretrained(trainer, dir)`` writes the merged
 model (a plain Qwen3 checkpoint), ``adapter_only=True`` the PEFT adapter;
 ``load(..., lora_adapter=dir)`` or ``load_adapter(pair, dir)`` read one back.
+Several named adapters on one base, chosen per request and per scored
+sequence (``load(..., lora_adapters={name: LoRAConfig or PEFT dir})``, mode
+"multi"): K3 == 0 on every row of a mixed batch.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections.abc import Mapping
 
 import torch
 
 from ...common.lora import LoRAConfig
 from .config import PRESETS, Qwen3Config
 from .serve import Qwen3Server
-from .train import LORA_MODES, LoRALinear, Qwen3Trainer, check_lora_config
+from .train import LORA_MODES, LoRALinear, MultiLoRALinear, Qwen3Trainer, check_adapter_configs, check_lora_config
 
 NAME = "qwen3"
 log = logging.getLogger("alignzoo.models")
@@ -112,7 +116,8 @@ def _check_same_lora(have, want, where) -> None:
 
 def load(checkpoint=None, config=None, device=None, dtype=torch.bfloat16, *, seed: int = 0,
          activation_checkpointing: bool = False, server_kernels: str = "aligned", fp8: bool = False,
-         lora=None, lora_mode: str = "merged", lora_adapter=None, **engine_kwargs):
+         lora=None, lora_mode: str | None = None, lora_adapter=None, lora_adapters: Mapping | None = None,
+         **engine_kwargs):
     """A Qwen3 ``Pair``; see ``alignzoo.load_pair``.  ``server_kernels="vendor"``
     serves with torch's own kernels (``serve_vendor.py``): a deliberately
     misaligned pair, for showing and measuring the mismatch.  ``fp8=True``:
@@ -129,27 +134,54 @@ def load(checkpoint=None, config=None, device=None, dtype=torch.bfloat16, *, see
     layer's weight) or "separate" (base output plus the adapter branch on
     both sides; the sync ships the adapters alone).  ``lora_adapter``: a PEFT
     adapter directory to start from (its config is used when ``lora`` is None).
+
+    Multi-adapter LoRA (``lora_mode="multi"``, the default with
+    ``lora_adapters``): ``lora_adapters`` = ``{name: LoRAConfig, dict of its
+    fields, or PEFT adapter directory}``, each adapter its own rank, scale
+    and targets on one frozen base.  A request picks one
+    (``pair.server.generate(prompts, sampling, adapters=name or [one per
+    prompt])``, None: the base model) and many share one engine batch;
+    ``pair.trainer.logprobs(..., adapters=...)`` scores the same way, and
+    ``pair.trainer.adapter_parameters(name)`` are what an optimizer on one
+    adapter steps.  The sync ships every adapter's A and B (changed blocks).
     """
     if server_kernels not in ("aligned", "vendor"):
         raise ValueError(f"server_kernels must be 'aligned' or 'vendor', got {server_kernels!r}")
+    if lora_mode is None:
+        lora_mode = "multi" if lora_adapters is not None else "merged"
     if lora_mode not in LORA_MODES:
         raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {lora_mode!r}")
+    if (lora_mode == "multi") != (lora_adapters is not None) or lora_mode == "multi" and (
+            lora is not None or lora_adapter is not None):
+        raise ValueError("multi-adapter LoRA takes lora_adapters={name: LoRAConfig, dict or PEFT dir} (and neither "
+                         "lora= nor lora_adapter=); lora_mode 'merged' and 'separate' take lora= or lora_adapter=")
     from ...common.engine import Engine
     from ..pair import Pair
 
     adapters = None
-    if lora_adapter is not None:
+    if lora_mode == "multi":
+        if not isinstance(lora_adapters, Mapping):
+            raise TypeError(f"lora_adapters must be a dict {{name: LoRAConfig, dict or PEFT dir}}, "
+                            f"got {type(lora_adapters).__name__}")
+        lora, adapters = {}, {}  # {name: config}, {name: tensors} of those read from PEFT directories
+        for name, spec in lora_adapters.items():
+            if isinstance(spec, (str, os.PathLike)):
+                adapters[name], lora[name] = read_lora_adapter(spec)
+            else:
+                lora[name] = spec
+    elif lora_adapter is not None:
         adapters, from_file = read_lora_adapter(lora_adapter)
         if lora is None:
             lora = from_file
         else:
             _check_same_lora(lora, from_file, f"the adapter in {os.fspath(lora_adapter)!r}")
     if lora is not None:
-        lora = check_lora_config(lora)
+        lora = check_adapter_configs(lora) if lora_mode == "multi" else check_lora_config(lora)
         if fp8:
             raise NotImplementedError("LoRA with fp8=True is not supported yet; use bf16 or fp32 with LoRA")
-        if lora_mode == "separate" and server_kernels == "vendor":
-            raise NotImplementedError("the vendor server does not apply separate LoRA adapters; use lora_mode='merged'")
+        if lora_mode != "merged" and server_kernels == "vendor":
+            raise NotImplementedError(f"the vendor server does not apply {lora_mode} LoRA adapters; "
+                                      f"use lora_mode='merged'")
     cfg = resolve_config(checkpoint, config)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
@@ -157,24 +189,33 @@ def load(checkpoint=None, config=None, device=None, dtype=torch.bfloat16, *, see
                             activation_checkpointing=activation_checkpointing, fp8=fp8)
     if lora is not None:
         trainer.add_lora(lora, lora_mode, seed=seed)
-        if adapters is not None:
+        if lora_mode == "multi":
+            for name, tensors in adapters.items():
+                trainer.set_lora_adapters(tensors, adapter=name)
+        elif adapters is not None:
             trainer.set_lora_adapters(adapters)
     log.info("qwen3 trainer built on %s in %.1fs (%s%s)", device, time.perf_counter() - t0,
              "checkpoint " + os.fspath(checkpoint) if checkpoint is not None else f"random init, seed {seed}",
-             "" if lora is None else f"; LoRA r={lora.r} {lora_mode} on {','.join(lora.target_modules)}")
+             "" if lora is None else f"; LoRA adapters {', '.join(lora)}" if lora_mode == "multi"
+             else f"; LoRA r={lora.r} {lora_mode} on {','.join(lora.target_modules)}")
     t0 = time.perf_counter()
     if server_kernels == "vendor":
         from .serve_vendor import Qwen3VendorServer as server_cls
     else:
         server_cls = Qwen3Server
-    lora_scale = lora.scale if lora is not None and lora_mode == "separate" else None
-    server = Engine(server_cls(cfg, server_weights(trainer), lora_scale=lora_scale), **engine_kwargs)
+    if lora_mode == "multi":
+        model = server_cls(cfg, server_weights(trainer),
+                           lora_adapters=tuple((n, c.scale) for n, c in trainer.adapter_configs.items()))
+    else:
+        lora_scale = lora.scale if lora is not None and lora_mode == "separate" else None
+        model = server_cls(cfg, server_weights(trainer), lora_scale=lora_scale)
+    server = Engine(model, **engine_kwargs)
     log.info("qwen3 server engine ready in %.1fs (%d KV pages)", time.perf_counter() - t0, server.num_pages)
     return Pair(NAME, cfg, trainer, server)
 
 
 def save_pretrained(trainer: Qwen3Trainer, directory, *, max_shard_bytes: int | None = None,
-                    adapter_only: bool = False) -> None:
+                    adapter_only: bool = False, adapter: str | None = None) -> None:
     """Write the trainer's weights as a transformers Qwen3 checkpoint.
 
     With LoRA: every adapter merged into its weight (W' = ``lora_merge_fwd``,
@@ -182,16 +223,20 @@ def save_pretrained(trainer: Qwen3Trainer, directory, *, max_shard_bytes: int | 
     gives that pair's log-probs bitwise; a separate-mode pair's log-probs
     round differently).  ``adapter_only=True``: only the adapters, as a PEFT
     directory (adapter_config.json + adapter_model.safetensors, modules
-    ``base_model.model.model.layers.{i}.self_attn.q_proj`` ...)."""
+    ``base_model.model.model.layers.{i}.self_attn.q_proj`` ...).  Multi-mode
+    LoRA: ``adapter`` names the one adapter to merge or write."""
     from ...weights import save_hf_checkpoint
     from .weights import lora_to_hf, qwen3_to_hf
 
+    modules = trainer.lora_modules(adapter)  # raises unless adapter fits the mode
     if adapter_only:
-        if trainer.lora is None:
+        if trainer.lora_mode is None:
             raise ValueError("adapter_only=True needs a LoRA model (load_pair(..., lora=...))")
         from ...common.lora import save_peft_adapter
 
-        save_peft_adapter(directory, trainer.lora_adapters(), trainer.lora, to_hf=lora_to_hf)
+        lora = trainer.adapter_configs[adapter] if adapter is not None else trainer.lora
+        save_peft_adapter(directory, {n: (m.lora_A[p], m.lora_B[p]) for n, (m, p) in modules.items()}, lora,
+                          to_hf=lora_to_hf)
         return
     cfg = trainer.cfg
     dtype = str(trainer.embed.weight.dtype).replace("torch.", "")
@@ -199,20 +244,25 @@ def save_pretrained(trainer: Qwen3Trainer, directory, *, max_shard_bytes: int | 
     for name, m in trainer.named_modules():
         if isinstance(m, LoRALinear):
             tensors[name + ".weight"] = m.merge()
+        elif isinstance(m, MultiLoRALinear):
+            tensors[name + ".weight"] = m.merge(trainer.adapter_index(adapter))
     tensors = {n: t.to(trainer.embed.weight.dtype) for n, t in tensors.items()}  # FP8 masters: fp32
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     save_hf_checkpoint(directory, cfg.to_hf(dtype), qwen3_to_hf(tensors, cfg), **kw)
 
 
-def load_adapter(pair, directory) -> int:
-    """Load a PEFT adapter directory into ``pair``'s LoRA adapters (same r,
-    scale and target modules as the pair's) and sync; returns the new
-    weight version."""
-    if pair.trainer.lora is None:
+def load_adapter(pair, directory, adapter: str | None = None) -> int:
+    """Load a PEFT adapter directory into ``pair``'s LoRA adapters (multi
+    mode: into the one named ``adapter``; same r, scale and target modules
+    as it has) and sync; returns the new weight version."""
+    t = pair.trainer
+    if t.lora_mode is None:
         raise ValueError("the pair has no LoRA adapters: load it with load_pair(..., lora_adapter=directory)")
+    t.lora_modules(adapter)  # a clear error unless ``adapter`` fits the mode
+    have = t.adapter_configs[adapter] if t.lora_mode == "multi" else t.lora
     adapters, lora = read_lora_adapter(directory)
-    _check_same_lora(pair.trainer.lora, lora, f"the adapter in {os.fspath(directory)!r}")
-    pair.trainer.set_lora_adapters(adapters)
+    _check_same_lora(have, lora, f"the adapter in {os.fspath(directory)!r}")
+    t.set_lora_adapters(adapters, adapter=adapter)
     return pair.sync()
 
 

@@ -11,7 +11,12 @@ LoRA: merged adapters need nothing here (the trainer ships W' as the layer's
 ``weight``); separate ones arrive as ``layers.{i}.<layer>.lora_A.<projection>``
 (r, K) and ``...lora_B.<projection>`` (rows, r), and ``_linear`` adds their
 branch to that projection's column slice with ``lora_add_fwd``, as the
-trainer's ``LoRALinear`` does with ``lora_add``.
+trainer's ``LoRALinear`` does with ``lora_add``.  Multi-mode adapter j arrives
+as ``layers.{i}.<layer>.adapters.{j}.lora_A.<projection>`` (and ``lora_B``),
+and each adapted slice runs ``lora_add_multi_fwd`` over the batch's
+``adapter_ids`` (every adapter's branch on every row, the row's own kept:
+static shapes, so decode graphs capture it), as ``MultiLoRALinear`` does
+with ``lora_add_multi``.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from ...common.fp8 import fp8_matmul_fwd
 from ...common.engine.model_api import ForwardBatch, KVCacheSpec
 from ...common.kv_cache import allocate_kv_cache, write_kv_fwd
 from ...common.lm_head import lm_head_logits_fwd
-from ...common.lora import lora_add_fwd
+from ...common.lora import lora_add_fwd, lora_add_multi_fwd
 from ...common.matmul import matmul_fwd
 from ...common.rmsnorm import rmsnorm_fwd
 from ...common.rope import rope_fwd, rope_table
@@ -34,28 +39,44 @@ from .weights import lora_slices
 class Qwen3Server:
     """Holds the server's copy of the weights (a dict named as the trainer's
     parameters; tied ``lm_head`` is the embedding) and runs the forward.
-    ``lora_scale``: lora_alpha / r of the separate LoRA adapters in ``weights``."""
+    ``lora_scale``: lora_alpha / r of the separate LoRA adapters in ``weights``;
+    ``lora_adapters``: ((name, scale), ...) of the multi-mode adapters in
+    index order (requests name them: ``adapter_names``)."""
 
-    def __init__(self, cfg: Qwen3Config, weights: dict[str, torch.Tensor], lora_scale: float | None = None):
+    def __init__(self, cfg: Qwen3Config, weights: dict[str, torch.Tensor], lora_scale: float | None = None,
+                 lora_adapters: tuple[tuple[str, float], ...] = ()):
         self.cfg = cfg
         self.weights = weights
         self.lora_scale = lora_scale
-        # {layer prefix: ((projection, first row, end row, adapted), ...)} for layers with adapters;
-        # sync writes in place and never adds names, so this holds for the server's life
+        self.adapter_names = tuple(name for name, _ in lora_adapters)
+        self.adapter_scales = [scale for _, scale in lora_adapters]
+        # {layer prefix: ((first row, end row, branch), ...)} for layers with adapters, branch as
+        # ``_branch``; sync writes in place and never adds names, so this holds for the server's life
         self._lora = {}
         for i in range(cfg.num_layers):
             for name, slices in lora_slices(cfg).items():
                 prefix = f"layers.{i}.{name}."
-                adapted = [f"{prefix}lora_A.{p}" in weights for p, _, _ in slices]
-                if any(adapted):
-                    self._lora[prefix] = tuple((p, lo, hi, a) for (p, lo, hi), a in zip(slices, adapted))
-        if self._lora and lora_scale is None:
+                branches = [self._branch(prefix, p) for p, _, _ in slices]
+                if any(b is not None for b in branches):
+                    self._lora[prefix] = tuple((lo, hi, b) for (_, lo, hi), b in zip(slices, branches))
+        if self._lora and lora_scale is None and not self.adapter_names:
             raise ValueError("the weights hold LoRA adapters (lora_A.*) but no lora_scale was given")
         self.device = weights["embed.weight"].device
         self.dtype = weights["embed.weight"].dtype
         self.vocab_size = cfg.vocab_size
         self.max_position = cfg.max_position
         rope_table(cfg.rope, self.device)  # built and copied before any CUDA-graph capture
+
+    def _branch(self, prefix: str, p: str):
+        """Projection p's adapter tensors in layer ``prefix``: separate (A, B);
+        multi ([A_j or None], [B_j or None]) over the adapters; None if none."""
+        w = self.weights
+        if not self.adapter_names:
+            a = w.get(f"{prefix}lora_A.{p}")
+            return None if a is None else (a, w[f"{prefix}lora_B.{p}"])
+        names = [f"{prefix}adapters.{j}.lora_%s.{p}" for j in range(len(self.adapter_names))]
+        a_n, b_n = [w.get(n % "A") for n in names], [w.get(n % "B") for n in names]
+        return None if all(a is None for a in a_n) else (a_n, b_n)
 
     def w(self, name: str) -> torch.Tensor:
         return self.weights[name]
@@ -73,9 +94,10 @@ class Qwen3Server:
         return [allocate_kv_cache(num_pages, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
                 for _ in range(c.num_layers)]
 
-    def _linear(self, x, prefix):
+    def _linear(self, x, prefix, adapter_ids):
         """x · Wᵀ; an FP8 layer (its ``weight_scale_inv`` present) reads its
-        codes; a layer with separate LoRA adapters adds their branches."""
+        codes; a layer with LoRA adapters adds their branches (multi mode:
+        each row its own adapter's, by ``adapter_ids`` (T,))."""
         scale_inv = self.weights.get(prefix + "weight_scale_inv")
         if scale_inv is not None:
             return fp8_matmul_fwd(x, self.weights[prefix + "weight"], scale_inv)
@@ -83,9 +105,14 @@ class Qwen3Server:
         slices = self._lora.get(prefix)
         if slices is None:
             return y
-        w = self.weights
-        parts = [lora_add_fwd(y[:, lo:hi], x, w[f"{prefix}lora_A.{p}"], w[f"{prefix}lora_B.{p}"], self.lora_scale)
-                 if adapted else y[:, lo:hi] for p, lo, hi, adapted in slices]
+        parts = []
+        for lo, hi, branch in slices:
+            if branch is None:
+                parts.append(y[:, lo:hi])
+            elif self.adapter_names:
+                parts.append(lora_add_multi_fwd(y[:, lo:hi], x, adapter_ids, *branch, self.adapter_scales))
+            else:
+                parts.append(lora_add_fwd(y[:, lo:hi], x, *branch, self.lora_scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def _norm(self, x, name, residual=None):
@@ -103,7 +130,7 @@ class Qwen3Server:
                 h, residual = self._norm(x, p + "attn_norm.weight")[0], x
             else:
                 h, residual = self._norm(x, p + "attn_norm.weight", residual)
-            q, k, v = self._linear(h, p + "qkv.").split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = self._linear(h, p + "qkv.", batch.adapter_ids).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
             q = self._norm(q.reshape(T, Hq, D).contiguous(), p + "q_norm.weight")[0]
             k = self._norm(k.reshape(T, Hkv, D).contiguous(), p + "k_norm.weight")[0]
             q = rope_fwd(q, batch.positions, cfg.rope, check=False)
@@ -111,11 +138,11 @@ class Qwen3Server:
             write_kv_fwd(k, v.reshape(T, Hkv, D).contiguous(), k_cache, v_cache, batch.slot_mapping)
             o = paged_attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
                                     max_seqlen_q=batch.max_seqlen_q)[0]
-            x = self._linear(o.reshape(T, Hq * D), p + "o.")
+            x = self._linear(o.reshape(T, Hq * D), p + "o.", batch.adapter_ids)
             h, residual = self._norm(x, p + "mlp_norm.weight", residual)
-            gu = self._linear(h, p + "gate_up.")
+            gu = self._linear(h, p + "gate_up.", batch.adapter_ids)
             I = cfg.intermediate_size
-            x = self._linear(swiglu_fwd(gu[:, :I], gu[:, I:]), p + "down.")
+            x = self._linear(swiglu_fwd(gu[:, :I], gu[:, I:]), p + "down.", batch.adapter_ids)
         rows = batch.logit_rows
         h = self._norm(x[rows], "norm.weight", residual[rows])[0]
         return lm_head_logits_fwd(h, self.lm_head_weight)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from ...common.attention import attention
 from ...common.fp8 import Fp8WeightCache, fp8_linear
 from ...common.lm_head import lm_head_logits
-from ...common.lora import LoRAConfig, init_lora_weights, lora_add, lora_merge, lora_merge_fwd
+from ...common.lora import LoRAConfig, init_lora_weights, lora_add, lora_add_multi, lora_merge, lora_merge_fwd
 from ...common.matmul import matmul
 from ...common.rmsnorm import rmsnorm, rmsnorm_residual
 from ...common.rope import rope
@@ -38,10 +39,18 @@ class Weight(nn.Module):
         self.weight = nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
 
 
-class Linear(Weight):
-    """y = x · Wᵀ with the batch-invariant matmul."""
+class AdapterRows(NamedTuple):
+    """Which multi-mode LoRA adapter each packed token is scored under."""
 
-    def forward(self, x):
+    ids: torch.Tensor  # (T,) int64 adapter index, -1: the base model
+    present: frozenset[int]  # the indices in ids (known on the host): only their branches run
+
+
+class Linear(Weight):
+    """y = x · Wᵀ with the batch-invariant matmul.  Every linear takes the
+    batch's ``AdapterRows`` (only multi-mode LoRA reads them)."""
+
+    def forward(self, x, adapters: AdapterRows | None = None):
         return matmul(x, self.weight)
 
     def forward_weights(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -86,26 +95,16 @@ class LoRALinear(Linear):
         self.weight = base.weight
         self.slices = tuple(slices)  # ((projection, first row, end row), ...) covering W's rows
         self.mode, self.scale = mode, scale
-        self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
-        w = self.weight
-        for p, lo, hi in self.slices:
-            if p in targets:
-                a, b = init_lora_weights(hi - lo, w.shape[1], r, seed=seeds[p], dtype=w.dtype, device=w.device)
-                self.lora_A[p], self.lora_B[p] = nn.Parameter(a), nn.Parameter(b)
+        _add_adapter(self, self.weight, self.slices, targets, r, seeds)
         self._key, self._merged = None, None
 
     @property
     def adapted(self) -> list[tuple[str, int, int]]:
         return [(p, lo, hi) for p, lo, hi in self.slices if p in self.lora_A]
 
-    @torch.no_grad()
     def merge(self) -> torch.Tensor:
         """A new W' (N, K) in W's dtype (not cached)."""
-        w = self.weight.detach()
-        merged = w.clone()
-        for p, lo, hi in self.adapted:
-            merged[lo:hi] = lora_merge_fwd(w[lo:hi], self.lora_A[p], self.lora_B[p], self.scale)
-        return merged
+        return _merge(self.weight, self, self.slices, self.scale)
 
     def merged_weight(self) -> torch.Tensor:
         """The cached W', rebuilt only when W, an A or a B was written since."""
@@ -114,7 +113,7 @@ class LoRALinear(Linear):
             self._key, self._merged = key, self.merge()
         return self._merged
 
-    def forward(self, x):
+    def forward(self, x, adapters: AdapterRows | None = None):
         if self.mode == "separate":
             return self.add_lora(matmul(x, self.weight), x)
         merged = self.merged_weight()
@@ -142,7 +141,84 @@ class LoRALinear(Linear):
         return out
 
 
-LORA_MODES = ("merged", "separate")
+def _add_adapter(holder: nn.Module, w: torch.Tensor, slices, targets: Sequence[str], r: int,
+                 seeds: Mapping[str, int]) -> None:
+    """Give ``holder`` ``lora_A`` / ``lora_B`` ParameterDicts with a fresh
+    adapter (``init_lora_weights``: seeded A, B = 0) on each targeted slice of W."""
+    holder.lora_A, holder.lora_B = nn.ParameterDict(), nn.ParameterDict()
+    for p, lo, hi in slices:
+        if p in targets:
+            a, b = init_lora_weights(hi - lo, w.shape[1], r, seed=seeds[p], dtype=w.dtype, device=w.device)
+            holder.lora_A[p], holder.lora_B[p] = nn.Parameter(a), nn.Parameter(b)
+
+
+@torch.no_grad()
+def _merge(w: torch.Tensor, holder: nn.Module, slices, scale: float) -> torch.Tensor:
+    """W with each slice ``holder`` adapts replaced by ``lora_merge_fwd``: a new (N, K) tensor."""
+    w = w.detach()
+    merged = w.clone()
+    for p, lo, hi in slices:
+        if p in holder.lora_A:
+            merged[lo:hi] = lora_merge_fwd(w[lo:hi], holder.lora_A[p], holder.lora_B[p], scale)
+    return merged
+
+
+class MultiLoRALinear(Linear):
+    """A frozen base W (N, K) with several named adapters (multi mode):
+    ``adapters[j]`` holds adapter j's ``lora_A[p]`` (r_j, K) and ``lora_B[p]``
+    (rows of p, r_j) on each slice p its config targets, scale ``scales[j]``.
+
+    y = x · Wᵀ, then each slice some adapter targets gets
+    y_p = ``lora_add_multi(y_p, x, ids, [A_j,p], [B_j,p], scales)``: a row
+    of adapter j gets j's separate-mode branch (bit for bit), a row of none,
+    or of an adapter without a branch on p, keeps y_p.  Only the adapters in
+    the batch run (``AdapterRows.present``); the server runs every adapter's
+    branch on every row (``lora_add_multi_fwd``: static shapes for CUDA
+    graphs) and gets the same rows.
+    """
+
+    def __init__(self, base: Linear, slices: Sequence[tuple[str, int, int]],
+                 adapters: Sequence[tuple[LoRAConfig, Mapping[str, int]]]):
+        nn.Module.__init__(self)
+        self.weight = base.weight
+        self.slices = tuple(slices)
+        self.scales = tuple(lora.scale for lora, _ in adapters)
+        self.adapters = nn.ModuleList()
+        for lora, seeds in adapters:
+            holder = nn.Module()
+            _add_adapter(holder, self.weight, self.slices, lora.target_modules, lora.r, seeds)
+            self.adapters.append(holder)
+
+    def merge(self, j: int) -> torch.Tensor:
+        """W' (N, K) of adapter j alone, as merged mode builds it (not cached)."""
+        return _merge(self.weight, self.adapters[j], self.slices, self.scales[j])
+
+    def forward(self, x, adapters: AdapterRows | None = None):
+        y = matmul(x, self.weight)
+        if adapters is None or not adapters.present:
+            return y
+        parts = []
+        for p, lo, hi in self.slices:
+            on = [j in adapters.present and p in m.lora_A for j, m in enumerate(self.adapters)]
+            if not any(on):
+                parts.append(y[:, lo:hi])
+                continue
+            a_n = [m.lora_A[p] if o else None for m, o in zip(self.adapters, on)]
+            b_n = [m.lora_B[p] if o else None for m, o in zip(self.adapters, on)]
+            parts.append(lora_add_multi(y[:, lo:hi], x, adapters.ids, a_n, b_n, self.scales))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def forward_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+        """W, and ``<prefix>adapters.<j>.lora_A.<p>`` / ``...lora_B.<p>`` of every adapter j."""
+        out = {prefix + "weight": self.weight.detach()}
+        for j, m in enumerate(self.adapters):
+            for p in m.lora_A:
+                out[f"{prefix}adapters.{j}.lora_A.{p}"] = m.lora_A[p].detach()
+                out[f"{prefix}adapters.{j}.lora_B.{p}"] = m.lora_B[p].detach()
+        return out
+
+
+LORA_MODES = ("merged", "separate", "multi")
 
 
 def check_lora_config(lora: LoRAConfig | Mapping) -> LoRAConfig:
@@ -177,6 +253,22 @@ def check_lora_config(lora: LoRAConfig | Mapping) -> LoRAConfig:
                       use_rslora=lora.use_rslora, base_model_name_or_path=lora.base_model_name_or_path)
 
 
+def check_adapter_configs(adapters: Mapping) -> dict[str, LoRAConfig]:
+    """Multi mode: ``{adapter name: LoRAConfig or dict}`` checked for Qwen3
+    (``check_lora_config``), in the given order (the adapters' indices)."""
+    if not isinstance(adapters, Mapping) or not adapters:
+        raise ValueError(f"multi-mode LoRA needs a non-empty {{adapter name: LoRAConfig or dict}}, got {adapters!r}")
+    out = {}
+    for name, lora in adapters.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"adapter names must be non-empty strings, got {name!r}")
+        try:
+            out[name] = check_lora_config(lora)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"adapter {name!r}: {e}") from None
+    return out
+
+
 class Fp8Linear(Weight):
     """An FP32 master weight whose forward reads its FP8 quantization (e4m3,
     128x128 blocks), made once per optimizer step (``Fp8WeightCache``): the
@@ -186,7 +278,7 @@ class Fp8Linear(Weight):
         super().__init__(*shape, device=device, dtype=torch.float32)
         self.cache = Fp8WeightCache(self.weight)
 
-    def forward(self, x):
+    def forward(self, x, adapters: AdapterRows | None = None):
         return fp8_linear(x, self.weight, *self.cache.get())
 
     def forward_weights(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -210,7 +302,7 @@ class Qwen3Block(nn.Module):
         self.down = linear(H, cfg.intermediate_size, **kw)
         self.cfg = cfg
 
-    def forward(self, x, residual, positions, cu_seqlens, max_seqlen):
+    def forward(self, x, residual, positions, cu_seqlens, max_seqlen, adapters: AdapterRows | None = None):
         """x: (T, H) the previous block's output; residual: (T, H) or None
         (first block, x is the embedding) -> (mlp_out, residual)."""
         cfg = self.cfg
@@ -220,13 +312,13 @@ class Qwen3Block(nn.Module):
             h, residual = rmsnorm(x, self.attn_norm.weight, eps), x
         else:
             h, residual = rmsnorm_residual(x, residual, self.attn_norm.weight, eps)
-        q, k, v = self.qkv(h).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = self.qkv(h, adapters).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         q = rope(rmsnorm(q.reshape(T, Hq, D).contiguous(), self.q_norm.weight, eps), positions, cfg.rope)
         k = rope(rmsnorm(k.reshape(T, Hkv, D).contiguous(), self.k_norm.weight, eps), positions, cfg.rope)
         o = attention(q, k, v.reshape(T, Hkv, D).contiguous(), cu_seqlens, max_seqlen=max_seqlen)
-        x = self.o(o.reshape(T, Hq * D))
+        x = self.o(o.reshape(T, Hq * D), adapters)
         h, residual = rmsnorm_residual(x, residual, self.mlp_norm.weight, eps)
-        return self.down(swiglu_gate_up(self.gate_up(h))), residual
+        return self.down(swiglu_gate_up(self.gate_up(h, adapters)), adapters), residual
 
 
 class Qwen3Trainer(nn.Module):
@@ -246,58 +338,102 @@ class Qwen3Trainer(nn.Module):
         self.norm = Weight(cfg.hidden_size, **kw)
         self.lm_head = None if cfg.tie_word_embeddings else Weight(cfg.vocab_size, cfg.hidden_size, **kw)
         self.activation_checkpointing = activation_checkpointing
-        self.lora: LoRAConfig | None = None
+        self.lora: LoRAConfig | None = None  # merged / separate
+        self.adapter_configs: dict[str, LoRAConfig] = {}  # multi: {name: config}, in adapter-index order
         self.lora_mode: str | None = None
 
     def add_lora(self, lora: LoRAConfig | Mapping, mode: str = "merged", seed: int = 0) -> None:
         """Freeze every parameter and give each targeted projection of every
-        layer an adapter (``LoRALinear``): A from ``init_lora_weights`` with
-        a seed drawn from ``seed`` per (layer, projection), B = 0, so the
-        model computes exactly what it did until B trains.  ``mode``:
-        "merged" (the forward and the server read W' = W + s·B·A) or
-        "separate" (base output plus the adapter branch, on both sides)."""
-        if self.lora is not None:
+        layer an adapter: A from ``init_lora_weights`` with a seed drawn from
+        ``seed`` per (adapter, layer, projection), B = 0, so the model
+        computes exactly what it did until B trains.  ``mode``: "merged"
+        (``LoRALinear``: the forward and the server read W' = W + s·B·A),
+        "separate" (base output plus the adapter branch, on both sides) or
+        "multi" (``MultiLoRALinear``: ``lora`` is ``{adapter name: LoRAConfig
+        or dict}``, each adapter its own rank, scale and targets; a sequence
+        picks one in ``logprobs(..., adapters=)``, a request in the server's
+        ``generate(..., adapters=)``)."""
+        if self.lora_mode is not None:
             raise RuntimeError("this trainer already has LoRA adapters")
         if mode not in LORA_MODES:
             raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {mode!r}")
         if self.fp8:
             raise NotImplementedError("LoRA on an FP8 trainer is not supported yet (the adapters would need the "
                                       "FP8 GEMM's rounding points); use bf16 or fp32 with LoRA")
-        lora = check_lora_config(lora)
+        configs = check_adapter_configs(lora) if mode == "multi" else {None: check_lora_config(lora)}
         for p in self.parameters():
             p.requires_grad_(False)
-        slices = lora_slices(self.cfg)
+        order, L = list(LORA_TARGETS), self.cfg.num_layers
         for i, block in enumerate(self.layers):
-            for name, layer_slices in slices.items():
-                targets = [p for p, _, _ in layer_slices if p in lora.target_modules]
-                if targets:
-                    # one seed per (layer, projection), distinct across pair seeds for < 10^6 adapters
-                    seeds = {p: seed * 1_000_003 + 1 + len(LORA_TARGETS) * i + list(LORA_TARGETS).index(p)
-                             for p in targets}
-                    setattr(block, name, LoRALinear(getattr(block, name), layer_slices, targets, lora.r, lora.scale,
-                                                    mode, seeds))
-        self.lora, self.lora_mode = lora, mode
+            for name, layer_slices in lora_slices(self.cfg).items():
+                # one seed per (adapter, layer, projection), distinct across pair seeds for < 10^6 of them;
+                # adapter 0 gets the seeds of the single-adapter modes
+                ads = [(cfg, {p: seed * 1_000_003 + 1 + len(order) * (i + j * L) + order.index(p)
+                              for p, _, _ in layer_slices if p in cfg.target_modules})
+                       for j, cfg in enumerate(configs.values())]
+                if not any(seeds for _, seeds in ads):
+                    continue
+                if mode == "multi":
+                    m = MultiLoRALinear(getattr(block, name), layer_slices, ads)
+                else:
+                    ((cfg, seeds),) = ads
+                    m = LoRALinear(getattr(block, name), layer_slices, list(seeds), cfg.r, cfg.scale, mode, seeds)
+                setattr(block, name, m)
+        if mode == "multi":
+            self.adapter_configs = configs
+        else:
+            self.lora = configs[None]
+        self.lora_mode = mode
 
-    def lora_modules(self) -> dict[str, tuple[LoRALinear, str]]:
-        """{``layers.{i}.<projection>``: (its LoRALinear, projection)} in layer order."""
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """Multi mode: the adapters' names, in index order (else empty)."""
+        return tuple(self.adapter_configs)
+
+    def adapter_index(self, name: str) -> int:
+        """The index of multi-mode adapter ``name``; a clear error for any other."""
+        if self.lora_mode != "multi":
+            raise ValueError(f"adapter {name!r} asked for, but this model has no named LoRA adapters (load it with "
+                             f"lora_mode='multi', lora_adapters={{name: config or PEFT dir}})")
+        if name is None:
+            raise ValueError(f"name one of the adapters {', '.join(map(repr, self.adapter_configs))} (multi-mode LoRA)")
+        if not isinstance(name, str):
+            raise TypeError(f"adapter must be an adapter name (str) or None, got {type(name).__name__}")
+        if name not in self.adapter_configs:
+            raise ValueError(f"unknown adapter {name!r}: the model has adapters "
+                             f"{', '.join(map(repr, self.adapter_configs))}")
+        return self.adapter_names.index(name)
+
+    def lora_modules(self, adapter: str | None = None) -> dict[str, tuple[nn.Module, str]]:
+        """{``layers.{i}.<projection>``: (the module holding its ``lora_A`` /
+        ``lora_B``, projection)} in layer order; multi mode: of the named adapter."""
+        j = self.adapter_index(adapter) if self.lora_mode == "multi" or adapter is not None else None
         out = {}
         for i, block in enumerate(self.layers):
-            for name in lora_slices(self.cfg):
+            for name, layer_slices in lora_slices(self.cfg).items():
                 m = getattr(block, name)
-                if isinstance(m, LoRALinear):
-                    out |= {f"layers.{i}.{p}": (m, p) for p, _, _ in m.adapted}
+                holder = m.adapters[j] if isinstance(m, MultiLoRALinear) else m if isinstance(m, LoRALinear) else None
+                if holder is not None:
+                    out |= {f"layers.{i}.{p}": (holder, p) for p, _, _ in layer_slices if p in holder.lora_A}
         return out
 
-    def lora_adapters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def lora_adapters(self, adapter: str | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """{``layers.{i}.<projection>``: (A (r, K), B (rows, r))}: the live
-        parameters (for ``save_peft_adapter`` with ``weights.lora_to_hf``)."""
-        return {n: (m.lora_A[p], m.lora_B[p]) for n, (m, p) in self.lora_modules().items()}
+        parameters (for ``save_peft_adapter`` with ``weights.lora_to_hf``);
+        multi mode: of the named adapter."""
+        return {n: (m.lora_A[p], m.lora_B[p]) for n, (m, p) in self.lora_modules(adapter).items()}
 
-    def set_lora_adapters(self, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy ``{layers.{i}.<projection>: (A, B)}`` into the adapters in place
-        (cast to their dtype); the names must be exactly this trainer's and
-        the shapes equal.  Call ``pair.sync()`` after it."""
-        own = self.lora_adapters()
+    def adapter_parameters(self, adapter: str | None = None) -> list[nn.Parameter]:
+        """The trainable A and B tensors (of the named adapter, in multi mode): what an optimizer steps."""
+        return [t for ab in self.lora_adapters(adapter).values() for t in ab]
+
+    def set_lora_adapters(self, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                          adapter: str | None = None) -> None:
+        """Copy ``{layers.{i}.<projection>: (A, B)}`` into the adapters (multi
+        mode: the named one) in place (cast to their dtype); the names must
+        be exactly this trainer's and the shapes equal.  Call ``pair.sync()``
+        after it."""
+        own = self.lora_adapters(adapter)
         if set(adapters) != set(own):
             missing, extra = sorted(set(own) - set(adapters)), sorted(set(adapters) - set(own))
             raise ValueError(f"the adapter does not fit this model's LoRA modules: missing {missing[:4]}"
@@ -329,36 +465,63 @@ class Qwen3Trainer(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def hidden(self, tokens, positions, cu_seqlens, rows, max_seqlen=None):
+    def hidden(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None):
         """Final normed hidden states of ``rows``.
 
         tokens, positions: (T,) int64; cu_seqlens: (B + 1,) int32;
-        rows: (R,) int64 indices into T -> (R, H)."""
+        rows: (R,) int64 indices into T; adapters: multi-mode LoRA's
+        adapter of each token (None: the base model) -> (R, H)."""
         x, residual = self.embed.weight[tokens], None
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x, residual = checkpoint(layer, x, residual, positions, cu_seqlens, max_seqlen, use_reentrant=False)
+                x, residual = checkpoint(layer, x, residual, positions, cu_seqlens, max_seqlen, adapters,
+                                         use_reentrant=False)
             else:
-                x, residual = layer(x, residual, positions, cu_seqlens, max_seqlen)
+                x, residual = layer(x, residual, positions, cu_seqlens, max_seqlen, adapters)
         return rmsnorm_residual(x[rows], residual[rows], self.norm.weight, self.cfg.rms_norm_eps)[0]
 
-    def logits(self, tokens, positions, cu_seqlens, rows, max_seqlen=None):
+    def logits(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None):
         """FP32 next-token logits (R, V) of ``rows``; differentiable."""
-        return lm_head_logits(self.hidden(tokens, positions, cu_seqlens, rows, max_seqlen), self.lm_head_weight)
+        return lm_head_logits(self.hidden(tokens, positions, cu_seqlens, rows, max_seqlen, adapters),
+                              self.lm_head_weight)
 
     def logprobs(
         self,
         sequences: Sequence[Sequence[int] | torch.Tensor],
         prompt_lens: Sequence[int],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapters: str | None | Sequence[str | None] = None,
     ) -> list[torch.Tensor]:
         """FP32 log-probs of ``sequence[prompt_len:]`` for each sequence, under
         the sampling transforms of its ``SamplingParams`` (default: plain
-        softmax), bitwise equal to the server's; differentiable."""
+        softmax) and, in multi-mode LoRA, the adapter ``adapters`` names (one
+        for all or one per sequence; None: the base model), bitwise equal to
+        the server's; differentiable."""
         params = sampling_list(sampling, len(sequences))
+        ids = self._adapter_ids(adapters, len(sequences))
         batch = pack_scored(sequences, prompt_lens, self.cfg.vocab_size, self.cfg.max_position, self.embed.weight.device)
-        logits = self.logits(batch.tokens, batch.positions, batch.cu_seqlens, batch.rows, batch.max_seqlen)
+        rows = None
+        if any(j >= 0 for j in ids):
+            per_token = torch.repeat_interleave(torch.tensor(ids, device=batch.tokens.device),
+                                                batch.cu_seqlens.diff(), output_size=batch.tokens.shape[0])
+            rows = AdapterRows(per_token, frozenset(ids) - {-1})
+        logits = self.logits(batch.tokens, batch.positions, batch.cu_seqlens, batch.rows, batch.max_seqlen, rows)
         per_row = [p for p, n in zip(params, batch.counts) for _ in range(n)]
         t = params_to_tensors(per_row, [0] * len(per_row), device=logits.device)
         lp = sampling_logprobs(logits, batch.targets, t["temperature"], t["top_k"], t["top_p"], t["min_p"])
         return list(lp.split(batch.counts))
+
+    def _adapter_ids(self, adapters, n: int) -> list[int]:
+        """Per sequence, the index of its multi-mode adapter (-1: none)."""
+        if isinstance(adapters, (list, tuple)):
+            if len(adapters) != n:
+                raise ValueError(f"{n} sequences but {len(adapters)} adapters: give one, or one per sequence")
+        else:
+            adapters = [adapters] * n
+        ids = []
+        for i, a in enumerate(adapters):
+            try:
+                ids.append(-1 if a is None else self.adapter_index(a))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"sequence {i}: {e}") from None
+        return ids
