@@ -398,13 +398,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _dist_worker(rank: int, port: int, results) -> None:
+def _dist_worker(rank: int, port: int, results, backend: str = "gloo") -> None:
+    import os
+
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    if backend == "nccl":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast on shared hosts
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=30))
     try:
         trainer = make_weights(6)
+        if backend == "nccl":  # the weights live on each rank's GPU and travel GPU to GPU
+            trainer = {n: t.cuda() for n, t in trainer.items()}
         tr = DistTransport(peer=1 - rank)
         if rank == 0:
             pub = Publisher(lambda: trainer, rows_per_block=ROWS)
@@ -426,19 +433,22 @@ def _dist_worker(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def test_dist_transport_gloo():
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_dist_transport(backend):
     import torch.multiprocessing as mp
 
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    procs = mp.start_processes(_dist_worker, args=(_free_port(), results), nprocs=2, join=False,
+    procs = mp.start_processes(_dist_worker, args=(_free_port(), results, backend), nprocs=2, join=False,
                                start_method="spawn")
     try:
         for _ in range(120):  # 60 s at most: a hung peer fails the test, never CI
             if procs.join(timeout=0.5):
                 break
         else:
-            pytest.fail("the gloo workers did not finish within 60 s")
+            pytest.fail(f"the {backend} workers did not finish within 60 s")
     finally:
         for p in procs.processes:
             if p.is_alive():
