@@ -36,7 +36,10 @@ def load_pair(name: str, checkpoint=None, config=None, device=None, dtype=None, 
                 cuda_graphs, ...), ``seed``, ``activation_checkpointing``,
                 ``server_kernels="vendor"`` (a deliberately misaligned server),
                 ``fp8=True`` (unified FP8), ``lora=LoRAConfig | dict``,
-                ``lora_mode="merged" | "separate"``, ``lora_adapter=dir`` (a PEFT adapter)
+                ``lora_mode="merged" | "separate"``, ``lora_adapter=dir`` (a PEFT adapter),
+                ``lora_adapters={name: LoRAConfig | dict | PEFT dir}`` (several adapters
+                served in one batch, mode "multi"; requests and trainer calls name theirs
+                with ``adapters=``)
     """
     import torch
 
