@@ -61,7 +61,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from bench_primitives import HEAD_DIM, HEADS, KV_HEADS, _time, commit  # noqa: E402
+from bench_primitives import HEAD_DIM, HEADS, KV_HEADS, _time, _time_wall, commit  # noqa: E402
 
 HQ, HKV, D = HEADS, KV_HEADS, HEAD_DIM  # Qwen3-8B: 32 query heads, 8 kv heads, head_dim 128
 G = HQ // HKV
@@ -110,17 +110,6 @@ def _err(e: BaseException) -> str:
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
-
-
-def _time_cpu(fn) -> float:
-    """--cpu-smoke only: median of 3 wall-clock runs (ms)."""
-    fn()
-    ts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[1] * 1e3
 
 
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -607,7 +596,7 @@ def main():
     t0 = time.perf_counter()
     dev = torch.device("cpu" if args.cpu_smoke else "cuda")
     shapes = SMOKE if args.cpu_smoke else QUICK if args.quick else FULL
-    ctx = SimpleNamespace(dev=dev, timer=_time_cpu if args.cpu_smoke else _time, decode_baseline=None,
+    ctx = SimpleNamespace(dev=dev, timer=_time_wall if args.cpu_smoke else _time, decode_baseline=None,
                           decode_attempts={}, max_ctx=max(shapes["decode_ctx"]), table_pages=args.decode_table_pages)
     meta = dict(
         gpu=torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU smoke ({platform.processor() or 'cpu'})",
