@@ -31,7 +31,15 @@ class Pair:
         """Make the server's weights the bytes the trainer's next forward
         reads; returns the new weight version (completions carry it).  Only
         blocks changed since the last sync travel; a payload that fails its
-        checks leaves the server's weights as they were."""
+        checks leaves the server's weights as they were.
+
+        Call it after every optimizer step: it is the point where the
+        trainer's derived weights (FP8 codes, merged LoRA W') are rebuilt from
+        the masters (``invalidate_caches``), so even optimizer kernels that
+        bypass torch's version counter (``fused=True``) reach both sides."""
+        invalidate = getattr(self.trainer, "invalidate_caches", None)
+        if invalidate is not None:
+            invalidate()
         payload = self._publisher.publish()
         version = apply_between_steps(self.server, self._receiver, payload)
         self.last_sync = payload.stats

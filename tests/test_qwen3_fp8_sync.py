@@ -77,6 +77,40 @@ def test_fp8_codes_requantized_once_per_step():
     assert layer.cache.quantizations == n0 + 1
 
 
+@pytest.mark.parametrize("kind", ["fp8", "lora-merged"])
+def test_fused_optimizer_step_reaches_trainer_and_server(kind):
+    """torch.optim's fused kernels write the parameters without bumping their
+    version counter, so a version-keyed cache alone would keep the old FP8
+    codes / merged W' (measured on torch 2.13).  ``pair.sync()`` is the
+    once-per-step point: after it the trainer's forward weights are the
+    requantized / re-merged ones, the server holds them, and K3 == 0."""
+    kw = dict(fp8=True) if kind == "fp8" else dict(lora={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"},
+                                                   lora_mode="merged")
+    pair = alignzoo.load_pair("qwen3", config="tiny", **kw)
+    params = [p for p in pair.trainer.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    prompts = prompts_of([40, 9], pair.config.vocab_size, seed=5)
+    seqs = [p + [1, 2, 3] for p in prompts]
+    lp = pair.trainer.logprobs(seqs, [len(p) for p in prompts])
+    sum(x.sum() for x in lp).backward()
+    before = {n: t.clone() for n, t in pair.trainer.forward_weights().items()}
+    opt.step()
+    pair.sync()
+    after = pair.trainer.forward_weights()
+    if kind == "fp8":
+        layer = pair.trainer.layers[0].qkv
+        codes, scale_inv = quantize_weight_fp8(layer.weight.detach())
+        assert torch.equal(after["layers.0.qkv.weight"].view(torch.uint8), codes.view(torch.uint8))
+        assert torch.equal(after["layers.0.qkv.weight_scale_inv"], scale_inv)
+    else:
+        layer = pair.trainer.layers[0].qkv
+        assert torch.equal(after["layers.0.qkv.weight"], layer.merge())
+    assert not torch.equal(after["layers.0.qkv.weight"].view(torch.uint8),
+                           before["layers.0.qkv.weight"].view(torch.uint8))
+    assert pair.last_sync.blocks_changed > 0 and pair.weights_match()
+    assert_k3_zero(pair, prompts)
+
+
 def _fp8_checkpoint(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

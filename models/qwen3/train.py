@@ -106,6 +106,10 @@ class LoRALinear(Linear):
         """A new W' (N, K) in W's dtype (not cached)."""
         return _merge(self.weight, self, self.slices, self.scale)
 
+    def invalidate(self) -> None:
+        """Rebuild W' at the next use (for writes the version counter misses)."""
+        self._key = None
+
     def merged_weight(self) -> torch.Tensor:
         """The cached W', rebuilt only when W, an A or a B was written since."""
         key = tuple((t._version, t.data_ptr()) for t in (self.weight, *self.lora_A.values(), *self.lora_B.values()))
@@ -278,6 +282,10 @@ class Fp8Linear(Weight):
         super().__init__(*shape, device=device, dtype=torch.float32)
         self.cache = Fp8WeightCache(self.weight)
 
+    def invalidate(self) -> None:
+        """Requantize at the next use (for writes the version counter misses)."""
+        self.cache.invalidate()
+
     def forward(self, x, adapters: AdapterRows | None = None):
         return fp8_linear(x, self.weight, *self.cache.get())
 
@@ -447,6 +455,16 @@ class Qwen3Trainer(nn.Module):
             for n, (a, b) in adapters.items():
                 own[n][0].copy_(a)
                 own[n][1].copy_(b)
+
+    def invalidate_caches(self) -> None:
+        """Drop the derived weights (FP8 codes, merged LoRA W'): the next
+        forward or ``forward_weights()`` rebuilds them from the masters.  The
+        caches key on each tensor's version counter, which torch.optim's
+        ``fused=True`` kernels leave alone; ``Pair.sync()`` calls this once
+        per optimizer step, so such steps are never missed."""
+        for m in self.modules():
+            if m is not self and callable(getattr(m, "invalidate", None)):
+                m.invalidate()
 
     def forward_weights(self) -> dict[str, torch.Tensor]:
         """The tensors the forward reads, named as the server's weights: the
