@@ -30,6 +30,11 @@ from bench_primitives import commit  # noqa: E402
 
 def cuda_ms(fn, reps: int = 20) -> float:
     fn()
+    if not torch.cuda.is_available():  # --device cpu smoke runs: wall clock
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return 1e3 * (time.perf_counter() - t0) / reps
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -40,9 +45,14 @@ def cuda_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, nbytes: int = 4 << 30) -> float:
     """Bytes per second of a device-to-device copy (read + write counted)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     ms = cuda_ms(lambda: b.copy_(a), reps=10)
     return 2 * nbytes / (ms / 1e3)
@@ -55,7 +65,7 @@ def weight_bytes(server) -> int:
 
 def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> dict:
     from alignzoo import SamplingParams
-    from alignzoo.common.engine.model_runner import first_rows
+    from alignzoo.common.engine.model_runner import static_decode_batch
     from alignzoo.common.sampling import params_to_tensors, sample_fwd
 
     eng = pair.server
@@ -69,7 +79,7 @@ def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> 
         seqs = eng.scheduler.running
     for _ in range(3):
         eng.step()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -79,8 +89,9 @@ def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> 
     runner = eng.runner
     bucket = runner.graphs.bucket(B) if runner.graphs is not None else None
     replay_ms = cuda_ms(lambda: runner.graphs.graphs[bucket].replay()) if bucket else float("nan")
-    logits = runner.graphs.logits[bucket][:B] if bucket else torch.randn(B, V, device="cuda")
-    params = {k: v.cuda() for k, v in params_to_tensors([sp] * B, [0] * B).items()}
+    dev = runner.device
+    logits = runner.graphs.logits[bucket][:B] if bucket else torch.randn(B, V, device=dev)
+    params = {k: v.to(dev) for k, v in params_to_tensors([sp] * B, [0] * B).items()}
 
     def sample():
         tok, lp = sample_fwd(logits, **params)
@@ -89,18 +100,19 @@ def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> 
     sample_ms = cuda_ms(sample)
     while eng.has_unfinished():
         eng.step()
-    eager = first_rows(runner.graphs.static, bucket) if bucket else None
-    kernels = []
-    if eager is not None:
-        with torch.inference_mode():
-            runner.model.forward(eager, runner.kv_cache)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    runner.model.forward(eager, runner.kv_cache)
-                torch.cuda.synchronize()
-        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
-            kernels.append({"kernel": e.key[:90], "calls": e.count // 3, "ms_per_forward": e.device_time_total / 3e3})
+    eager = static_decode_batch(B, runner.graph_width, dev)  # pad rows: nothing is written to the cache
+    on_cuda = dev.type == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if on_cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.inference_mode():
+        runner.model.forward(eager, runner.kv_cache)
+        sync()
+        with torch.profiler.profile(activities=[activity]) as prof:
+            for _ in range(3):
+                runner.model.forward(eager, runner.kv_cache)
+            sync()
+    total = (lambda e: e.device_time_total) if on_cuda else (lambda e: e.self_cpu_time_total)
+    kernels = [{"kernel": e.key[:90], "calls": e.count // 3, "ms_per_forward": total(e) / 3e3}
+               for e in sorted(prof.key_averages(), key=lambda e: -total(e))[:12]]
     return {"batch": B, "step_ms": step_ms, "replay_ms": replay_ms, "sample_ms": sample_ms,
             "host_ms": step_ms - replay_ms - sample_ms, "kernels": kernels}
 
@@ -112,20 +124,22 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kernels", default="aligned,vendor", help="server kernels to profile, comma-separated")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (use --config tiny)")
     ap.add_argument("--out", default="gpu_out")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("profile_decode needs a CUDA device", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("profile_decode needs a CUDA device (or --device cpu for a smoke run)", file=sys.stderr)
         return 2
     import alignzoo
 
     batches = [int(b) for b in args.batches.split(",")]
-    bw = copy_bandwidth()
-    head = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+    bw = copy_bandwidth(args.device, (4 << 30) if args.device == "cuda" else (64 << 20))
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    head = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "commit": commit(), "command": " ".join(sys.argv), "config": args.config, "copy_GBps": bw / 1e9}
     results = {}
     for kind in args.kernels.split(","):
-        pair = alignzoo.load_pair("qwen3", config=args.config, device="cuda", max_batch_size=max(batches),
+        pair = alignzoo.load_pair("qwen3", config=args.config, device=args.device, max_batch_size=max(batches),
                                   server_kernels=kind)
         g = torch.Generator().manual_seed(0)
         wb = weight_bytes(pair.server)
@@ -133,7 +147,8 @@ def main() -> int:
         results[kind] = {"weight_bytes": wb, "bound_ms": 1e3 * wb / (bw / 2), "rows": rows}
         print(json.dumps({kind: results[kind]}), flush=True)
         del pair
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile_decode.json"), "w") as f:
         json.dump({**head, "results": results}, f, indent=1)
