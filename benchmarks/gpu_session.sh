@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# One device call that verifies and measures the primitives on the GPU:
-#   bash benchmarks/gpu_session.sh [pytest paths...]
-# gpu-marked tests (parallel: they are bound by Triton compilation), then
-# `alignzoo check --device cuda`, then the primitive benchmarks.  Each step has
-# its own time limit (env TEST_S, CHECK_S, BENCH_S) so one slow step cannot eat
-# the call; logs go to $OUT (or ./gpu_out).
+# One device call's worth of GPU work, logs and results under $OUT (or ./gpu_out):
+#   bash benchmarks/gpu_session.sh tests [pytest paths...]   # every gpu-marked test, then `alignzoo check --device cuda`
+#   bash benchmarks/gpu_session.sh perf                      # run_suite (issue 7's page), then the decode profile
+# Each step has its own time limit (env TEST_S, CHECK_S, SUITE_S, PROFILE_S) so one slow step cannot
+# eat the call.  Set ALIGNZOO_COMMIT=<sha> (the device's .git is stale).  Measured on the H200
+# (session 3): the whole gpu suite takes ~145 s with 10 workers from a warm Triton cache; more
+# workers than ~10 can run out of GPU memory (each engine takes 30% of what is free).
 . "$(dirname "$0")/gpu_env.sh"
 out=${OUT:-gpu_out}; mkdir -p "$out"
-timeout "${TEST_S:-300}" python3 -m pytest -q -m gpu -n 12 -p no:cacheprovider -p no:benchmark "${@:-tests}" \
-  > "$out/gpu_tests.txt" 2>&1; echo "pytest exit $?" >> "$out/gpu_tests.txt"
-tail -15 "$out/gpu_tests.txt"
-timeout "${CHECK_S:-90}" python3 -m alignzoo.cli check --device cuda > "$out/check_cuda.txt" 2>&1
-echo "check exit $?" >> "$out/check_cuda.txt"; grep -E "FAIL|passed|exit" "$out/check_cuda.txt"
-timeout "${BENCH_S:-180}" python3 benchmarks/bench_primitives.py --out "$out" ${BENCH_OPS:+--ops "$BENCH_OPS"} \
-  > "$out/bench_log.txt" 2>&1; echo "bench exit $?" >> "$out/bench_log.txt"
-tail -60 "$out/bench_log.txt"
+mode=${1:-tests}; shift || true
+case "$mode" in
+tests)
+  timeout "${TEST_S:-300}" python3 -m pytest -q -m gpu -n "${WORKERS:-8}" -p no:cacheprovider -p no:benchmark \
+    --durations=10 "${@:-tests}" > "$out/gpu_tests.txt" 2>&1; echo "pytest exit $?" >> "$out/gpu_tests.txt"
+  tail -15 "$out/gpu_tests.txt"
+  timeout "${CHECK_S:-120}" python3 -m alignzoo.cli check --device cuda > "$out/check_cuda.txt" 2>&1
+  echo "check exit $?" >> "$out/check_cuda.txt"; grep -E "FAIL|passed|exit" "$out/check_cuda.txt"
+  ;;
+perf)
+  timeout "${SUITE_S:-400}" python3 benchmarks/run_suite.py --out "$out" --budget-s "$(( ${SUITE_S:-400} - 20 ))" \
+    > "$out/suite_log.txt" 2>&1; echo "run_suite exit $?" >> "$out/suite_log.txt"; tail -5 "$out/suite_log.txt"
+  timeout "${PROFILE_S:-150}" python3 benchmarks/profile_decode.py --config qwen3-8b --batches 1,64 --out "$out" \
+    > "$out/profile_log.txt" 2>&1; echo "profile exit $?" >> "$out/profile_log.txt"; head -20 "$out/profile_decode.md"
+  ;;
+*)
+  echo "usage: gpu_session.sh tests [pytest paths...] | perf" >&2; exit 2
+  ;;
+esac

@@ -25,6 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_engine import fit_max_position, load  # noqa: E402
 from bench_primitives import commit  # noqa: E402
 
 
@@ -124,23 +125,24 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kernels", default="aligned,vendor", help="server kernels to profile, comma-separated")
+    ap.add_argument("--max-position", type=int, default=None,
+                    help="the model's max_position (default: prompt + steps + 16, page-rounded, as bench_engine)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (use --config tiny)")
     ap.add_argument("--out", default="gpu_out")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("profile_decode needs a CUDA device (or --device cpu for a smoke run)", file=sys.stderr)
         return 2
-    import alignzoo
-
     batches = [int(b) for b in args.batches.split(",")]
+    max_pos = args.max_position or fit_max_position(args.prompt + args.steps + 16)
     bw = copy_bandwidth(args.device, (4 << 30) if args.device == "cuda" else (64 << 20))
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     head = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-            "commit": commit(), "command": " ".join(sys.argv), "config": args.config, "copy_GBps": bw / 1e9}
+            "commit": commit(), "command": " ".join(sys.argv), "config": args.config, "max_position": max_pos, "copy_GBps": bw / 1e9}
     results = {}
     for kind in args.kernels.split(","):
-        pair = alignzoo.load_pair("qwen3", config=args.config, device=args.device, max_batch_size=max(batches),
-                                  server_kernels=kind)
+        pair = load(args.config, server_kernels=kind, max_batch_size=max(batches), max_position=max_pos,
+                    cuda_graphs=args.device == "cuda", device=args.device)
         g = torch.Generator().manual_seed(0)
         wb = weight_bytes(pair.server)
         rows = [profile_batch(pair, B, args.prompt, args.steps, g) for B in batches]
