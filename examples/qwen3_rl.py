@@ -2,7 +2,10 @@
 
 A tiny Qwen3 learns, from random init on the CPU, to reverse a string of
 digits: prompt [BOS d1 .. dn SEP], answer [dn .. d1 EOS], reward = fraction of
-the n + 1 answer positions right.  Each step: the server samples a group of
+the n + 1 answer positions right.  ``--lora-mode multi`` trains two LoRA
+adapters on one frozen base in the same batches: "reverse" (the task above)
+and "copy" (answer [d1 .. dn EOS]); each group is served and scored under its
+task's adapter, and K3 == 0 must hold on every row.  Each step: the server samples a group of
 completions per prompt (temperature / top-k / top-p / min-p), GRPO turns the
 rewards into advantages, the trainer scores the same tokens (``logprobs``),
 the objective (CISPO by default; PPO-clip; unbounded IS) gives the gradient,
@@ -14,6 +17,7 @@ must equal the sampler's bit for bit: any difference stops the run
     python examples/qwen3_rl.py --stream             # backward group by group as groups complete
     python examples/qwen3_rl.py --unaligned          # the mismatch this project removes
     python examples/qwen3_rl.py --lora 8             # train rank-8 LoRA adapters on a frozen base
+    python examples/qwen3_rl.py --lora 8 --lora-mode multi   # two adapters, two tasks, one batch
     python examples/qwen3_rl.py --config qwen3-0.6b --device cuda --steps 5   # real shapes on a GPU
 Writes OUT/log.jsonl (one line per step) and OUT/rl.png (reward and K3 against step).
 """
@@ -40,8 +44,12 @@ def make_prompts(n_prompts: int, n_digits: int, g: torch.Generator) -> list[list
     return [[BOS, *torch.randint(0, 10, (n_digits,), generator=g).tolist(), SEP] for _ in range(n_prompts)]
 
 
-def reward(prompt: list[int], answer: list[int]) -> float:
-    target = prompt[1:-1][::-1] + [EOS]
+TASKS = ("reverse", "copy")  # --lora-mode multi: one adapter per task, named by it
+
+
+def reward(prompt: list[int], answer: list[int], task: str = "reverse") -> float:
+    digits = prompt[1:-1]
+    target = (digits[::-1] if task == "reverse" else digits) + [EOS]
     return sum(a == t for a, t in zip(answer, target)) / len(target)
 
 
@@ -62,7 +70,7 @@ def parse(argv=None):
     ap.add_argument("--unaligned", action="store_true", help="serve with vendor kernels: K3 > 0 is logged, not fatal")
     ap.add_argument("--lora", type=int, default=0, metavar="R",
                     help="train LoRA adapters of rank R (lora_alpha 2R) on all seven projections of a frozen base; 0: off")
-    ap.add_argument("--lora-mode", choices=("merged", "separate"), default="merged",
+    ap.add_argument("--lora-mode", choices=("merged", "separate", "multi"), default="merged",
                     help="merged: W + s·B·A is what the trainer reads and the sync ships; separate: base + branch")
     ap.add_argument("--config", default=None, metavar="PRESET",
                     help="a qwen3 preset (e.g. qwen3-0.6b): its shapes and vocabulary instead of the tiny task model "
@@ -80,19 +88,31 @@ def parse(argv=None):
 def build_pair(args, **kw):
     cfg = args.config or {"vocab_size": VOCAB, "max_position": 64}
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    if args.lora:
-        kw |= dict(lora={"r": args.lora, "lora_alpha": 2 * args.lora, "target_modules": "all-linear"},
-                   lora_mode=args.lora_mode)
+    lora = {"r": args.lora, "lora_alpha": 2 * args.lora, "target_modules": "all-linear"}
+    if args.lora and args.lora_mode == "multi":
+        kw.setdefault("lora_adapters", {t: lora for t in TASKS})
+    elif args.lora:
+        kw |= dict(lora_mode=args.lora_mode) | ({} if "lora_adapter" in kw else dict(lora=lora))
     return alignzoo.load_pair("qwen3", config=cfg, device=args.device, dtype=dtype, seed=args.seed,
                               server_kernels="vendor" if args.unaligned else "aligned", **kw)
 
 
-def rollouts(pair, prompts, sps, stream: bool):
+def task_of(args, group: int) -> str:
+    """The group's task; in multi-adapter mode also the adapter that serves it."""
+    return TASKS[group % len(TASKS)] if args.lora and args.lora_mode == "multi" else "reverse"
+
+
+def adapter_of(args, group: int) -> str | None:
+    return task_of(args, group) if args.lora and args.lora_mode == "multi" else None
+
+
+def rollouts(pair, prompts, sps, args):
     """Yield (group index, completions of the group) as groups complete
     (streaming), or all groups in index order once every one is done."""
     n = len(sps) // len(prompts)
-    if not stream:
-        outs = pair.server.generate([p for p in prompts for _ in range(n)], sps)
+    if not args.stream:
+        adapters = [adapter_of(args, i) for i in range(len(prompts)) for _ in range(n)]
+        outs = pair.server.generate([p for p in prompts for _ in range(n)], sps, adapters=adapters)
         for i in range(len(prompts)):
             yield i, outs[i * n:(i + 1) * n]
         return
@@ -100,7 +120,7 @@ def rollouts(pair, prompts, sps, stream: bool):
     owner = {}
     for i, p in enumerate(prompts):
         for j in range(n):
-            owner[eng.add_request(p, sps[i * n + j])] = (i, j)
+            owner[eng.add_request(p, sps[i * n + j], adapter=adapter_of(args, i))] = (i, j)
     got = {i: [None] * n for i in range(len(prompts))}
     while eng.has_unfinished():
         for c in eng.step():
@@ -110,12 +130,12 @@ def rollouts(pair, prompts, sps, stream: bool):
                 yield i, got.pop(i)
 
 
-def group_grads(pair, params, prompt, outs, sps, args, norm):
+def group_grads(pair, params, group, prompt, outs, sps, args, norm):
     """The group's surrogate gradient, and its alignment stats."""
     seqs = [prompt + o.tokens for o in outs]
-    lps = pair.trainer.logprobs(seqs, [len(prompt)] * len(seqs), sps)
+    lps = pair.trainer.logprobs(seqs, [len(prompt)] * len(seqs), sps, adapters=adapter_of(args, group))
     stats = check_alignment(lps, [o.logprobs for o in outs])
-    rewards = torch.tensor([reward(prompt, o.tokens) for o in outs])
+    rewards = torch.tensor([reward(prompt, o.tokens, task_of(args, group)) for o in outs])
     adv = group_advantages(rewards)
     surrogate = sum(token_objective(args.objective, lp, o.logprobs, float(a)).sum()
                     for lp, o, a in zip(lps, outs, adv))
@@ -133,8 +153,8 @@ def train_step(pair, opt, step, args, g):
     norm = len(prompts) * n * (args.digits + 1)
     acc = OrderedGradSum(params, len(prompts))
     all_stats, all_rewards, versions = [], [], set()
-    for i, outs in rollouts(pair, prompts, sps, args.stream):
-        grads, stats, rewards = group_grads(pair, params, prompts[i], outs, sps[i * n:(i + 1) * n], args, norm)
+    for i, outs in rollouts(pair, prompts, sps, args):
+        grads, stats, rewards = group_grads(pair, params, i, prompts[i], outs, sps[i * n:(i + 1) * n], args, norm)
         if not args.unaligned and stats["differing"]:
             raise SystemExit(f"step {step}: trainer and server disagree on {stats['differing']} of {stats['tokens']} "
                              f"tokens (K3 max {stats['k3_max']:.3g}): the aligned contract is broken")
@@ -204,7 +224,8 @@ def main(argv=None) -> int:
     mode = "unaligned (vendor kernels)" if args.unaligned else "aligned"
     if args.lora:
         mode += f", LoRA r={args.lora} {args.lora_mode}"
-    print(f"qwen3 RL: reverse {args.digits} digits; {args.prompts} prompts x {args.group_size} samples per step; "
+    task = "/".join(TASKS) if args.lora and args.lora_mode == "multi" else "reverse"
+    print(f"qwen3 RL: {task} {args.digits} digits; {args.prompts} prompts x {args.group_size} samples per step; "
           f"{args.objective}; {mode}; {args.dtype}; {'streaming' if args.stream else 'one batch'} -> {log_path}")
     log = []
     bar = tqdm(range(args.steps), desc="RL", unit="step", file=sys.stderr)
@@ -225,9 +246,13 @@ def main(argv=None) -> int:
           f"K3 max over the run {worst:.3g}; {differing} of {sum(r['tokens'] for r in log)} tokens differ")
     if not args.no_plot:
         path = os.path.join(args.out, "rl.png")
-        plot(log, path, f"qwen3 tiny, reverse {args.digits} digits, {args.objective}, {mode}")
+        plot(log, path, f"qwen3 {args.config or 'tiny'}, {task} {args.digits} digits, {args.objective}, {mode}")
         print(f"plot: {path}")
-    if args.save:
+    if args.save and args.lora and args.lora_mode == "multi":  # one PEFT adapter per task; reload them all
+        for t in TASKS:
+            pair.save_pretrained(os.path.join(args.save, t), adapter=t, adapter_only=True)
+        again = build_pair(args, lora_adapters={t: os.path.join(args.save, t) for t in TASKS})
+    elif args.save:
         pair.save_pretrained(args.save)
         if args.lora:  # the merged model is in SAVE; reload the seeded base with the adapter alone
             adapter = os.path.join(args.save, "adapter")
@@ -236,6 +261,7 @@ def main(argv=None) -> int:
         else:
             again = alignzoo.load_pair("qwen3", checkpoint=args.save, device=args.device,
                                        dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
+    if args.save:
         mine, theirs = pair.trainer.forward_weights(), again.trainer.forward_weights()
         same = mine.keys() == theirs.keys() and all(torch.equal(w, theirs[n]) for n, w in mine.items())
         print(f"saved to {args.save}; reloaded {'bit-identical' if same else 'DIFFERENT'}")

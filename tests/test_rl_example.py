@@ -79,3 +79,19 @@ def test_unaligned_mode_shows_the_mismatch(tmp_path):
     assert qwen3_rl.main(["--steps", "2", "--unaligned", "--out", out, "--no-plot"]) == 0
     log = read_log(out)
     assert all(r["differing_tokens"] > 0 and r["k3_max"] > 0 for r in log)
+
+
+def test_multi_adapter_tasks_are_exact_and_reload(tmp_path, capsys):
+    """Two LoRA adapters ("reverse", "copy") trained in the same batches: every
+    row served and scored under its task's adapter with K3 == 0; each adapter
+    saved as PEFT and reloaded bit for bit."""
+    out = str(tmp_path / "m")
+    argv = ["--steps", "3", "--prompts", "4", "--group-size", "3", "--lora", "4", "--lora-mode", "multi",
+            "--out", out, "--no-plot", "--save", str(tmp_path / "adapters")]
+    assert qwen3_rl.main(argv) == 0
+    log = read_log(out)
+    assert all(r["differing_tokens"] == 0 and r["k3_max"] == 0.0 and r["tokens"] > 0 for r in log)
+    assert all(os.path.exists(tmp_path / "adapters" / t / "adapter_config.json") for t in qwen3_rl.TASKS)
+    assert "reloaded bit-identical" in capsys.readouterr().out
+    assert qwen3_rl.reward([10, 1, 2, 11], [1, 2, 12], "copy") == 1.0
+    assert qwen3_rl.reward([10, 1, 2, 11], [2, 1, 12], "reverse") == 1.0
