@@ -63,6 +63,39 @@ def _assert_same_support(got_lp, ref_lp, device):
 
 # --- rungs 1 and 2 -----------------------------------------------------------
 
+def test_sorted_head_gives_the_full_sorts_bits(device, monkeypatch):
+    """A block whose largest top-k is small sorts only that head of the keys
+    (torch.topk); draws, replays and the transformed distribution must have
+    the full sort's bits -- with greedy rows, ties and top-p / min-p cuts."""
+    import alignzoo.common.sampling.op as op
+
+    g = torch.Generator().manual_seed(11)
+    B, V = 9, 5003
+    logits = (torch.randn(B, V, generator=g) * 3).round(decimals=1)  # many ties
+    t = torch.tensor([0.7, 1.0, 0.0, 1.3, 0.9, 1.0, 1.0, 0.5, 1.1])
+    k = torch.tensor([50, 1, 0, 7, 300, 2, 50, 64, 13])  # greedy row: top_k off, k' = 1
+    p = torch.tensor([0.9, 1.0, 1.0, 0.5, 0.99, 1.0, 0.3, 1.0, 0.95])
+    m = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.001, 0.0, 0.0, 0.2, 0.01])
+    logits, t, k, p, m = (x.to(device) for x in (logits, t, k, p, m))
+    seed, step = torch.arange(B, device=device), torch.full((B,), 3, device=device)
+    widths = []
+    real = op.sorted_head
+    monkeypatch.setattr(op, "sorted_head", lambda keys, head: widths.append(min(head, keys.shape[1])) or real(keys, head))
+
+    def run():
+        tok, lp = sample_fwd(logits, t, k, p, m, seed, step)
+        return tok, lp, sampling_logprobs_fwd(logits, tok, t, k, p, m)[0], transformed_logprobs_fwd(logits, t, k, p, m)
+
+    head = run()
+    assert widths and set(widths) == {300}
+    monkeypatch.setattr(op, "_HEAD_MAX", 0)  # every block sorts the whole vocabulary
+    full = run()
+    assert set(widths[-1:]) == {V}
+    for a, b in zip(head, full):
+        assert torch.equal(a, b)
+    assert torch.equal(head[1], head[2])  # and the replay is still the sampler
+
+
 @pytest.mark.parametrize("B,V", [pytest.param(13, 1000, id="B13-V1000"), pytest.param(3, QWEN_VOCAB, id="B3-V151936")])
 def test_rows_invariant_to_batch_order_padding_and_launch(device, B, V):
     c = random_case(B, V, device, seed=V)

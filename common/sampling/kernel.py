@@ -3,7 +3,7 @@
 The GPU path of one block of rows (``rows_cuda``) is
 
     _order_keys_kernel  logits, temperature -> int64 sort keys      Triton, element-wise
-    torch.sort          keys -> sorted keys, each row on its own    torch / CUB
+    torch.sort / topk   keys -> sorted keys (the head rows read) torch / CUB
     _support_kernel     sorted keys -> token, lp, v0, log Z, last   Triton, one program per row
     _replay_bwd_kernel  d lp / d logits (the trainer's backward)    Triton, element-wise
 
@@ -122,12 +122,14 @@ def _uniform01(b_seed, b_step):
 
 @triton.jit
 def _support_kernel(p_skeys, p_keys, p_temp, p_topk, p_topp, p_minp, p_seed, p_step, p_tok_in,
-                    p_tok, p_lp, p_v0, p_logz, p_last, V, BLOCK: tl.constexpr, DRAW: tl.constexpr):
+                    p_tok, p_lp, p_v0, p_logz, p_last, V, SV, BLOCK: tl.constexpr, DRAW: tl.constexpr):
     """One program per row: the per-row program of op.py after the sort.
-    DRAW: draw a token from (seed, step); else score p_tok_in (the replay)."""
+    DRAW: draw a token from (seed, step); else score p_tok_in (the replay).
+    p_skeys rows hold the first SV sorted keys (SV >= every row's k'; the
+    passes below read positions < k' only)."""
     i_b = tl.program_id(0)
     o_row = i_b.to(tl.int64) * V
-    p_row = p_skeys + o_row
+    p_row = p_skeys + i_b.to(tl.int64) * SV
     b_temp = tl.load(p_temp + i_b)
     greedy = b_temp == 0.0
     b_k = tl.load(p_topk + i_b).to(tl.int64)
@@ -227,8 +229,10 @@ def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens):
     Returns (tokens int64, lp fp32, v0 fp32, logz fp32, last_key int64), all (B,)."""
     B, V = logits.shape
     dev = logits.device
+    from .op import _head, sorted_head
+
     keys = order_keys_cuda(logits, temperature)
-    skeys = torch.sort(keys, dim=-1).values
+    skeys = sorted_head(keys, _head(temperature, top_k, V))  # (B, V' <= V): the head every row reads
     draw = tokens is None
     if draw:
         tokens = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -239,7 +243,7 @@ def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens):
     lp, v0, logz = (torch.empty(B, dtype=torch.float32, device=dev) for _ in range(3))
     last = torch.empty(B, dtype=torch.int64, device=dev)
     if B:
-        _support_kernel[(B,)](skeys, keys, *ins, tok, lp, v0, logz, last, V,
+        _support_kernel[(B,)](skeys, keys, *ins, tok, lp, v0, logz, last, V, skeys.shape[1],
                               BLOCK=BLOCK_V, DRAW=draw, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return (tok if draw else tokens), lp, v0, logz, last
 

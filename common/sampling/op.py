@@ -8,6 +8,10 @@ The per-row program (each row reads only its own logits and parameters):
    (ties -> smaller id), and its log-prob is exactly 0.0 (a point mass).
 2. sort: by (s descending, id ascending) through distinct int64 keys
    (``rules.order_keys``): v[0] >= v[1] >= ..., ties to the smaller id.
+   Only positions below every row's k' (step 4) are ever read, so when the
+   block's largest k' is small (<= ``_HEAD_MAX``) only that sorted head is
+   formed, by ``torch.topk`` -- the same positions with the same keys,
+   because the keys of a row are distinct (any correct selection agrees).
 3. weights e[i] = exp(v[i] - v[0]) and fixed-order inclusive prefix sums S[i]
    over sorted positions (order: cpu.py / kernel.py docstrings).
 4. top-k: k' = top_k if 0 < top_k < V else V (0 or >= V is off); the first k'
@@ -54,6 +58,9 @@ from .rules import chosen_logprob, key_ids, key_values, order_keys, uniform01
 # Rows per launch by default: bounds the (rows, V) int64 key buffers (three of
 # them) to ~1.5 GiB.  A launch-shape knob only: rows never interact.
 _ROW_ELEMS = 1 << 26
+# Largest top-k served by a partial selection (torch.topk) instead of a full
+# sort of the vocabulary; a speed knob only (the keys are distinct).
+_HEAD_MAX = 1024
 
 
 def _row_chunk(row_chunk: int | None, V: int) -> int:
@@ -72,12 +79,33 @@ def _prepare(temperature, top_k, top_p, min_p, V):
     return greedy, tau, k, p, m
 
 
+def sorted_head(keys: torch.Tensor, head: int) -> torch.Tensor:
+    """The first ``head`` positions of each row's ascending sort of its
+    distinct int64 keys (all of them when ``head`` >= V) -> (B, min(head, V))."""
+    if head >= keys.shape[1]:
+        return torch.sort(keys, dim=-1).values
+    return torch.topk(keys, head, dim=-1, largest=False, sorted=True).values
+
+
+def _head(temperature, top_k, V: int) -> int:
+    """The sorted positions a block of rows can read: the largest k' (step 4,
+    greedy rows 1), or V when it is above ``_HEAD_MAX`` (a full sort).  One
+    host read of the block's parameters."""
+    if temperature.numel() == 0:
+        return V
+    k = top_k.to(torch.int64)
+    k = torch.where((k > 0) & (k < V), k, torch.full_like(k, V))
+    k = torch.where(temperature == 0, torch.ones_like(k), k)
+    head = int(k.max())
+    return head if head <= _HEAD_MAX else V
+
+
 def _rows_cpu(logits, temperature, top_k, top_p, min_p, seed, step, tokens):
     """Steps 1-8 on a block of CPU rows; tokens None draws, else scores them.
     Returns (tokens, lp, v0, logz, last_key), all (B,)."""
     greedy, tau, k, p, m = _prepare(temperature, top_k, top_p, min_p, logits.shape[1])
     keys = order_keys(logits / tau[:, None])  # (B, V)
-    skeys = torch.sort(keys, dim=-1).values
+    skeys = sorted_head(keys, _head(temperature, top_k, logits.shape[1]))  # (B, V' <= V)
     u = uniform01(seed, step) if tokens is None else torch.zeros_like(tau)
     n, logz, pick = support_cpu(skeys, k, p, m, u)
     v0 = key_values(skeys[:, 0])
