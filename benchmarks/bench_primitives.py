@@ -130,8 +130,10 @@ def _rows_match(aligned, M_full: int, M: int) -> bool:
 def bench_matmul(dev):
     from alignzoo.common.matmul import matmul_fwd
 
+    # transformers' projections, then the fused ones qwen3's trainer and server run ([q|k|v], [gate|up])
     shapes = {"q/o_proj": (HEADS * HEAD_DIM, HIDDEN), "k/v_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
-              "gate/up": (INTER, HIDDEN), "down": (HIDDEN, INTER)}
+              "gate/up": (INTER, HIDDEN), "down": (HIDDEN, INTER),
+              "qkv (fused)": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "gate_up (fused)": (2 * INTER, HIDDEN)}
     for name, (N, K) in shapes.items():
         x = torch.randn(max(MS), K, device=dev).bfloat16()
         w = (torch.randn(N, K, device=dev) / K**0.5).bfloat16()
