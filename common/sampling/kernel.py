@@ -229,10 +229,10 @@ def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens):
     Returns (tokens int64, lp fp32, v0 fp32, logz fp32, last_key int64), all (B,)."""
     B, V = logits.shape
     dev = logits.device
-    from .op import _head, sorted_head
+    from .op import _effective_k, _head, sorted_head
 
     keys = order_keys_cuda(logits, temperature)
-    skeys = sorted_head(keys, _head(temperature, top_k, V))  # (B, V' <= V): the head every row reads
+    skeys = sorted_head(keys, _head(_effective_k(temperature, top_k, V), V))  # (B, V' <= V): the head every row reads
     draw = tokens is None
     if draw:
         tokens = torch.zeros(B, dtype=torch.int64, device=dev)

@@ -67,13 +67,18 @@ def _row_chunk(row_chunk: int | None, V: int) -> int:
     return row_chunk if row_chunk is not None else max(1, _ROW_ELEMS // max(V, 1))
 
 
+def _effective_k(temperature, top_k, V):
+    """k' of step 4 per row: top_k if 0 < top_k < V else V; 1 for greedy rows."""
+    k = top_k.to(torch.int64)
+    k = torch.where((k > 0) & (k < V), k, torch.full_like(k, V))
+    return torch.where(temperature == 0, torch.ones_like(k), k)
+
+
 def _prepare(temperature, top_k, top_p, min_p, V):
     """Fold greedy rows and the 'off' values into the per-row program's inputs."""
     greedy = temperature == 0
     tau = torch.where(greedy, torch.ones_like(temperature), temperature)
-    k = top_k.to(torch.int64)
-    k = torch.where((k > 0) & (k < V), k, torch.full_like(k, V))
-    k = torch.where(greedy, torch.ones_like(k), k)
+    k = _effective_k(temperature, top_k, V)
     p = torch.where(greedy, torch.ones_like(top_p), top_p)
     m = torch.where(greedy, torch.zeros_like(min_p), min_p)
     return greedy, tau, k, p, m
@@ -87,16 +92,11 @@ def sorted_head(keys: torch.Tensor, head: int) -> torch.Tensor:
     return torch.topk(keys, head, dim=-1, largest=False, sorted=True).values
 
 
-def _head(temperature, top_k, V: int) -> int:
-    """The sorted positions a block of rows can read: the largest k' (step 4,
-    greedy rows 1), or V when it is above ``_HEAD_MAX`` (a full sort).  One
-    host read of the block's parameters."""
-    if temperature.numel() == 0:
-        return V
-    k = top_k.to(torch.int64)
-    k = torch.where((k > 0) & (k < V), k, torch.full_like(k, V))
-    k = torch.where(temperature == 0, torch.ones_like(k), k)
-    head = int(k.max())
+def _head(k: torch.Tensor, V: int) -> int:
+    """The sorted positions a block of rows can read, from its k'
+    (``_effective_k``): the largest, or V when that is above ``_HEAD_MAX``
+    (a full sort).  One host read."""
+    head = int(k.max()) if k.numel() else V
     return head if head <= _HEAD_MAX else V
 
 
@@ -105,7 +105,7 @@ def _rows_cpu(logits, temperature, top_k, top_p, min_p, seed, step, tokens):
     Returns (tokens, lp, v0, logz, last_key), all (B,)."""
     greedy, tau, k, p, m = _prepare(temperature, top_k, top_p, min_p, logits.shape[1])
     keys = order_keys(logits / tau[:, None])  # (B, V)
-    skeys = sorted_head(keys, _head(temperature, top_k, logits.shape[1]))  # (B, V' <= V)
+    skeys = sorted_head(keys, _head(k, logits.shape[1]))  # (B, V' <= V)
     u = uniform01(seed, step) if tokens is None else torch.zeros_like(tau)
     n, logz, pick = support_cpu(skeys, k, p, m, u)
     v0 = key_values(skeys[:, 0])
