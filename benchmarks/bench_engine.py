@@ -58,16 +58,31 @@ def decode_weight_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for n, t in w.items() if n not in skip)
 
 
-def _sync(device) -> None:
+def sync_device(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def copy_bandwidth(device, nbytes: int, reps: int = 20) -> float:
+    """Bytes per second of a device-to-device copy of ``nbytes`` (read + write
+    counted): the bandwidth bound's denominator."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync_device(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync_device(device)
+    return 2 * nbytes * reps / (time.perf_counter() - t0)
+
+
 def timed(fn, device="cuda"):
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     out = fn()
-    _sync(device)
+    sync_device(device)
     return out, time.perf_counter() - t0
 
 

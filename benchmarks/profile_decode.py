@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import fit_max_position, load  # noqa: E402
+from bench_engine import copy_bandwidth, decode_weight_bytes, fit_max_position, load, sync_device  # noqa: E402
 from bench_primitives import commit  # noqa: E402
 
 
@@ -46,30 +46,13 @@ def cuda_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: str, nbytes: int = 4 << 30) -> float:
-    """Bytes per second of a device-to-device copy (read + write counted)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    ms = cuda_ms(lambda: b.copy_(a), reps=10)
-    return 2 * nbytes / (ms / 1e3)
-
-
-def weight_bytes(server) -> int:
-    model = server.runner.model
-    return sum(t.numel() * t.element_size() for t in getattr(model, "weights", {}).values())
-
-
 def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> dict:
     from alignzoo import SamplingParams
     from alignzoo.common.engine.model_runner import static_decode_batch
     from alignzoo.common.sampling import params_to_tensors, sample_fwd
 
     eng = pair.server
+    runner, dev = eng.runner, eng.runner.device
     V = pair.config.vocab_size
     sp = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=steps + 8, seed=1, stop_token_ids=())
     for _ in range(B):
@@ -80,17 +63,15 @@ def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> 
         seqs = eng.scheduler.running
     for _ in range(3):
         eng.step()
-    sync()
+    sync_device(dev)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t0)
     step_ms = 1e3 * sorted(times)[len(times) // 2]
-    runner = eng.runner
     bucket = runner.graphs.bucket(B) if runner.graphs is not None else None
     replay_ms = cuda_ms(lambda: runner.graphs.graphs[bucket].replay()) if bucket else float("nan")
-    dev = runner.device
     logits = runner.graphs.logits[bucket][:B] if bucket else torch.randn(B, V, device=dev)
     params = {k: v.to(dev) for k, v in params_to_tensors([sp] * B, [0] * B).items()}
 
@@ -106,11 +87,11 @@ def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> 
     activity = torch.profiler.ProfilerActivity.CUDA if on_cuda else torch.profiler.ProfilerActivity.CPU
     with torch.inference_mode():
         runner.model.forward(eager, runner.kv_cache)
-        sync()
+        sync_device(dev)
         with torch.profiler.profile(activities=[activity]) as prof:
             for _ in range(3):
                 runner.model.forward(eager, runner.kv_cache)
-            sync()
+            sync_device(dev)
     total = (lambda e: e.device_time_total) if on_cuda else (lambda e: e.self_cpu_time_total)
     kernels = [{"kernel": e.key[:90], "calls": e.count // 3, "ms_per_forward": total(e) / 3e3}
                for e in sorted(prof.key_averages(), key=lambda e: -total(e))[:12]]
@@ -135,7 +116,7 @@ def main() -> int:
         return 2
     batches = [int(b) for b in args.batches.split(",")]
     max_pos = args.max_position or fit_max_position(args.prompt + args.steps + 16)
-    bw = copy_bandwidth(args.device, (4 << 30) if args.device == "cuda" else (64 << 20))
+    bw = copy_bandwidth(args.device, (2 << 30) if args.device == "cuda" else (64 << 20))
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     head = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "commit": commit(), "command": " ".join(sys.argv), "config": args.config, "max_position": max_pos, "copy_GBps": bw / 1e9}
@@ -144,9 +125,9 @@ def main() -> int:
         pair = load(args.config, server_kernels=kind, max_batch_size=max(batches), max_position=max_pos,
                     cuda_graphs=args.device == "cuda", device=args.device)
         g = torch.Generator().manual_seed(0)
-        wb = weight_bytes(pair.server)
+        wb = decode_weight_bytes(pair.server.runner.model)
         rows = [profile_batch(pair, B, args.prompt, args.steps, g) for B in batches]
-        results[kind] = {"weight_bytes": wb, "bound_ms": 1e3 * wb / (bw / 2), "rows": rows}
+        results[kind] = {"weight_bytes": wb, "bound_ms": 1e3 * wb / bw, "rows": rows}
         print(json.dumps({kind: results[kind]}), flush=True)
         del pair
         if args.device == "cuda":

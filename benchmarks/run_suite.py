@@ -285,16 +285,10 @@ def _device(args):
     return torch.device(args.device)
 
 
-def _sync(dev) -> None:
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def step_env(args, emit) -> None:
     import torch
     import triton
+    from bench_engine import copy_bandwidth
 
     dev = _device(args)
     meta = {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
@@ -303,18 +297,8 @@ def step_env(args, emit) -> None:
     n = COPY_BYTES if dev.type == "cuda" else 64 << 20
     if dev.type == "cuda":
         n = min(n, torch.cuda.mem_get_info(dev)[0] // 4)
-    src = torch.empty(n, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    reps = 20
-    _sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    _sync(dev)
-    dt = time.perf_counter() - t0
-    emit("env", {"copy_bytes": n, "copy_gbps": 2 * n * reps / dt / 1e9})
+    bw = copy_bandwidth(dev, n)
+    emit("env", {"copy_bytes": n, "copy_gbps": bw / 1e9})
 
 
 def engine_max_position(args) -> int | None:
@@ -428,7 +412,9 @@ def step_warm_task(args, task: dict) -> None:
                                        eng.runner.kv_cache)
             params = params_to_tensors([SamplingParams(temperature=1.0, top_p=0.95, seed=1)] * bs, [0] * bs)
             sample_fwd(logits, **{k: v.to(logits.device) for k, v in params.items()})
-    _sync(_device(args))
+    from bench_engine import sync_device
+
+    sync_device(_device(args))
 
 
 def run_child(args) -> int:
