@@ -4,7 +4,7 @@ Reduction order (the contract; ``cpu.py`` computes the same order):
 
 * row sums (``sum(x^2)`` forward, ``sum(dn * n)`` backward): the pairwise
   tree over the row's P = next_pow2(H) lanes (masked lanes hold 0),
-  ``s[i] <- s[2i] + s[2i+1]``.  A row of more than ``FWD_CHUNK`` = 256 lanes
+  ``s[i] <- s[2i] + s[2i+1]``.  A row of more than ``ROW_CHUNK`` = 256 lanes
   is read in NC = P / 256 chunks: each chunk's 8-level subtree, then the
   log2(NC)-level tree over the chunk sums -- exactly the levels of the P-lane
   tree, so the bits do not depend on the chunking, which only keeps the
@@ -274,23 +274,30 @@ def _dw_sum_kernel(p_part, p_dw, NB, H, S2: tl.constexpr, LOG2_S2: tl.constexpr,
     tl.store(p_dw + o_h, b_dw.to(p_dw.dtype.element_ty), mask=m_h)
 
 
-FWD_CHUNK = 256  # lanes per chunk of the forward's row tree (compile-time size; not part of the order)
+ROW_CHUNK = 256  # lanes per chunk of the row tree (compile-time size; not part of the order)
 
 
-def _fwd_config(H: int) -> tuple[int, int, int]:
-    """Default (chunk lanes, rows per program, num_warps) from the width only;
-    none shapes the reduction (see module docstring), so any value gives the
-    same bits."""
-    chunk = min(tree_width(H), FWD_CHUNK)
+def _chunks(H: int) -> dict:
+    """The row tree's chunking for width H, as the kernels' constexprs: CHUNK
+    lanes per chunk (a power of two) and NC chunks per row."""
+    chunk = min(tree_width(H), ROW_CHUNK)
+    n_chunks = tree_width(H) // chunk
+    return dict(CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, NC=n_chunks, LOG2_NC=n_chunks.bit_length() - 1)
+
+
+def _fwd_config(H: int) -> tuple[int, int]:
+    """Default (rows per program, num_warps) from the width only; neither
+    shapes the reduction (see module docstring), so any value gives the same
+    bits."""
+    chunk = _chunks(H)["CHUNK"]
     bm = max(1, min(16, 2048 // chunk))
-    return chunk, bm, max(1, min(16, bm * chunk // 512))
+    return bm, max(1, min(16, bm * chunk // 512))
 
 
 def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warps=None):
     """x, residual, z: (M, H) contiguous; w: (H,) -> (y, new_residual or None, rstd (M,) fp32)."""
     M, H = x.shape
-    chunk, bm, nw = _fwd_config(H)
-    n_chunks = tree_width(H) // chunk
+    bm, nw = _fwd_config(H)
     bm = block_rows or bm
     nw = num_warps or nw
     if bm & (bm - 1):
@@ -311,10 +318,7 @@ def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warp
         M,
         float(eps),
         H=H,
-        CHUNK=chunk,
-        LOG2_CHUNK=chunk.bit_length() - 1,
-        NC=n_chunks,
-        LOG2_NC=n_chunks.bit_length() - 1,
+        **_chunks(H),
         BM=bm,
         HAS_RES=residual is not None,
         HAS_Z=z is not None,
@@ -327,10 +331,9 @@ def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warp
 def rmsnorm_bwd_cuda(dy, x, w, rstd, dres=None, z=None, num_warps=None):
     """Backward of the three variants -> (dx, dz or None, dw); see ``cpu.rmsnorm_bwd_cpu``."""
     M, H = x.shape
-    chunk = min(tree_width(H), FWD_CHUNK)
-    n_chunks = tree_width(H) // chunk
+    chunks = _chunks(H)
     S = dw_slots(H)
-    nw = num_warps or max(2, min(16, S * chunk // 256))
+    nw = num_warps or max(2, min(16, S * chunks["CHUNK"] // 256))
     dx = torch.empty_like(x)
     dz = torch.empty_like(z) if z is not None else None
     nb = max(1, triton.cdiv(M, S * DW_TILES))
@@ -345,13 +348,10 @@ def rmsnorm_bwd_cuda(dy, x, w, rstd, dres=None, z=None, num_warps=None):
         dx,
         dz if dz is not None else dx,
         part,
-        torch.empty(M, dtype=torch.float32, device=x.device) if n_chunks > 1 else rstd,  # c scratch
+        torch.empty(M, dtype=torch.float32, device=x.device) if chunks["NC"] > 1 else rstd,  # c scratch
         M,
         H=H,
-        CHUNK=chunk,
-        LOG2_CHUNK=chunk.bit_length() - 1,
-        NC=n_chunks,
-        LOG2_NC=n_chunks.bit_length() - 1,
+        **chunks,
         S=S,
         LOG2_S=S.bit_length() - 1,
         TILES=DW_TILES,
