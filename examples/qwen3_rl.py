@@ -85,11 +85,16 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
+def multi_lora(args) -> bool:
+    """Two adapters, one per task (``--lora R --lora-mode multi``)."""
+    return bool(args.lora) and args.lora_mode == "multi"
+
+
 def build_pair(args, **kw):
     cfg = args.config or {"vocab_size": VOCAB, "max_position": 64}
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     lora = {"r": args.lora, "lora_alpha": 2 * args.lora, "target_modules": "all-linear"}
-    if args.lora and args.lora_mode == "multi":
+    if multi_lora(args):
         kw.setdefault("lora_adapters", {t: lora for t in TASKS})
     elif args.lora:
         kw |= dict(lora_mode=args.lora_mode) | ({} if "lora_adapter" in kw else dict(lora=lora))
@@ -99,11 +104,11 @@ def build_pair(args, **kw):
 
 def task_of(args, group: int) -> str:
     """The group's task; in multi-adapter mode also the adapter that serves it."""
-    return TASKS[group % len(TASKS)] if args.lora and args.lora_mode == "multi" else "reverse"
+    return TASKS[group % len(TASKS)] if multi_lora(args) else "reverse"
 
 
 def adapter_of(args, group: int) -> str | None:
-    return task_of(args, group) if args.lora and args.lora_mode == "multi" else None
+    return task_of(args, group) if multi_lora(args) else None
 
 
 def rollouts(pair, prompts, sps, args):
@@ -224,7 +229,7 @@ def main(argv=None) -> int:
     mode = "unaligned (vendor kernels)" if args.unaligned else "aligned"
     if args.lora:
         mode += f", LoRA r={args.lora} {args.lora_mode}"
-    task = "/".join(TASKS) if args.lora and args.lora_mode == "multi" else "reverse"
+    task = "/".join(TASKS) if multi_lora(args) else "reverse"
     print(f"qwen3 RL: {task} {args.digits} digits; {args.prompts} prompts x {args.group_size} samples per step; "
           f"{args.objective}; {mode}; {args.dtype}; {'streaming' if args.stream else 'one batch'} -> {log_path}")
     log = []
@@ -248,7 +253,7 @@ def main(argv=None) -> int:
         path = os.path.join(args.out, "rl.png")
         plot(log, path, f"qwen3 {args.config or 'tiny'}, {task} {args.digits} digits, {args.objective}, {mode}")
         print(f"plot: {path}")
-    if args.save and args.lora and args.lora_mode == "multi":  # one PEFT adapter per task; reload them all
+    if args.save and multi_lora(args):  # one PEFT adapter per task; reload them all
         for t in TASKS:
             pair.save_pretrained(os.path.join(args.save, t), adapter=t, adapter_only=True)
         again = build_pair(args, lora_adapters={t: os.path.join(args.save, t) for t in TASKS})
