@@ -99,20 +99,24 @@ def main() -> None:
     print(f"{len(W)} tensors, {sum(t.numel() * t.element_size() for t in W.values()) / 2**30:.2f} GiB on {dev}")
     S = {n: torch.zeros_like(t) for n, t in W.items()}
     pub, rx = Publisher(lambda: W), Receiver(S)
+
+    def ship():
+        """One publish, then its apply: -> (payload stats, publish s, apply + end-state check s)."""
+        p, tp = timed(pub.publish)
+        return p.stats, tp, timed(lambda: rx.apply(p))[1]
+
     if args.adam is not None:
         masters = {n: (torch.randn(t.shape, device=dev) * 0.02) for n, t in W.items() if not n.endswith("_scale_inv")}
         from_masters(masters, W)
-        _, t = timed(lambda: rx.apply(pub.publish()))
-        print(f"first (full) publish + apply {t:.3f} s")
+        _, tp, ta = ship()
+        print(f"first (full) publish + apply {tp + ta:.3f} s")
         for step in range(1, 4):
             adam_step(masters, args.adam, seed=step)
             frac, tq = timed(lambda: from_masters(masters, W))
-            p, tp = timed(pub.publish)
-            _, ta = timed(lambda: rx.apply(p))
+            stats, tp, ta = ship()
             print(f"Adam step {step} (lr {args.adam:g}): {100 * frac:.3f}% of elements changed; "
                   f"requantize (+ diff count) {tq:.3f} s, publish {tp:.3f} s, "
-                  f"apply + end-state check {ta:.3f} s, publish + apply {tp + ta:.3f} s | {p.stats}")
-            del p
+                  f"apply + end-state check {ta:.3f} s, publish + apply {tp + ta:.3f} s | {stats}")
         assert weights_checksum(S) == weights_checksum(W)
         return
     for _ in range(2):
@@ -121,10 +125,8 @@ def main() -> None:
                         ("1% of rows", 0.01), ("everything", 1.0), ("0.1% of rows", 0.001)]:
         if frac:
             touch(W, frac)
-        p, tp = timed(pub.publish)
-        _, ta = timed(lambda: rx.apply(p))
-        print(f"{label:16s} publish {tp:.3f} s, apply + end-state check {ta:.3f} s | {p.stats}")
-        del p
+        stats, tp, ta = ship()
+        print(f"{label:16s} publish {tp:.3f} s, apply + end-state check {ta:.3f} s | {stats}")
     rx.verify_end_state = False
     touch(W, 0.01, seed=2)
     p = pub.publish()
