@@ -233,6 +233,39 @@ def test_cuda_and_cpu_add_in_the_same_order(H):
         assert a is None or torch.equal(a, b.cpu())
 
 
+_INTERPRETED_ORDER = """
+import torch
+from alignzoo.common.rmsnorm.cpu import rmsnorm_bwd_cpu, rmsnorm_fwd_cpu
+from alignzoo.common.rmsnorm.kernel import rmsnorm_bwd_cuda, rmsnorm_fwd_cuda
+g = torch.Generator().manual_seed(0)
+for H in (100, 1000, 4097):
+    x, r, dy = (torch.randn(7, H, generator=g) * 3 for _ in range(3))
+    w = torch.randn(H, generator=g)
+    fwd = rmsnorm_fwd_cuda(x, w, 1e-6, r)
+    assert all(torch.equal(a, b) for a, b in zip(fwd, rmsnorm_fwd_cpu(x, w, 1e-6, r))), H
+    bwd = rmsnorm_bwd_cuda(dy, fwd[1], w, fwd[2], dres=dy)
+    ref = rmsnorm_bwd_cpu(dy, fwd[1], w, fwd[2], dres=dy)
+    assert all(a is None or torch.equal(a, b) for a, b in zip(bwd, ref)), H
+"""
+
+
+def test_triton_kernels_add_in_the_cpu_order_interpreted():
+    """The Triton kernels' source, run by Triton's interpreter on the CPU in
+    fp32 (its bf16 casts are not the GPU's), gives the CPU path's bits,
+    forward and backward, at widths of one chunk and of several (256-lane
+    chunks, a padded last one): the row tree's order in kernel.py is cpu.py's
+    in CI too, not only on the GPU (``test_cuda_and_cpu_add_in_the_same_order``)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED_ORDER], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 # ---------------------------------------------------------------- the checks can fail
 
 
