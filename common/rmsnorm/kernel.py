@@ -2,20 +2,24 @@
 
 Reduction order (the contract; ``cpu.py`` computes the same order):
 
-* row sums (``sum(x^2)`` forward, ``sum(dn * n)`` backward): the pairwise
-  tree over the row's P = next_pow2(H) lanes (masked lanes hold 0),
-  ``s[i] <- s[2i] + s[2i+1]``.  A row of more than ``ROW_CHUNK`` = 256 lanes
-  is read in NC = P / 256 chunks: each chunk's 8-level subtree, then the
-  log2(NC)-level tree over the chunk sums -- exactly the levels of the P-lane
-  tree, so the bits do not depend on the chunking, which only keeps the
-  compiled tree small (a single 4096-lane tile took ptxas minutes at
-  H = 4096).  ``_row_tree_sum`` builds each tree from ``reshape`` + ``split``
-  + element-wise ``+``, so its result is fixed by the tensor *semantics*,
-  not by the layout Triton picks: ``tl.sum``'s order follows the layout
-  (``sizePerThread``), and the seeds saw one extra bf16 store change that
-  layout and 2,854 of 8,192 outputs.  So the plain and the fused kernel
-  (which stores the new residual) add in the same order, and ``num_warps``
-  and rows per program (BM) are free launch knobs.
+* row sums (``sum(x^2)`` forward, ``sum(dn * n)`` backward): the order of
+  ``cpu.row_tree_sum``.  The row's P = next_pow2(H) lanes (masked lanes hold
+  0) are read in NC = P / 256 chunks of ``ROW_CHUNK`` = 256 lanes and added
+  element-wise, chunk by chunk in order, into a (rows, 256) accumulator; then
+  one 8-level pairwise tree ``s[i] <- s[2i] + s[2i+1]`` over its lanes (a row
+  of P <= 256 lanes: the tree alone).  The chunk adds are element-wise, so
+  they cannot depend on a layout; ``_row_tree_sum`` builds the tree from
+  ``reshape`` + ``split`` + element-wise ``+``, so its result is fixed by the
+  tensor *semantics*, not by the layout Triton picks: ``tl.sum``'s order
+  follows the layout (``sizePerThread``), and the seeds saw one extra bf16
+  store change that layout and 2,854 of 8,192 outputs.  So the plain and the
+  fused kernel (which stores the new residual) add in the same order, and
+  ``num_warps`` and rows per program (BM) are free launch knobs.
+  History (H200, triton 3.6): a single 4096-lane tree took ptxas minutes;
+  a pure P-lane tree walked as 16 chunk subtrees one after another compiled
+  but ran at 0.3x ``F.rms_norm`` (latency of 128 tree levels per row); the
+  whole row as one (16, 256) tile fed to that tree stalled compilation again
+  (7 of 50 warm-up compiles in 200 s).  Hence chunks first, one tree.
 * ``dw``: two levels of "slots, then a pairwise tree" (``cpu.py`` spells the
   order out): one program per block of S * DW_TILES rows accumulates tile row
   s into slot s and trees the S slots (``_col_tree_sum``); ``_dw_sum_kernel``
@@ -40,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cpu import DW_SLOTS2, DW_TILES, dw_slots, tree_width
+from .cpu import DW_SLOTS2, DW_TILES, ROW_CHUNK, dw_slots, tree_width
 
 
 @triton.jit
@@ -91,14 +95,14 @@ def _rmsnorm_fwd_kernel(
     CHUNK: tl.constexpr,
     LOG2_CHUNK: tl.constexpr,
     NC: tl.constexpr,
-    LOG2_NC: tl.constexpr,
     BM: tl.constexpr,
     HAS_RES: tl.constexpr,
     HAS_Z: tl.constexpr,
 ):
-    """The row's P = NC * CHUNK lanes in NC chunks: each chunk's subtree, then
-    the tree over the NC chunk sums -- the levels of one P-lane pairwise tree.
-    NC > 1 reads the rows twice (sum, then normalise) and recomputes the fused
+    """The row's P = NC * CHUNK lanes: the chunks added element-wise in
+    order, then one CHUNK-lane tree (the order of ``cpu.row_tree_sum``).
+    NC > 1 reads the rows twice (sum, then normalise; the chunk loops are
+    unrolled so their loads are in flight together) and recomputes the fused
     sum in the second pass rather than reading back its own store."""
     i_m = tl.program_id(0)
     o_m = i_m * BM + tl.arange(0, BM)  # (BM,)
@@ -112,23 +116,21 @@ def _rmsnorm_fwd_kernel(
         b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, True)
         b_ss = _row_tree_sum(b_x * b_x, BM, LOG2_CHUNK)  # (BM,)
     else:
-        o_k = tl.arange(0, NC)
-        b_part = tl.zeros((BM, NC), dtype=tl.float32)
-        for i_c in range(NC):
+        b_acc = tl.zeros((BM, CHUNK), dtype=tl.float32)
+        for i_c in tl.static_range(NC):
             o_h = i_c * CHUNK + o_c
             m_x = m_m[:, None] & (o_h < H)[None, :]
             o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]
             b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, True)
-            b_sub = _row_tree_sum(b_x * b_x, BM, LOG2_CHUNK)  # (BM,): lanes [i_c * CHUNK, (i_c + 1) * CHUNK)
-            b_part = tl.where(o_k[None, :] == i_c, b_sub[:, None], b_part)
-        b_ss = _row_tree_sum(b_part, BM, LOG2_NC)
+            b_acc = b_acc + b_x * b_x  # lane j += x[i_c * CHUNK + j]^2
+        b_ss = _row_tree_sum(b_acc, BM, LOG2_CHUNK)
     b_var = tl.math.div_rn(b_ss, tl.full((BM,), H, tl.float32))
     b_rstd = tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), tl.math.sqrt_rn(b_var + eps))
     tl.store(p_rstd + o_m, b_rstd, mask=m_m)
     if NC == 1:
         _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_c, m_h, o_x, m_x, dtype, HAS_Z)
     else:
-        for i_c in range(NC):
+        for i_c in tl.static_range(NC):
             o_h = i_c * CHUNK + o_c
             m_h = o_h < H
             m_x = m_m[:, None] & m_h[None, :]
@@ -189,7 +191,6 @@ def _rmsnorm_bwd_kernel(
     CHUNK: tl.constexpr,
     LOG2_CHUNK: tl.constexpr,
     NC: tl.constexpr,
-    LOG2_NC: tl.constexpr,
     S: tl.constexpr,
     LOG2_S: tl.constexpr,
     TILES: tl.constexpr,
@@ -199,8 +200,8 @@ def _rmsnorm_bwd_kernel(
     """One program per block of S * TILES rows, as TILES (S, P) tiles in order;
     writes dx (and dz) per row and the block's dw partial: row t*S + s of the
     block goes to slot s, then the pairwise tree over the S slots.
-    NC > 1 (P = NC * CHUNK lanes): pass 1 computes each row's c = tree(dn * n) / H
-    chunk by chunk (subtrees, then the tree over the chunk sums) into the
+    NC > 1 (P = NC * CHUNK lanes): pass 1 computes each row's c = sum(dn * n) / H
+    (chunks added element-wise in order, then the CHUNK-lane tree) into the
     scratch ``p_c``; pass 2 walks the chunks, each over the block's tiles."""
     i_b = tl.program_id(0)
     o_c = tl.arange(0, CHUNK)
@@ -222,12 +223,11 @@ def _rmsnorm_bwd_kernel(
         b_part = _col_tree_sum(b_acc, S, CHUNK, LOG2_S)  # (CHUNK,)
         tl.store(p_dw_part + i_b * H + o_c, b_part, mask=m_h)
     else:
-        o_k = tl.arange(0, NC)
         for i_t in range(TILES):
             o_m = (i_b * TILES + i_t) * S + tl.arange(0, S)
             m_m = o_m < M
             b_rstd = tl.load(p_rstd + o_m, mask=m_m, other=0.0)[:, None]
-            b_sums = tl.zeros((S, NC), dtype=tl.float32)
+            b_sums = tl.zeros((S, CHUNK), dtype=tl.float32)
             for i_c in range(NC):
                 o_h = i_c * CHUNK + o_c
                 m_h = o_h < H
@@ -235,9 +235,8 @@ def _rmsnorm_bwd_kernel(
                 o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]
                 b_w = tl.load(p_w + o_h, mask=m_h, other=0.0).to(tl.float32)[None, :]
                 b_n, b_dh = _bwd_terms(p_dy, p_x, p_z, p_dz, b_w, b_rstd, o_x, m_x, HAS_Z, False)
-                b_sub = _row_tree_sum((b_dh * b_w) * b_n, S, LOG2_CHUNK)
-                b_sums = tl.where(o_k[None, :] == i_c, b_sub[:, None], b_sums)
-            b_c = tl.math.div_rn(_row_tree_sum(b_sums, S, LOG2_NC), tl.full((S,), H, tl.float32))
+                b_sums = b_sums + (b_dh * b_w) * b_n  # lane j += chunk i_c's lane j
+            b_c = tl.math.div_rn(_row_tree_sum(b_sums, S, LOG2_CHUNK), tl.full((S,), H, tl.float32))
             tl.store(p_c + o_m, b_c, mask=m_m)
         tl.debug_barrier()  # pass 2 reads c written by other threads of this program
         for i_c in range(NC):
@@ -274,15 +273,11 @@ def _dw_sum_kernel(p_part, p_dw, NB, H, S2: tl.constexpr, LOG2_S2: tl.constexpr,
     tl.store(p_dw + o_h, b_dw.to(p_dw.dtype.element_ty), mask=m_h)
 
 
-ROW_CHUNK = 256  # lanes per chunk of the row tree (compile-time size; not part of the order)
-
-
 def _chunks(H: int) -> dict:
-    """The row tree's chunking for width H, as the kernels' constexprs: CHUNK
-    lanes per chunk (a power of two) and NC chunks per row."""
+    """The row sum's chunking for width H (``cpu.row_tree_sum``), as the
+    kernels' constexprs: CHUNK lanes per chunk (a power of two) and NC chunks per row."""
     chunk = min(tree_width(H), ROW_CHUNK)
-    n_chunks = tree_width(H) // chunk
-    return dict(CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, NC=n_chunks, LOG2_NC=n_chunks.bit_length() - 1)
+    return dict(CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, NC=tree_width(H) // chunk)
 
 
 def _fwd_config(H: int) -> tuple[int, int]:
