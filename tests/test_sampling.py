@@ -9,6 +9,7 @@ import torch
 from alignzoo.common.ladder import bitwise_equal, rel_err, rung1_repeat, rung2_rows
 from alignzoo.common.sampling import (
     SamplingParams,
+    head_width,
     naive_sampling_logprobs,
     naive_transformed_logprobs,
     params_to_tensors,
@@ -94,6 +95,13 @@ def test_sorted_head_gives_the_full_sorts_bits(device, monkeypatch):
     for a, b in zip(head, full):
         assert torch.equal(a, b)
     assert torch.equal(head[1], head[2])  # and the replay is still the sampler
+    monkeypatch.setattr(op, "_HEAD_MAX", 1024)
+    # the engine's hint, computed from host copies (no device read): the same width and bits
+    hint = head_width(t.cpu(), k.cpu(), V)
+    assert hint == 300
+    widths.clear()
+    assert all(torch.equal(a, b) for a, b in zip(sample_fwd(logits, t, k, p, m, seed, step, head=hint), head[:2]))
+    assert widths == [300]
 
 
 @pytest.mark.parametrize("B,V", [pytest.param(13, 1000, id="B13-V1000"), pytest.param(3, QWEN_VOCAB, id="B3-V151936")])

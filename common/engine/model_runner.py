@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..kv_cache import PAGE_SIZE, BlockManager
-from ..sampling import params_to_tensors, sample_fwd, sampling_logprobs_fwd
+from ..sampling import head_width, params_to_tensors, sample_fwd, sampling_logprobs_fwd
 from .model_api import ForwardBatch, ServeModel
 from .scheduler import Chunk
 
@@ -152,9 +152,10 @@ class ModelRunner:
         if gen:
             seqs = [wanted[r][0] for r in gen]
             params = params_to_tensors([s.sampling for s in seqs], [s.step for s in seqs])
+            head = head_width(params["temperature"], params["top_k"], logits.shape[1])  # host tensors: no sync
             params = {k: v.to(self.device, non_blocking=True) for k, v in params.items()}
             lg = logits if len(gen) == len(wanted) else logits[self._to_device(gen, torch.int64)]
-            tok, lp = sample_fwd(lg, **params)
+            tok, lp = sample_fwd(lg, **params, head=head)
             for r, t, l in zip(gen, tok.tolist(), lp.tolist()):
                 tokens[r], lps[r] = t, l
         if forced:

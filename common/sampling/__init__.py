@@ -4,6 +4,7 @@ The per-row program and its rules are in ``op.py``'s docstring."""
 from .naive import naive_sampling_logprobs, naive_transformed_logprobs
 from .op import (
     check_sampling_tensors,
+    head_width,
     sample,
     sample_fwd,
     sampling_logprobs,
@@ -17,6 +18,7 @@ from .rules import uniform01
 __all__ = [
     "SamplingParams",
     "check_sampling_tensors",
+    "head_width",
     "naive_sampling_logprobs",
     "naive_transformed_logprobs",
     "params_to_tensors",

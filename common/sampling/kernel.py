@@ -222,7 +222,7 @@ def order_keys_cuda(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Te
     return keys
 
 
-def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens):
+def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head=None):
     """The per-row program on CUDA rows: keys kernel, torch.sort, support kernel.
 
     tokens None: draw (needs seed, step); else score the given tokens.
@@ -232,7 +232,8 @@ def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens):
     from .op import _effective_k, _head, sorted_head
 
     keys = order_keys_cuda(logits, temperature)
-    skeys = sorted_head(keys, _head(_effective_k(temperature, top_k, V), V))  # (B, V' <= V): the head every row reads
+    head = head or _head(_effective_k(temperature, top_k, V), V)  # the sorted positions any row reads
+    skeys = sorted_head(keys, head)  # (B, min(head, V))
     draw = tokens is None
     if draw:
         tokens = torch.zeros(B, dtype=torch.int64, device=dev)

@@ -95,17 +95,25 @@ def sorted_head(keys: torch.Tensor, head: int) -> torch.Tensor:
 def _head(k: torch.Tensor, V: int) -> int:
     """The sorted positions a block of rows can read, from its k'
     (``_effective_k``): the largest, or V when that is above ``_HEAD_MAX``
-    (a full sort).  One host read."""
+    (a full sort).  One host read when k is on the GPU."""
     head = int(k.max()) if k.numel() else V
     return head if head <= _HEAD_MAX else V
 
 
-def _rows_cpu(logits, temperature, top_k, top_p, min_p, seed, step, tokens):
+def head_width(temperature: torch.Tensor, top_k: torch.Tensor, V: int) -> int:
+    """``sample_fwd``'s ``head`` from host copies of the rows' temperature and
+    top_k: the sorted positions any row can read (its k').  Computing it where
+    the parameters are built keeps the sampler free of a device-to-host read,
+    so the launch does not wait for the logits and can be graph-captured."""
+    return _head(_effective_k(temperature, top_k, V), V)
+
+
+def _rows_cpu(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head=None):
     """Steps 1-8 on a block of CPU rows; tokens None draws, else scores them.
     Returns (tokens, lp, v0, logz, last_key), all (B,)."""
     greedy, tau, k, p, m = _prepare(temperature, top_k, top_p, min_p, logits.shape[1])
     keys = order_keys(logits / tau[:, None])  # (B, V)
-    skeys = sorted_head(keys, _head(k, logits.shape[1]))  # (B, V' <= V)
+    skeys = sorted_head(keys, head or _head(k, logits.shape[1]))  # (B, V' <= V)
     u = uniform01(seed, step) if tokens is None else torch.zeros_like(tau)
     n, logz, pick = support_cpu(skeys, k, p, m, u)
     v0 = key_values(skeys[:, 0])
@@ -118,8 +126,9 @@ def _rows_cpu(logits, temperature, top_k, top_p, min_p, seed, step, tokens):
     return key_ids(key_tok), lp, v0, logz, last_key
 
 
-def _rows(logits, temperature, top_k, top_p, min_p, seed, step, tokens, row_chunk):
-    """Dispatch on the device; rows in blocks of ``row_chunk`` (bits unchanged)."""
+def _rows(logits, temperature, top_k, top_p, min_p, seed, step, tokens, row_chunk, head=None):
+    """Dispatch on the device; rows in blocks of ``row_chunk`` (bits unchanged).
+    ``head``: see ``sample_fwd``."""
     if logits.is_cuda:
         from .kernel import rows_cuda as fn
     else:
@@ -127,19 +136,25 @@ def _rows(logits, temperature, top_k, top_p, min_p, seed, step, tokens, row_chun
     R, V = logits.shape
     rc = _row_chunk(row_chunk, V)
     if R <= rc:
-        return fn(logits, temperature, top_k, top_p, min_p, seed, step, tokens)
+        return fn(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head)
     outs = []
     for r in range(0, R, rc):
         sl = slice(r, r + rc)
         outs.append(fn(logits[sl], temperature[sl], top_k[sl], top_p[sl], min_p[sl],
                        None if seed is None else seed[sl], None if step is None else step[sl],
-                       None if tokens is None else tokens[sl]))
+                       None if tokens is None else tokens[sl], head))
     return tuple(torch.cat(t) for t in zip(*outs))
 
 
-def sample_fwd(logits, temperature, top_k, top_p, min_p, seed, step, *, row_chunk: int | None = None):
-    """The server's launcher (no validation): -> (tokens (B,) int64, logprobs (B,) fp32)."""
-    tokens, lp, *_ = _rows(logits, temperature, top_k, top_p, min_p, seed, step, None, row_chunk)
+def sample_fwd(logits, temperature, top_k, top_p, min_p, seed, step, *, row_chunk: int | None = None,
+               head: int | None = None):
+    """The server's launcher (no validation): -> (tokens (B,) int64, logprobs (B,) fp32).
+
+    ``head``: ``head_width(temperature, top_k, V)`` computed from host copies
+    of the parameters (a speed hint that must be that value: it bounds the
+    sorted positions the rows read).  None computes it from the device
+    tensors, one device-to-host read that waits for the logits' producer."""
+    tokens, lp, *_ = _rows(logits, temperature, top_k, top_p, min_p, seed, step, None, row_chunk, head)
     return tokens, lp
 
 
