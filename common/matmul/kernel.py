@@ -151,13 +151,54 @@ def reduction_config(N: int, K: int) -> dict:
     return {"SEG_K": 1024}
 
 
-def launch_config(M: int, N: int, K: int) -> dict:
-    """Bit-neutral tile shape for speed, from the H200 sweep (M buckets)."""
+# Persistent TMA tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), largest first.
+_TMA_TILES = ((128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 4))
+
+
+def _wave_fill(tiles: int, sms: int) -> float:
+    """Busy fraction of the SM-waves that ``tiles`` equal tiles take."""
+    return tiles / (triton.cdiv(tiles, sms) * sms)
+
+
+def _split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
+    """Split (one program per tile and K segment): narrow 64x32 tiles with
+    BLOCK_K 128 while the programs fit two per SM, else 64-row tiles."""
+    if triton.cdiv(M, 64) * triton.cdiv(N, 32) * n_seg <= 2 * sms:
+        return {"schedule": "split", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    return {"schedule": "split", "BLOCK_M": 64, "BLOCK_N": 64 if N <= 2048 else 128, "BLOCK_K": 64,
+            "num_warps": 4, "num_stages": 4}
+
+
+def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True) -> dict:
+    """Bit-neutral schedule and tile for speed: any choice gives the same
+    bits (H200 sweep of session 4, benchmarks/results/2026-11-30-h200-session4-matmul-sweep.txt:
+    22 schedules x tiles at 6 Qwen3-8B (N, K) and 7 M, none changed a bit).
+
+    * M <= 64 (decode): 64-row tiles streaming the weight; split over the K
+      segments while the tiles alone would not fill two waves, else fused.
+    * larger M with TMA-able operands: the persistent TMA schedule with the
+      largest tile whose wave fill is within 0.05 of the best candidate's
+      (wave quantisation, not tile efficiency, lost most at M = 128-512);
+      split instead when even the smallest tile leaves 30% of the SMs idle.
+    * otherwise (fp32 or unaligned operands): the pointer-load fused/split kernels.
+    """
+    n_seg = triton.cdiv(K, reduction_config(N, K)["SEG_K"])
     if M <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 64 if max(N, K) >= 8192 else 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
-    if M <= 512:
-        return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
+        bn, bk = (32, 128) if N <= 2048 else (64, 64)
+        split = n_seg > 1 and triton.cdiv(N, bn) < 2 * sms
+        return {"schedule": "split" if split else "fused", "BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk,
+                "num_warps": 4, "num_stages": 4}
+    if tma:
+        fills = [_wave_fill(triton.cdiv(M, bm) * triton.cdiv(N, bn), sms) for bm, bn, *_ in _TMA_TILES]
+        i = next(i for i, f in enumerate(fills) if f >= max(fills) - 0.05)
+        bm, bn, bk, nw, ns = _TMA_TILES[i]
+        if n_seg > 1 and triton.cdiv(M, 64) * triton.cdiv(N, 128) < 0.7 * sms:
+            return _split_config(M, N, n_seg, sms)
+        return {"schedule": "tma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
+    cfg = ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4} if M <= 512 else
+           {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3})
+    split = n_seg > 1 and triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]) < sms
+    return {"schedule": "split" if split else "fused", **cfg}
 
 
 def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None = None,
@@ -174,7 +215,16 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     M, K = x.shape
     N = w.shape[0]
     SEG_K = {**reduction_config(N, K), **(_reduction or {})}["SEG_K"]
-    lc = launch_config(M, N, K)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    lc = launch_config(M, N, K, _num_sms(x.device), _tma_ok(x, w, y))
+    if schedule is None:
+        schedule = lc["schedule"]
+    elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
+        lc = {**_split_config(M, N, triton.cdiv(K, SEG_K), _num_sms(x.device)),
+              **({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+                 if schedule == "tma" else {})}
     BM, BN, BK = block_m or lc["BLOCK_M"], block_n or lc["BLOCK_N"], block_k or lc["BLOCK_K"]
     nw, ns = num_warps or lc["num_warps"], num_stages or lc["num_stages"]
     if BM < 64:
@@ -183,26 +233,13 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
         raise ValueError(f"block_k={BK} must divide SEG_K={SEG_K}")
     n_seg = triton.cdiv(K, SEG_K)
     seg_k = SEG_K if n_seg > 1 else triton.cdiv(K, BK) * BK
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
-        return y
     ieee = x.dtype == torch.float32
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    if schedule is None:
-        if n_seg > 1 and tiles < _num_sms(x.device):
-            schedule = "split"
-        elif M >= 1024 and _tma_ok(x, w, y):
-            schedule = "tma"
-        else:
-            schedule = "fused"
     if schedule == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         if not _tma_ok(x, w, y):
             raise ValueError("schedule='tma' needs bf16 operands with unit last stride and 16-byte aligned rows")
-        # default tile fits 227 KB of shared memory at 3 stages; the knobs stay free (bit-neutral)
-        BM, BN, BK = block_m or 128, block_n or 256, block_k or 64
-        nw, ns = num_warps or 8, num_stages or 3
         tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
         progs = min(_num_sms(x.device), tiles)
         _mm_tma_persistent_kernel[(progs,)](
