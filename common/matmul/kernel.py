@@ -169,6 +169,14 @@ def _split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
             "num_warps": 4, "num_stages": 4}
 
 
+def _fit_stages(stages: int, BM: int, BN: int, BK: int, elem: int, smem: int = 224 << 10) -> int:
+    """The default pipeline depth, lowered until the operand tiles fit the
+    H200's shared memory (a tile picked by hand can need fewer stages)."""
+    while stages > 2 and (BM + BN) * BK * elem * stages > smem:
+        stages -= 1
+    return stages
+
+
 def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True) -> dict:
     """Bit-neutral schedule and tile for speed: any choice gives the same
     bits (H200 sweep of session 4, benchmarks/results/2026-11-30-h200-session4-matmul-sweep.txt:
@@ -226,7 +234,7 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
               **({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
                  if schedule == "tma" else {})}
     BM, BN, BK = block_m or lc["BLOCK_M"], block_n or lc["BLOCK_N"], block_k or lc["BLOCK_K"]
-    nw, ns = num_warps or lc["num_warps"], num_stages or lc["num_stages"]
+    nw, ns = num_warps or lc["num_warps"], num_stages or _fit_stages(lc["num_stages"], BM, BN, BK, x.element_size())
     if BM < 64:
         raise ValueError("block_m below 64 would change the MMA instruction (and bits) on Hopper")
     if SEG_K % BK:

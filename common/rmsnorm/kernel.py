@@ -280,19 +280,24 @@ def _chunks(H: int) -> dict:
     return dict(CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, NC=tree_width(H) // chunk)
 
 
-def _fwd_config(H: int) -> tuple[int, int]:
-    """Default (rows per program, num_warps) from the width only; neither
-    shapes the reduction (see module docstring), so any value gives the same
-    bits."""
-    chunk = _chunks(H)["CHUNK"]
-    bm = max(1, min(16, 2048 // chunk))
-    return bm, max(1, min(16, bm * chunk // 512))
+def _fwd_config(H: int, M: int) -> tuple[int, int]:
+    """Default (rows per program, num_warps); neither shapes the reduction (see
+    module docstring), so any value gives the same bits.  From the H200 sweep
+    (benchmarks/sweep_rmsnorm.py, session 4): one row per program for wide
+    rows (0.4x -> 0.9x F.rms_norm at H = 4096, M <= 1024: a program's rows
+    are walked one latency chain, so more programs beat more rows each);
+    narrow rows (q/k norms, H = 128) batch rows as M grows."""
+    if tree_width(H) > ROW_CHUNK:
+        return 1, 2 if M < 4096 else 4
+    if M <= 256:
+        return 1, 1
+    return (4, 2) if M <= 4096 else (16, 4)
 
 
 def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warps=None):
     """x, residual, z: (M, H) contiguous; w: (H,) -> (y, new_residual or None, rstd (M,) fp32)."""
     M, H = x.shape
-    bm, nw = _fwd_config(H)
+    bm, nw = _fwd_config(H, M)
     bm = block_rows or bm
     nw = num_warps or nw
     if bm & (bm - 1):
