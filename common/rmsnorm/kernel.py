@@ -101,9 +101,11 @@ def _rmsnorm_fwd_kernel(
 ):
     """The row's P = NC * CHUNK lanes: the chunks added element-wise in
     order, then one CHUNK-lane tree (the order of ``cpu.row_tree_sum``).
-    NC > 1 reads the rows twice (sum, then normalise; the chunk loops are
-    unrolled so their loads are in flight together) and recomputes the fused
-    sum in the second pass rather than reading back its own store."""
+    NC > 1 reads the rows twice: pass 1 only loads (its chunk loop is
+    unrolled and holds no store, so every load is in flight at once: a store
+    between them would pin their order, as the pointers may alias); pass 2
+    normalises the whole (BM, P) row tile element-wise, recomputing the fused
+    sum and storing it as the new residual there."""
     i_m = tl.program_id(0)
     o_m = i_m * BM + tl.arange(0, BM)  # (BM,)
     o_c = tl.arange(0, CHUNK)  # (CHUNK,)
@@ -121,7 +123,7 @@ def _rmsnorm_fwd_kernel(
             o_h = i_c * CHUNK + o_c
             m_x = m_m[:, None] & (o_h < H)[None, :]
             o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]
-            b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, True)
+            b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, False)
             b_acc = b_acc + b_x * b_x  # lane j += x[i_c * CHUNK + j]^2
         b_ss = _row_tree_sum(b_acc, BM, LOG2_CHUNK)
     b_var = tl.math.div_rn(b_ss, tl.full((BM,), H, tl.float32))
@@ -130,13 +132,12 @@ def _rmsnorm_fwd_kernel(
     if NC == 1:
         _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_c, m_h, o_x, m_x, dtype, HAS_Z)
     else:
-        for i_c in tl.static_range(NC):
-            o_h = i_c * CHUNK + o_c
-            m_h = o_h < H
-            m_x = m_m[:, None] & m_h[None, :]
-            o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]
-            b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, False)
-            _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_h, m_h, o_x, m_x, dtype, HAS_Z)
+        o_h = tl.arange(0, NC * CHUNK)  # the whole row: element-wise from here on
+        m_h = o_h < H
+        m_x = m_m[:, None] & m_h[None, :]
+        o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]
+        b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, True)
+        _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_h, m_h, o_x, m_x, dtype, HAS_Z)
 
 
 @triton.jit
