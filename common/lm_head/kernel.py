@@ -61,6 +61,13 @@ import triton.language as tl
 from .cpu import VOCAB_GROUP
 
 DEFAULT_BLOCK_M = 64
+
+
+def _fwd_block_m(T: int) -> int:
+    """Forward rows per program when the caller names none: 128 (two
+    warpgroups sharing each W tile) once T fills the GPU with them, else 64.
+    Both issue the same wgmma per 64-row slice, so the bits do not change."""
+    return 128 if T >= 256 else DEFAULT_BLOCK_M
 _LOG2_GROUP = VOCAB_GROUP.bit_length() - 1
 _FWD_STAGES = 3
 # Backward GEMM tiles: fixed constants (BL = 64 divides the 256-logit group,
@@ -244,7 +251,7 @@ def _fwd_launch(h, w, targets, block_m, write_logits, want_stats):
     T, K = h.shape
     V = w.shape[0]
     G = triton.cdiv(V, VOCAB_GROUP)
-    BM = block_m or DEFAULT_BLOCK_M
+    BM = block_m or _fwd_block_m(T)
     dev = h.device
     f32 = dict(dtype=torch.float32, device=dev)
     logits = torch.empty(T, V, **f32) if write_logits else None
