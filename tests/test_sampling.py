@@ -101,7 +101,8 @@ def test_sorted_head_gives_the_full_sorts_bits(device, monkeypatch):
     assert hint == 300
     widths.clear()
     assert all(torch.equal(a, b) for a, b in zip(sample_fwd(logits, t, k, p, m, seed, step, head=hint), head[:2]))
-    assert widths == [300]
+    assert torch.equal(sampling_logprobs_fwd(logits, head[0], t, k, p, m, head=hint)[0], head[2])
+    assert widths == [300, 300]
 
 
 @pytest.mark.parametrize("B,V", [pytest.param(13, 1000, id="B13-V1000"), pytest.param(3, QWEN_VOCAB, id="B3-V151936")])

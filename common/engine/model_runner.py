@@ -161,9 +161,10 @@ class ModelRunner:
         if forced:
             targets = [s.token_ids(p + 1, p + 2)[0] for s, p in (wanted[r] for r in forced)]
             params = params_to_tensors([wanted[r][0].sampling for r in forced], [0] * len(forced))
+            head = head_width(params["temperature"], params["top_k"], logits.shape[1])  # host tensors: no sync
             params = {k: params[k].to(self.device, non_blocking=True) for k in ("temperature", "top_k", "top_p", "min_p")}
             lg = logits if len(forced) == len(wanted) else logits[self._to_device(forced, torch.int64)]
-            lp = sampling_logprobs_fwd(lg, self._to_device(targets, torch.int64), **params)[0]
+            lp = sampling_logprobs_fwd(lg, self._to_device(targets, torch.int64), **params, head=head)[0]
             for r, t, l in zip(forced, targets, lp.tolist()):
                 tokens[r], lps[r] = t, l
         return tokens, lps

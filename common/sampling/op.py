@@ -158,12 +158,13 @@ def sample_fwd(logits, temperature, top_k, top_p, min_p, seed, step, *, row_chun
     return tokens, lp
 
 
-def sampling_logprobs_fwd(logits, tokens, temperature, top_k, top_p, min_p, *, row_chunk: int | None = None):
+def sampling_logprobs_fwd(logits, tokens, temperature, top_k, top_p, min_p, *, row_chunk: int | None = None,
+                          head: int | None = None):
     """The replay launcher (no validation): -> (logprobs, v0, logz, last_key), all (T,).
 
     logprobs has the sampler's bits for the same logits row and parameters;
-    the other three are what the backward needs."""
-    _, lp, v0, logz, last_key = _rows(logits, temperature, top_k, top_p, min_p, None, None, tokens, row_chunk)
+    the other three are what the backward needs.  ``head``: as ``sample_fwd``'s."""
+    _, lp, v0, logz, last_key = _rows(logits, temperature, top_k, top_p, min_p, None, None, tokens, row_chunk, head)
     return lp, v0, logz, last_key
 
 
