@@ -108,3 +108,35 @@ def test_bad_input_is_named():
         matmul(x, torch.randn(8, 15).bfloat16())
     with pytest.raises(ValueError, match="must be contiguous"):
         matmul(x.t(), torch.randn(8, 4).bfloat16())
+
+
+def test_launch_resolution_fits_the_h200_and_keeps_wgmma():
+    """CPU check of the CUDA launcher's knob resolution (``resolve_launch``):
+    for Qwen3-8B and odd shapes, every M bucket, and each hand-picked knob set
+    the GPU tests use, the default pipeline fits the H200's shared memory,
+    BLOCK_M stays >= 64 and BLOCK_K divides SEG_K.  (A hand-picked
+    block_n=256 over a BLOCK_K=128 default once needed 320 KB on the H200.)"""
+    from alignzoo.common.matmul.kernel import launch_config, reduction_config, resolve_launch
+
+    knobs = [{}, *(dict(c) for c in _launch_configs(torch.device("cuda"))[1:])]
+    for N, K in [(4096, 4096), (1024, 4096), (6144, 4096), (24576, 4096), (4096, 12288), (151936, 4096),
+                 (33, 12288), (65, 100), (96, 1000)]:
+        seg = reduction_config(N, K)["SEG_K"]
+        for M in (1, 8, 9, 37, 63, 64, 65, 128, 256, 512, 1024, 8192):
+            for elem, tma in ((2, True), (2, False), (4, False)):
+                for kn in knobs:  # hand-picked knobs as the GPU tests use them: bf16
+                    if (kn.get("schedule") == "tma" and not tma) or (kn and elem != 2):
+                        continue
+                    sched, BM, BN, BK, nw, ns = resolve_launch(M, N, K, elem, 132, tma, seg_k=seg, **kn)
+                    assert BM >= 64 and seg % BK == 0 and nw in (4, 8), (N, K, M, kn)
+                    if "num_stages" not in kn:
+                        assert (BM + BN) * BK * elem * ns <= 224 << 10, (N, K, M, elem, kn, BM, BN, BK, ns)
+                    if sched == "tma":
+                        assert tma and elem == 2
+    # the sweep's decode picks: k/v streams through 64x32 tiles split over K segments
+    assert launch_config(1, 1024, 4096)["schedule"] == "split"
+    assert (launch_config(1, 1024, 4096)["BLOCK_N"], launch_config(1, 1024, 4096)["BLOCK_K"]) == (32, 128)
+    with pytest.raises(ValueError, match="schedule must be"):
+        resolve_launch(8, 64, 64, 2, 132, True, seg_k=1024, schedule="bogus")
+    with pytest.raises(ValueError, match="block_m below 64"):
+        resolve_launch(8, 64, 64, 2, 132, True, seg_k=1024, block_m=32)

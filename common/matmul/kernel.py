@@ -169,10 +169,13 @@ def _split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
             "num_warps": 4, "num_stages": 4}
 
 
-def _fit_stages(stages: int, BM: int, BN: int, BK: int, elem: int, smem: int = 224 << 10) -> int:
+_SMEM = 224 << 10  # bytes of shared memory a program may use on the H200 (227 KB, less headroom)
+
+
+def _fit_stages(stages: int, BM: int, BN: int, BK: int, elem: int) -> int:
     """The default pipeline depth, lowered until the operand tiles fit the
     H200's shared memory (a tile picked by hand can need fewer stages)."""
-    while stages > 2 and (BM + BN) * BK * elem * stages > smem:
+    while stages > 2 and (BM + BN) * BK * elem * stages > _SMEM:
         stages -= 1
     return stages
 
@@ -209,6 +212,32 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True) -> d
     return {"schedule": "split" if split else "fused", **cfg}
 
 
+def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *, seg_k: int,
+                   block_m=None, block_n=None, block_k=None, schedule=None, num_warps=None,
+                   num_stages=None) -> tuple:
+    """The launch a call runs -> (schedule, BM, BN, BK, num_warps, num_stages):
+    ``launch_config``'s choice, an explicit schedule's default tile, the
+    caller's knobs on top, default stages fitted to shared memory; checked."""
+    lc = launch_config(M, N, K, sms, tma_ok)
+    if schedule is None:
+        schedule = lc["schedule"]
+    elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
+        lc = {**_split_config(M, N, triton.cdiv(K, seg_k), sms),
+              **({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+                 if schedule == "tma" else {})}
+    if schedule not in ("fused", "split", "tma"):
+        raise ValueError(f"schedule must be 'fused', 'split' or 'tma', got {schedule!r}")
+    BM, BN, BK = block_m or lc["BLOCK_M"], block_n or lc["BLOCK_N"], block_k or lc["BLOCK_K"]
+    while not block_k and BK > 32 and (BM + BN) * BK * elem * 2 > _SMEM:  # fp32 tiles: a shorter k-step
+        BK //= 2
+    nw, ns = num_warps or lc["num_warps"], num_stages or _fit_stages(lc["num_stages"], BM, BN, BK, elem)
+    if BM < 64:
+        raise ValueError("block_m below 64 would change the MMA instruction (and bits) on Hopper")
+    if seg_k % BK:
+        raise ValueError(f"block_k={BK} must divide SEG_K={seg_k}")
+    return schedule, BM, BN, BK, nw, ns
+
+
 def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None = None,
                       block_n: int | None = None, block_k: int | None = None,
                       schedule: str | None = None, num_warps: int | None = None,
@@ -226,19 +255,9 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    lc = launch_config(M, N, K, _num_sms(x.device), _tma_ok(x, w, y))
-    if schedule is None:
-        schedule = lc["schedule"]
-    elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
-        lc = {**_split_config(M, N, triton.cdiv(K, SEG_K), _num_sms(x.device)),
-              **({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
-                 if schedule == "tma" else {})}
-    BM, BN, BK = block_m or lc["BLOCK_M"], block_n or lc["BLOCK_N"], block_k or lc["BLOCK_K"]
-    nw, ns = num_warps or lc["num_warps"], num_stages or _fit_stages(lc["num_stages"], BM, BN, BK, x.element_size())
-    if BM < 64:
-        raise ValueError("block_m below 64 would change the MMA instruction (and bits) on Hopper")
-    if SEG_K % BK:
-        raise ValueError(f"block_k={BK} must divide SEG_K={SEG_K}")
+    schedule, BM, BN, BK, nw, ns = resolve_launch(
+        M, N, K, x.element_size(), _num_sms(x.device), _tma_ok(x, w, y), seg_k=SEG_K, block_m=block_m,
+        block_n=block_n, block_k=block_k, schedule=schedule, num_warps=num_warps, num_stages=num_stages)
     n_seg = triton.cdiv(K, SEG_K)
     seg_k = SEG_K if n_seg > 1 else triton.cdiv(K, BK) * BK
     ieee = x.dtype == torch.float32
@@ -248,7 +267,6 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
 
         if not _tma_ok(x, w, y):
             raise ValueError("schedule='tma' needs bf16 operands with unit last stride and 16-byte aligned rows")
-        tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
         progs = min(_num_sms(x.device), tiles)
         _mm_tma_persistent_kernel[(progs,)](
             TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]),
@@ -261,13 +279,11 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
             SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns)
         BLOCK = 1024
         _mm_merge_kernel[(triton.cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK)
-    elif schedule in ("fused", "split"):
+    else:  # fused, or split with a single K segment
         _mm_fused_kernel[(tiles,)](
             x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
             n_seg, SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, IEEE=ieee,
             num_warps=nw, num_stages=ns)
-    else:
-        raise ValueError(f"schedule must be 'fused', 'split' or 'tma', got {schedule!r}")
     return y
 
 
