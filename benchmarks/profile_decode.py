@@ -49,7 +49,7 @@ def cuda_ms(fn, reps: int = 20) -> float:
 def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> dict:
     from alignzoo import SamplingParams
     from alignzoo.common.engine.model_runner import static_decode_batch
-    from alignzoo.common.sampling import params_to_tensors, sample_fwd
+    from alignzoo.common.sampling import head_width, params_to_tensors, sample_fwd
 
     eng = pair.server
     runner, dev = eng.runner, eng.runner.device
@@ -73,10 +73,12 @@ def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> 
     bucket = runner.graphs.bucket(B) if runner.graphs is not None else None
     replay_ms = cuda_ms(lambda: runner.graphs.graphs[bucket].replay()) if bucket else float("nan")
     logits = runner.graphs.logits[bucket][:B] if bucket else torch.randn(B, V, device=dev)
-    params = {k: v.to(dev) for k, v in params_to_tensors([sp] * B, [0] * B).items()}
+    host = params_to_tensors([sp] * B, [0] * B)
+    head = head_width(host["temperature"], host["top_k"], V)  # as the engine does: no device read
+    params = {k: v.to(dev) for k, v in host.items()}
 
     def sample():
-        tok, lp = sample_fwd(logits, **params)
+        tok, lp = sample_fwd(logits, **params, head=head)
         tok.tolist()
 
     sample_ms = cuda_ms(sample)
