@@ -9,27 +9,29 @@ never of M).  For each output element:
     total = ((0 + p_0) + p_1) + ... + p_{S-1}      (fp32 adds, left to right)
     y     = bf16(total)                            (the only rounding to bf16)
 
-Two schedules compute exactly that arithmetic:
+Three schedules compute exactly that arithmetic:
 
 * ``_mm_fused_kernel`` — one program per (BLOCK_M × BLOCK_N) tile walks all S
-  segments and keeps ``total`` in registers (large M: the tiles fill the GPU);
+  segments and keeps ``total`` in registers;
 * ``_mm_split_kernel`` + ``_mm_merge_kernel`` — one program per (tile,
   segment) writes ``p_s`` in fp32 to a workspace, and the merge adds the S
   partials left to right (small M: S× more programs to fill 132 SMs);
 * ``_mm_tma_persistent_kernel`` — the fused arithmetic with TMA loads and
-  persistent programs (M ≥ 1024; 0.87–0.95× cuBLAS at M ≥ 4096 in the sweep,
-  against 0.64–0.68× for the pointer-load fused kernel).
+  persistent programs (bf16 at M ≥ 128 by default).
 
-Both call the same ``_segment_dot``; the schedule is picked from M for speed
-alone and cannot change a bit.  Every output element is the same chain of
-k16 wgmma steps whatever the tile around it, so BLOCK_M, BLOCK_N, BLOCK_K
-(any divisor of SEG_K), num_warps and num_stages are free launch knobs too:
-measured on the H200 (benchmarks/results/2026-11-30-h200-matmul-sweep.txt),
-every combination of BM ∈ {64, 128}, BN ∈ {64, 128, 256}, BK ∈ {64, 128},
-4/8 warps, 3/4 stages and both schedules gave identical bits at SEG_K = 1024,
-while SEG_K = 2048 changed them.  BLOCK_M stays ≥ 64 so Hopper always runs
-wgmma (smaller tiles lower to mma.sync, whose in-instruction summation is not
-promised equal).
+The fused and split kernels call the same ``_segment_dot``; the schedule is
+picked for speed alone and cannot change a bit.  Every output element is the
+same chain of k16 wgmma steps whatever the tile around it, so BLOCK_M,
+BLOCK_N, BLOCK_K (any divisor of SEG_K), num_warps and num_stages are free
+launch knobs too.  Measured on the H200: every combination of BM ∈ {64, 128},
+BN ∈ {64, 128, 256}, BK ∈ {64, 128}, 4/8 warps, 3/4 stages and the two
+pointer-load schedules gave identical bits at SEG_K = 1024, while SEG_K =
+2048 changed them (benchmarks/results/2026-11-30-h200-matmul-sweep.txt); in
+session 4, 22 schedule × tile candidates including the TMA schedule and
+64×32 tiles, at six Qwen3-8B (N, K) and M = 1…1024, all gave the default's
+bits (…-session4-matmul-sweep.txt).  ``launch_config`` is therefore free to
+depend on M.  BLOCK_M stays ≥ 64 so Hopper always runs wgmma (smaller tiles
+lower to mma.sync, whose in-instruction summation is not promised equal).
 """
 from __future__ import annotations
 
