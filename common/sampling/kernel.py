@@ -222,18 +222,18 @@ def order_keys_cuda(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Te
     return keys
 
 
-def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head=None):
-    """The per-row program on CUDA rows: keys kernel, torch.sort, support kernel.
+def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head):
+    """The per-row program on CUDA rows: keys kernel, torch.sort / topk, support kernel.
 
-    tokens None: draw (needs seed, step); else score the given tokens.
+    tokens None: draw (needs seed, step); else score the given tokens.  ``head``
+    (``op.head_width``) bounds the sorted positions formed.
     Returns (tokens int64, lp fp32, v0 fp32, logz fp32, last_key int64), all (B,)."""
     B, V = logits.shape
     dev = logits.device
-    from .op import _effective_k, _head, sorted_head
+    from .op import sorted_head
 
     keys = order_keys_cuda(logits, temperature)
-    head = head or _head(_effective_k(temperature, top_k, V), V)  # the sorted positions any row reads
-    skeys = sorted_head(keys, head)  # (B, min(head, V))
+    skeys = sorted_head(keys, head)  # (B, min(head, V)): the sorted positions any row reads
     draw = tokens is None
     if draw:
         tokens = torch.zeros(B, dtype=torch.int64, device=dev)

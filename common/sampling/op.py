@@ -9,7 +9,7 @@ The per-row program (each row reads only its own logits and parameters):
 2. sort: by (s descending, id ascending) through distinct int64 keys
    (``rules.order_keys``): v[0] >= v[1] >= ..., ties to the smaller id.
    Only positions below every row's k' (step 4) are ever read, so when the
-   block's largest k' is small (<= ``_HEAD_MAX``) only that sorted head is
+   rows' largest k' is small (<= ``_HEAD_MAX``) only that sorted head is
    formed, by ``torch.topk`` -- the same positions with the same keys,
    because the keys of a row are distinct (any correct selection agrees).
 3. weights e[i] = exp(v[i] - v[0]) and fixed-order inclusive prefix sums S[i]
@@ -92,28 +92,25 @@ def sorted_head(keys: torch.Tensor, head: int) -> torch.Tensor:
     return torch.topk(keys, head, dim=-1, largest=False, sorted=True).values
 
 
-def _head(k: torch.Tensor, V: int) -> int:
-    """The sorted positions a block of rows can read, from its k'
-    (``_effective_k``): the largest, or V when that is above ``_HEAD_MAX``
-    (a full sort).  One host read when k is on the GPU."""
+def head_width(temperature: torch.Tensor, top_k: torch.Tensor, V: int) -> int:
+    """The sorted positions a block of rows can read: its largest k'
+    (``_effective_k``), or V when that is above ``_HEAD_MAX`` (a full sort).
+    ``sample_fwd``'s ``head``: computed from host copies of the parameters,
+    where they are built, it keeps the sampler free of a device-to-host read,
+    so the launch does not wait for the logits and can be graph-captured.
+    (Given GPU tensors, it is that one host read.)"""
+    k = _effective_k(temperature, top_k, V)
     head = int(k.max()) if k.numel() else V
     return head if head <= _HEAD_MAX else V
 
 
-def head_width(temperature: torch.Tensor, top_k: torch.Tensor, V: int) -> int:
-    """``sample_fwd``'s ``head`` from host copies of the rows' temperature and
-    top_k: the sorted positions any row can read (its k').  Computing it where
-    the parameters are built keeps the sampler free of a device-to-host read,
-    so the launch does not wait for the logits and can be graph-captured."""
-    return _head(_effective_k(temperature, top_k, V), V)
-
-
-def _rows_cpu(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head=None):
-    """Steps 1-8 on a block of CPU rows; tokens None draws, else scores them.
+def _rows_cpu(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head):
+    """Steps 1-8 on a block of CPU rows; tokens None draws, else scores them;
+    ``head`` (``head_width``) bounds the sorted positions formed.
     Returns (tokens, lp, v0, logz, last_key), all (B,)."""
     greedy, tau, k, p, m = _prepare(temperature, top_k, top_p, min_p, logits.shape[1])
     keys = order_keys(logits / tau[:, None])  # (B, V)
-    skeys = sorted_head(keys, head or _head(k, logits.shape[1]))  # (B, V' <= V)
+    skeys = sorted_head(keys, head)  # (B, min(head, V))
     u = uniform01(seed, step) if tokens is None else torch.zeros_like(tau)
     n, logz, pick = support_cpu(skeys, k, p, m, u)
     v0 = key_values(skeys[:, 0])
@@ -128,12 +125,14 @@ def _rows_cpu(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head
 
 def _rows(logits, temperature, top_k, top_p, min_p, seed, step, tokens, row_chunk, head=None):
     """Dispatch on the device; rows in blocks of ``row_chunk`` (bits unchanged).
-    ``head``: see ``sample_fwd``."""
+    ``head``: see ``sample_fwd``; resolved here once for every block."""
     if logits.is_cuda:
         from .kernel import rows_cuda as fn
     else:
         fn = _rows_cpu
     R, V = logits.shape
+    if head is None:
+        head = head_width(temperature, top_k, V)
     rc = _row_chunk(row_chunk, V)
     if R <= rc:
         return fn(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head)
