@@ -157,6 +157,10 @@ def reduction_config(N: int, K: int) -> dict:
 _TMA_TILES = ((128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 4))
 
 
+def _tma_config(bm: int, bn: int, bk: int, nw: int, ns: int) -> dict:
+    return {"schedule": "tma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
+
+
 def _wave_fill(tiles: int, sms: int) -> float:
     """Busy fraction of the SM-waves that ``tiles`` equal tiles take."""
     return tiles / (triton.cdiv(tiles, sms) * sms)
@@ -202,12 +206,11 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True) -> d
         return {"schedule": "split" if split else "fused", "BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk,
                 "num_warps": 4, "num_stages": 4}
     if tma:
+        if n_seg > 1 and triton.cdiv(M, 64) * triton.cdiv(N, 128) < 0.7 * sms:  # the smallest tile's count
+            return _split_config(M, N, n_seg, sms)
         fills = [_wave_fill(triton.cdiv(M, bm) * triton.cdiv(N, bn), sms) for bm, bn, *_ in _TMA_TILES]
         i = next(i for i, f in enumerate(fills) if f >= max(fills) - 0.05)
-        bm, bn, bk, nw, ns = _TMA_TILES[i]
-        if n_seg > 1 and triton.cdiv(M, 64) * triton.cdiv(N, 128) < 0.7 * sms:
-            return _split_config(M, N, n_seg, sms)
-        return {"schedule": "tma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
+        return _tma_config(*_TMA_TILES[i])
     cfg = ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4} if M <= 512 else
            {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3})
     split = n_seg > 1 and triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]) < sms
@@ -224,9 +227,7 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
     if schedule is None:
         schedule = lc["schedule"]
     elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
-        lc = {**_split_config(M, N, triton.cdiv(K, seg_k), sms),
-              **({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
-                 if schedule == "tma" else {})}
+        lc = _tma_config(*_TMA_TILES[0]) if schedule == "tma" else _split_config(M, N, triton.cdiv(K, seg_k), sms)
     if schedule not in ("fused", "split", "tma"):
         raise ValueError(f"schedule must be 'fused', 'split' or 'tma', got {schedule!r}")
     BM, BN, BK = block_m or lc["BLOCK_M"], block_n or lc["BLOCK_N"], block_k or lc["BLOCK_K"]
@@ -257,9 +258,10 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
+    sms, tma_ok = _num_sms(x.device), _tma_ok(x, w, y)
     schedule, BM, BN, BK, nw, ns = resolve_launch(
-        M, N, K, x.element_size(), _num_sms(x.device), _tma_ok(x, w, y), seg_k=SEG_K, block_m=block_m,
-        block_n=block_n, block_k=block_k, schedule=schedule, num_warps=num_warps, num_stages=num_stages)
+        M, N, K, x.element_size(), sms, tma_ok, seg_k=SEG_K, block_m=block_m, block_n=block_n,
+        block_k=block_k, schedule=schedule, num_warps=num_warps, num_stages=num_stages)
     n_seg = triton.cdiv(K, SEG_K)
     seg_k = SEG_K if n_seg > 1 else triton.cdiv(K, BK) * BK
     ieee = x.dtype == torch.float32
@@ -267,9 +269,9 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     if schedule == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        if not _tma_ok(x, w, y):
+        if not tma_ok:
             raise ValueError("schedule='tma' needs bf16 operands with unit last stride and 16-byte aligned rows")
-        progs = min(_num_sms(x.device), tiles)
+        progs = min(sms, tiles)
         _mm_tma_persistent_kernel[(progs,)](
             TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]),
             TensorDescriptor.from_tensor(y, [BM, BN]), M, N, K, n_seg,
