@@ -61,13 +61,6 @@ import triton.language as tl
 from .cpu import VOCAB_GROUP
 
 DEFAULT_BLOCK_M = 64
-
-
-def _fwd_block_m(T: int) -> int:
-    """Forward rows per program when the caller names none: 128 (two
-    warpgroups sharing each W tile) once T fills the GPU with them, else 64.
-    Both issue the same wgmma per 64-row slice, so the bits do not change."""
-    return 128 if T >= 256 else DEFAULT_BLOCK_M
 _LOG2_GROUP = VOCAB_GROUP.bit_length() - 1
 _FWD_STAGES = 3
 # Backward GEMM tiles: fixed constants (BL = 64 divides the 256-logit group,
@@ -244,6 +237,13 @@ def _proj_consts(dtype: torch.dtype, block_m: int) -> dict:
     if dtype == torch.float32:
         return dict(BK=16, IEEE=True, num_warps=8)
     return dict(BK=64, IEEE=False, num_warps=block_m // 16)
+
+
+def _fwd_block_m(T: int) -> int:
+    """Forward rows per program when the caller names none: 128 (two
+    warpgroups sharing each W tile) once T fills the GPU with them, else 64.
+    Both issue the same wgmma per 64-row slice, so the bits do not change."""
+    return 128 if T >= 256 else DEFAULT_BLOCK_M
 
 
 def _fwd_launch(h, w, targets, block_m, write_logits, want_stats):

@@ -15,7 +15,7 @@ import torch
 from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
 from .cpu import rmsnorm_bwd_cpu, rmsnorm_fwd_cpu
 
-MAX_H = 32768  # the CUDA kernels hold a row's chunk sums (next_pow2(H) / 256 fp32 lanes) in one tile
+MAX_H = 32768  # the CUDA forward normalises a whole row (next_pow2(H) fp32 lanes) as one element-wise tile
 
 
 def rmsnorm_fwd(
