@@ -18,7 +18,7 @@ from ..sampling import SamplingParams
 from .model_api import ServeModel
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import Completion, Sequence, check_token_ids
+from .sequence import Completion, Sequence, check_token_ids, one_each
 
 CPU_KV_CACHE_BYTES = 1 << 30
 CUDA_KV_CACHE_FRACTION = 0.3  # of free memory after the model loaded; the rest: the trainer (it shares the GPU), activations, logits, graphs
@@ -128,7 +128,7 @@ class Engine:
         likewise one LoRA adapter name (None: the base model) or one per
         prompt, all served in the same batches."""
         sps = self._per_prompt(prompts, sampling, "prompts")
-        loras = _one_each(adapters, prompts, "prompts", "adapters")
+        loras = one_each(adapters, len(prompts), "prompts", "adapters")
         ids = [self.add_request(p, sp, a) for p, sp, a in zip(prompts, sps, loras)]
         index = {rid: i for i, rid in enumerate(ids)}
         out: list[Completion | None] = [None] * len(ids)
@@ -208,7 +208,7 @@ class Engine:
         if len(prompt_lens) != len(sequences):
             raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens: give one per sequence")
         seqs = []
-        loras = _one_each(adapters, sequences, "sequences", "adapters")
+        loras = one_each(adapters, len(sequences), "sequences", "adapters")
         for i, (s, pl, sp, a) in enumerate(zip(sequences, prompt_lens, sps, loras)):
             try:
                 s = check_token_ids(s, self.model.vocab_size)
@@ -234,7 +234,7 @@ class Engine:
             raise TypeError(f"{what} must be a list of token-id lists, got {type(prompts).__name__}")
         if prompts and all(isinstance(p, int) for p in prompts):
             raise TypeError(f"{what} must be a list of token-id lists; got a flat list of ints (wrap one prompt in a list)")
-        return _one_each(sampling, prompts, what, "SamplingParams")
+        return one_each(sampling, len(prompts), what, "SamplingParams")
 
     def _adapter(self, name) -> tuple[str, int] | None:
         """(name, index into ``adapter_names``) of a requested LoRA adapter; None: the base model."""
@@ -276,15 +276,6 @@ class Engine:
                 kv_cache_bytes = CPU_KV_CACHE_BYTES
         most = self.max_batch_size * -(-self.model.max_position // PAGE_SIZE)
         return max(1, min(most, kv_cache_bytes // self.model.kv_cache_spec().bytes_per_page()))
-
-
-def _one_each(value, items, what: str, kind: str) -> list:
-    """``value`` for every item, or ``value`` itself if it is a list (one per item)."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != len(items):
-            raise ValueError(f"{len(items)} {what} but {len(value)} {kind}: give one, or one per prompt")
-        return list(value)
-    return [value] * len(items)
 
 
 def _as_list(ids) -> list:

@@ -127,6 +127,16 @@ class Sequence:
         )
 
 
+def one_each(value, n: int, what: str, kind: str) -> list:
+    """``value`` for each of n ``what`` (a plural noun), or ``value`` itself
+    when it is a list or tuple of n (a clear error for another length)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{n} {what} but {len(value)} {kind}: give one, or one per {what[:-1]}")
+        return list(value)
+    return [value] * n
+
+
 def check_token_ids(ids, vocab_size: int) -> list[int]:
     """A list of ints from a 1-D integer tensor or a sequence of ints, each
     in [0, vocab_size); a clear TypeError / ValueError otherwise.  Used for

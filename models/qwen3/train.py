@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ...common.attention import attention
+from ...common.engine.sequence import one_each
 from ...common.fp8 import Fp8WeightCache, fp8_linear
 from ...common.lm_head import lm_head_logits
 from ...common.lora import LoRAConfig, init_lora_weights, lora_add, lora_add_multi, lora_merge, lora_merge_fwd
@@ -531,13 +532,8 @@ class Qwen3Trainer(nn.Module):
 
     def _adapter_ids(self, adapters, n: int) -> list[int]:
         """Per sequence, the index of its multi-mode adapter (-1: none)."""
-        if isinstance(adapters, (list, tuple)):
-            if len(adapters) != n:
-                raise ValueError(f"{n} sequences but {len(adapters)} adapters: give one, or one per sequence")
-        else:
-            adapters = [adapters] * n
         ids = []
-        for i, a in enumerate(adapters):
+        for i, a in enumerate(one_each(adapters, n, "sequences", "adapters")):
             try:
                 ids.append(-1 if a is None else self.adapter_index(a))
             except (TypeError, ValueError) as e:
