@@ -228,24 +228,23 @@ def save_pretrained(trainer: Qwen3Trainer, directory, *, max_shard_bytes: int | 
     from ...weights import save_hf_checkpoint
     from .weights import lora_to_hf, qwen3_to_hf
 
-    modules = trainer.lora_modules(adapter)  # raises unless adapter fits the mode
+    lora = trainer.lora_config(adapter)  # raises unless adapter fits the mode
     if adapter_only:
         if trainer.lora_mode is None:
             raise ValueError("adapter_only=True needs a LoRA model (load_pair(..., lora=...))")
         from ...common.lora import save_peft_adapter
 
-        lora = trainer.adapter_configs[adapter] if adapter is not None else trainer.lora
-        save_peft_adapter(directory, {n: (m.lora_A[p], m.lora_B[p]) for n, (m, p) in modules.items()}, lora,
-                          to_hf=lora_to_hf)
+        save_peft_adapter(directory, trainer.lora_adapters(adapter), lora, to_hf=lora_to_hf)
         return
     cfg = trainer.cfg
     dtype = str(trainer.embed.weight.dtype).replace("torch.", "")
     tensors = {n: p.detach() for n, p in trainer.named_parameters() if ".lora_" not in n}
+    j = trainer.adapter_index(adapter) if trainer.lora_mode == "multi" else None
     for name, m in trainer.named_modules():
         if isinstance(m, LoRALinear):
             tensors[name + ".weight"] = m.merge()
         elif isinstance(m, MultiLoRALinear):
-            tensors[name + ".weight"] = m.merge(trainer.adapter_index(adapter))
+            tensors[name + ".weight"] = m.merge(j)
     tensors = {n: t.to(trainer.embed.weight.dtype) for n, t in tensors.items()}  # FP8 masters: fp32
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     save_hf_checkpoint(directory, cfg.to_hf(dtype), qwen3_to_hf(tensors, cfg), **kw)
@@ -258,8 +257,7 @@ def load_adapter(pair, directory, adapter: str | None = None) -> int:
     t = pair.trainer
     if t.lora_mode is None:
         raise ValueError("the pair has no LoRA adapters: load it with load_pair(..., lora_adapter=directory)")
-    t.lora_modules(adapter)  # a clear error unless ``adapter`` fits the mode
-    have = t.adapter_configs[adapter] if t.lora_mode == "multi" else t.lora
+    have = t.lora_config(adapter)  # a clear error unless ``adapter`` fits the mode
     adapters, lora = read_lora_adapter(directory)
     _check_same_lora(have, lora, f"the adapter in {os.fspath(directory)!r}")
     t.set_lora_adapters(adapters, adapter=adapter)

@@ -83,20 +83,20 @@ class LoRALinear(Linear):
               W' is built once per adapter version (any in-place write to W, A
               or B: an optimizer step, ``copy_``) and is the very tensor the
               forward reads and ``forward_weights`` ships.  Writes through
-              ``.data`` bypass the version counters: rebuild by assigning
-              ``_key = None`` after them.
+              ``.data`` (or fused optimizers) bypass the version counters:
+              call ``invalidate()`` (``pair.sync()`` does) after them.
     separate: y = x · Wᵀ, then each adapted column slice
               y_p = ``lora_add(y_p, x, A_p, B_p, s)``; the server runs
               ``lora_add_fwd`` on the same slices (``serve.py``).
     """
 
-    def __init__(self, base: Linear, slices: Sequence[tuple[str, int, int]], targets: Sequence[str], r: int,
-                 scale: float, mode: str, seeds: Mapping[str, int]):
+    def __init__(self, base: Linear, slices: Sequence[tuple[str, int, int]], r: int, scale: float, mode: str,
+                 seeds: Mapping[str, int]):
         nn.Module.__init__(self)
         self.weight = base.weight
         self.slices = tuple(slices)  # ((projection, first row, end row), ...) covering W's rows
         self.mode, self.scale = mode, scale
-        _add_adapter(self, self.weight, self.slices, targets, r, seeds)
+        _add_adapter(self, self.weight, self.slices, r, seeds)
         self._key, self._merged = None, None
 
     @property
@@ -146,13 +146,13 @@ class LoRALinear(Linear):
         return out
 
 
-def _add_adapter(holder: nn.Module, w: torch.Tensor, slices, targets: Sequence[str], r: int,
-                 seeds: Mapping[str, int]) -> None:
+def _add_adapter(holder: nn.Module, w: torch.Tensor, slices, r: int, seeds: Mapping[str, int]) -> None:
     """Give ``holder`` ``lora_A`` / ``lora_B`` ParameterDicts with a fresh
-    adapter (``init_lora_weights``: seeded A, B = 0) on each targeted slice of W."""
+    adapter (``init_lora_weights``: seeded A, B = 0) on each slice of W that
+    ``seeds`` names (the targeted ones, each with its seed)."""
     holder.lora_A, holder.lora_B = nn.ParameterDict(), nn.ParameterDict()
     for p, lo, hi in slices:
-        if p in targets:
+        if p in seeds:
             a, b = init_lora_weights(hi - lo, w.shape[1], r, seed=seeds[p], dtype=w.dtype, device=w.device)
             holder.lora_A[p], holder.lora_B[p] = nn.Parameter(a), nn.Parameter(b)
 
@@ -191,7 +191,7 @@ class MultiLoRALinear(Linear):
         self.adapters = nn.ModuleList()
         for lora, seeds in adapters:
             holder = nn.Module()
-            _add_adapter(holder, self.weight, self.slices, lora.target_modules, lora.r, seeds)
+            _add_adapter(holder, self.weight, self.slices, lora.r, seeds)
             self.adapters.append(holder)
 
     def merge(self, j: int) -> torch.Tensor:
@@ -386,7 +386,7 @@ class Qwen3Trainer(nn.Module):
                     m = MultiLoRALinear(getattr(block, name), layer_slices, ads)
                 else:
                     ((cfg, seeds),) = ads
-                    m = LoRALinear(getattr(block, name), layer_slices, list(seeds), cfg.r, cfg.scale, mode, seeds)
+                    m = LoRALinear(getattr(block, name), layer_slices, cfg.r, cfg.scale, mode, seeds)
                 setattr(block, name, m)
         if mode == "multi":
             self.adapter_configs = configs
@@ -425,6 +425,14 @@ class Qwen3Trainer(nn.Module):
                 if holder is not None:
                     out |= {f"layers.{i}.{p}": (holder, p) for p, _, _ in layer_slices if p in holder.lora_A}
         return out
+
+    def lora_config(self, adapter: str | None = None) -> LoRAConfig | None:
+        """The LoRA config (multi mode: of the named adapter; a clear error
+        unless ``adapter`` fits the mode, as ``lora_modules``)."""
+        if self.lora_mode == "multi" or adapter is not None:
+            self.adapter_index(adapter)
+            return self.adapter_configs[adapter]
+        return self.lora
 
     def lora_adapters(self, adapter: str | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """{``layers.{i}.<projection>``: (A (r, K), B (rows, r))}: the live
@@ -474,7 +482,7 @@ class Qwen3Trainer(nn.Module):
         out = {}
         for name, module in self.named_modules():
             prefix = name + "." if name else ""
-            if isinstance(module, (Linear, Fp8Linear)):  # LoRALinear too
+            if isinstance(module, (Linear, Fp8Linear)):  # LoRALinear and MultiLoRALinear too
                 out.update(module.forward_weights(prefix))
             elif isinstance(module, Weight):
                 out[prefix + "weight"] = module.weight.detach()
