@@ -71,7 +71,8 @@ def parse(argv=None):
     ap.add_argument("--lora", type=int, default=0, metavar="R",
                     help="train LoRA adapters of rank R (lora_alpha 2R) on all seven projections of a frozen base; 0: off")
     ap.add_argument("--lora-mode", choices=("merged", "separate", "multi"), default="merged",
-                    help="merged: W + s·B·A is what the trainer reads and the sync ships; separate: base + branch")
+                    help="with --lora: merged: W + s·B·A is what the trainer reads and the sync ships; separate: "
+                         "base + branch; multi: two adapters (tasks reverse and copy) on one frozen base")
     ap.add_argument("--config", default=None, metavar="PRESET",
                     help="a qwen3 preset (e.g. qwen3-0.6b): its shapes and vocabulary instead of the tiny task model "
                          "(random init; for timing and K3 at real shapes, the task is not learned in a few steps)")
@@ -80,7 +81,8 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/qwen3_rl")
     ap.add_argument("--save", default=None, help="save the trained model as a Hugging Face checkpoint here "
-                                                 "(with --lora: merged, and the PEFT adapter in SAVE/adapter)")
+                                                 "(with --lora: merged, and the PEFT adapter in SAVE/adapter; "
+                                                 "--lora-mode multi: each task's PEFT adapter in SAVE/<task>)")
     ap.add_argument("--no-plot", action="store_true")
     return ap.parse_args(argv)
 
