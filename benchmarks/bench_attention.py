@@ -49,7 +49,6 @@ import os
 import platform
 import shlex
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -59,9 +58,8 @@ import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from bench_primitives import HEAD_DIM, HEADS, KV_HEADS, _time, _time_wall, commit  # noqa: E402
+from bench_primitives import HEAD_DIM, HEADS, KV_HEADS, _time, _time_wall, commit, ensure_alignzoo  # noqa: E402
 
 HQ, HKV, D = HEADS, KV_HEADS, HEAD_DIM  # Qwen3-8B: 32 query heads, 8 kv heads, head_dim 128
 G = HQ // HKV
@@ -76,18 +74,6 @@ SECTIONS = ("prefill", "backward", "decode")
 
 
 # ---------------------------------------------------------------- environment
-def _import_alignzoo():
-    """``alignzoo`` is the repo root; without an install (the device) make it
-    importable the way gpu_env.sh does."""
-    try:
-        importlib.import_module("alignzoo")
-    except ImportError:
-        tmp = tempfile.mkdtemp(prefix="alignzoo_pkg_")
-        os.symlink(ROOT, os.path.join(tmp, "alignzoo"))
-        sys.path.insert(0, tmp)
-        importlib.import_module("alignzoo")
-
-
 def _probe_packages() -> dict:
     """Which vendor attention packages import here (name -> status)."""
     out = {}
@@ -505,8 +491,8 @@ def _write(out_dir, meta, rows):
          f"Command: `{meta['command']}` · torch {meta['torch']} · triton {meta['triton']} · CUDA {meta['cuda']}", "",
          f"Shapes: Qwen3-8B attention (Hq {HQ}, Hkv {HKV}, D {D}, bf16). Times: {meta['timing']}.", "",
          "ratio = vendor ms / ours ms (≥ 1: ours as fast or faster). 'bits' = the exactness check of the row "
-         "(column 'check'), run before timing; a FAIL row is still timed and marked. No CUDA graphs: the "
-         "smallest decode configs may include either side's CPU launch overhead.", "",
+         "(column 'check'), run before timing; a FAIL row is still timed and marked. Without --cuda-graphs "
+         "the smallest decode configs may include either side's CPU launch overhead.", "",
          f"Vendor packages: {', '.join(f'{k}: {v}' for k, v in meta['packages'].items())}.", "",
          f"Decode (ours): {meta['decode_kernel']}.", "",
          f"Decode baseline: {meta['decode_baseline'] or 'none chosen'}"
@@ -538,8 +524,8 @@ def _print_row(r):
           + (f"  ERROR {r['error']}" if r["error"] else "") + (f"  ({r['note']})" if r["note"] else ""), flush=True)
 
 
-def _decode_kernel_note(dev, tile, table_pages) -> str:
-    """What ``paged_attention_fwd(max_seqlen_q=1)`` runs here (sets the tile)."""
+def _decode_kernel_note(dev, table_pages) -> str:
+    """What ``paged_attention_fwd(max_seqlen_q=1)`` runs here."""
     from alignzoo.common.attention.op import SEGMENT
 
     width = f"; block tables padded to {table_pages} pages" if table_pages else ""
@@ -547,9 +533,8 @@ def _decode_kernel_note(dev, tile, table_pages) -> str:
         return f"CPU path (attend_rows), segments of {SEGMENT} positions{width}"
     from alignzoo.common.attention import kernel
 
-    kernel.DECODE_SMALL_TILE = tile == "decode"
     cfg = kernel.decode_config(D, DTYPE)
-    return (f"split kernel, grid (segments of {SEGMENT} positions = ceil(table pages / {SEGMENT // 64}), B, Hkv), "
+    return (f"split kernel, grid (segments of {SEGMENT} positions = ceil(table pages / {kernel.SEG_BLOCKS}), B, Hkv), "
             f"then the in-order merge kernel (one launch when the table holds one segment); tile block_m="
             f"{cfg['block_m']}, num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']} "
             f"(kernel.decode_config, DECODE_SMALL_TILE={kernel.DECODE_SMALL_TILE}){width}")
@@ -592,9 +577,13 @@ def main():
     import bench_primitives
 
     bench_primitives._GRAPHS = args.cuda_graphs  # read by bench_primitives._time
-    _import_alignzoo()
+    ensure_alignzoo()
     t0 = time.perf_counter()
     dev = torch.device("cpu" if args.cpu_smoke else "cuda")
+    if dev.type == "cuda":
+        from alignzoo.common.attention import kernel
+
+        kernel.DECODE_SMALL_TILE = args.decode_tile == "decode"
     shapes = SMOKE if args.cpu_smoke else QUICK if args.quick else FULL
     ctx = SimpleNamespace(dev=dev, timer=_time_wall if args.cpu_smoke else _time, decode_baseline=None,
                           decode_attempts={}, max_ctx=max(shapes["decode_ctx"]), table_pages=args.decode_table_pages)
@@ -605,11 +594,12 @@ def main():
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         commit=commit(), command=shlex.join([os.path.basename(sys.executable)] + sys.argv),
         timing=("wall clock, median of 3 (CPU smoke)" if args.cpu_smoke else
-                "bench_primitives._time with --cuda-graphs: do_bench_cudagraph median (do_bench where capture fails)"
+                "bench_primitives._time with --cuda-graphs: _time_graph (CUDA-graph replay median, L2 flushed; "
+                "do_bench where capture fails)"
                 if args.cuda_graphs else
                 "bench_primitives._time = triton.testing.do_bench(warmup=25, rep=100) median, L2 flushed"),
         quick=args.quick, packages=None, decode_baseline=None, decode_attempts=ctx.decode_attempts, elapsed_s=0.0,
-        decode_kernel=_decode_kernel_note(dev, args.decode_tile, args.decode_table_pages),
+        decode_kernel=_decode_kernel_note(dev, args.decode_table_pages),
     )
     for key in ("gpu", "torch", "triton", "date", "commit", "command"):
         print(f"# {key}: {meta[key]}", flush=True)
