@@ -5,7 +5,8 @@ aligned qwen3 pair at real shapes with random weights.
 
 Prefill: B prompts of --prompt tokens with max_new_tokens=1 (prompt tokens / s).
 Decode: the same prompts with --new tokens each; decode tok/s = B * (new - 1) /
-(total time - the prefill time measured alone).  Writes engine.json and engine.md.
+(total time - the prefill time measured alone).  Writes engine.json and engine.md
+(engine_vendor.* with --server-kernels vendor).
 
 The model's max_position is cut to what the benchmark uses (prompt + new,
 rounded up to a page; --max-position 0 keeps the preset's): decode graphs are
@@ -28,12 +29,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_primitives import commit  # noqa: E402
 
-PAGE = 64  # common.kv_cache.PAGE_SIZE
-
-
 def fit_max_position(*lengths: int) -> int:
     """The longest of ``lengths`` rounded up to a whole KV page."""
-    return -(-max(lengths) // PAGE) * PAGE
+    from alignzoo.common.kv_cache import PAGE_SIZE
+
+    return -(-max(lengths) // PAGE_SIZE) * PAGE_SIZE
 
 
 def load(config: str, *, server_kernels: str = "aligned", max_batch_size: int, cuda_graphs: bool = True,

@@ -109,7 +109,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kernels", default="aligned,vendor", help="server kernels to profile, comma-separated")
     ap.add_argument("--max-position", type=int, default=None,
-                    help="the model's max_position (default: prompt + steps + 16, page-rounded, as bench_engine)")
+                    help="the model's max_position (default: prompt + steps + 16, page-rounded; 0: the preset's, "
+                         "as bench_engine)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (use --config tiny)")
     ap.add_argument("--out", default="gpu_out")
     args = ap.parse_args()
@@ -117,7 +118,7 @@ def main() -> int:
         print("profile_decode needs a CUDA device (or --device cpu for a smoke run)", file=sys.stderr)
         return 2
     batches = [int(b) for b in args.batches.split(",")]
-    max_pos = args.max_position or fit_max_position(args.prompt + args.steps + 16)
+    max_pos = fit_max_position(args.prompt + args.steps + 16) if args.max_position is None else args.max_position
     bw = copy_bandwidth(args.device, (2 << 30) if args.device == "cuda" else (64 << 20))
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     head = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),

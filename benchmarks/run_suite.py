@@ -20,7 +20,8 @@ after every step, so a run cut short keeps what it measured.
            configuration (models.checks.run_ladder, what ``alignzoo check
            qwen3 --device cuda --config C`` runs); only if every rung is
            bitwise exact, prefill and decode tok/s per batch
-           (bench_engine.measure), CUDA graphs on.  Otherwise no speed: 'not
+           (bench_engine.measure), CUDA graphs on unless --cuda-graphs off
+           (the CPU smoke default).  Otherwise no speed: 'not
            exact' (or 'not checked' when the check did not finish).
   vendor   the same engine on torch's kernels (server_kernels="vendor"): the
            baseline, not aligned by design, so not checked.
@@ -312,8 +313,6 @@ def engine_max_position(args) -> int | None:
 
 
 def step_engine(args, emit, server_kernels: str) -> None:
-    import torch
-
     from bench_engine import decode_weight_bytes, load, measure
 
     side = "aligned" if server_kernels == "aligned" else "vendor"
@@ -323,7 +322,9 @@ def step_engine(args, emit, server_kernels: str) -> None:
     eng, cfg = pair.server, pair.config
     emit(f"engine.{side}", {"load_s": time.perf_counter() - t0, "num_pages": eng.num_pages})
     if side == "aligned":
-        kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=eng.model.dtype).element_size()
+        from alignzoo.common.kv_cache import PAGE_SIZE
+
+        kv_token = eng.model.kv_cache_spec().bytes_per_page() // PAGE_SIZE
         emit("engine", {"weight_bytes": decode_weight_bytes(eng.model), "kv_bytes_per_token": kv_token,
                         "max_position": cfg.max_position})
         from alignzoo.models.checks import run_ladder
@@ -388,10 +389,12 @@ def step_warm_task(args, task: dict) -> None:
             pass
         return
     from alignzoo import SamplingParams
-    from bench_engine import load
+    from alignzoo.common.kv_cache import PAGE_SIZE
+    from bench_engine import fit_max_position, load
 
     bs = task.get("bs") or task.get("batch") or args.check_batch
-    pages = {"check": args.check_batch * -(-args.check_length // 64), "batch": bs * -(-(args.prompt + 2) // 64)}
+    pages = {"check": args.check_batch * fit_max_position(args.check_length) // PAGE_SIZE,
+             "batch": bs * fit_max_position(args.prompt + 2) // PAGE_SIZE}
     pair = load(args.config, max_batch_size=bs, cuda_graphs=False, num_layers=1, max_position=engine_max_position(args),
                 num_pages=pages.get(task["kind"], 1) + 16, device=args.device)
     eng, V = pair.server, pair.config.vocab_size
