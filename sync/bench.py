@@ -6,7 +6,8 @@
     python -m alignzoo.sync.bench --adam 1e-6 [--fp8]  # weights from FP32 masters after Adam steps
 
 Holds four copies of the weights on the device: trainer, shadow, server,
-and (for full payloads) the payload.
+and (for full payloads) the payload; ``--adam`` adds the FP32 masters (twice
+the bf16 size).
 """
 from __future__ import annotations
 
