@@ -123,7 +123,8 @@ def paged_attention_fwd(
     ``max_seqlen_q`` (1 for decode) to avoid a device sync.
 
     On CUDA, ``max_seqlen_q == 1`` runs the split decode (one program per
-    1024-position segment, sequence and kv head, then an in-order merge); its
+    1024-position segment, sequence and chunk of a kv head's query heads, then
+    an in-order merge); its
     grid is sized from ``block_table.shape[1]``, never from ``seq_lens``, so a
     captured CUDA graph replays correctly while sequences grow (keep the table's
     width fixed across replays, as the engine's static batch does).  Longer
