@@ -18,7 +18,8 @@ def _launch_configs(device):
         return [{}, {"row_chunk": 4}, {"row_chunk": 1}]
     return [{}, {"block_m": 64, "schedule": "split"}, {"block_m": 64, "block_n": 256, "schedule": "fused"},
             {"block_m": 128, "block_k": 128, "schedule": "split", "num_warps": 4},
-            {"block_m": 128, "block_n": 64, "schedule": "fused", "num_stages": 2}, {"schedule": "tma"}]
+            {"block_m": 128, "block_n": 64, "schedule": "fused", "num_stages": 2}, {"schedule": "tma"},
+            {"block_m": 128, "block_n": 192, "schedule": "tma"}, {"block_m": 64, "block_n": 96, "schedule": "tma"}]
 
 
 def _inputs(M, K, N, device, dtype=torch.bfloat16):
@@ -140,3 +141,7 @@ def test_launch_resolution_fits_the_h200_and_keeps_wgmma():
         resolve_launch(8, 64, 64, 2, 132, True, seg_k=1024, schedule="bogus")
     with pytest.raises(ValueError, match="block_m below 64"):
         resolve_launch(8, 64, 64, 2, 132, True, seg_k=1024, block_m=32)
+    with pytest.raises(ValueError, match="block_n=160 must be a power of two or 1.5 times one"):
+        resolve_launch(256, 4096, 4096, 2, 132, True, seg_k=1024, block_n=160, schedule="tma")
+    with pytest.raises(ValueError, match="block_n=192 .* needs schedule='tma'"):
+        resolve_launch(256, 4096, 4096, 2, 132, True, seg_k=1024, block_n=192, schedule="fused")

@@ -115,26 +115,44 @@ def _mm_merge_kernel(p_ws, p_y, M, N, stride_ym, stride_yn, N_SEG, BLOCK: tl.con
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mm_tma_persistent_kernel(d_x, d_w, d_y, M, N, K, N_SEG,
+def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
                               SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr):
+                              BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                              NUM_PROGS: tl.constexpr):
     """Large-M schedule: persistent programs walk the tiles; operands arrive by
     TMA (out-of-bounds reads are zero).  Same per-element arithmetic as
     ``_segment_dot`` + the fused kernel: segment chains from zero, added left
-    to right (measured bit-identical on the H200)."""
+    to right (measured bit-identical on the H200).
+
+    A tile is BLOCK_N + BLOCK_N2 columns wide: BLOCK_N2 > 0 adds a second,
+    narrower column block (its own descriptors ``d_w2``/``d_y2`` and dot), so
+    a tile can be 192 or 96 wide where powers of two leave SMs idle (wave
+    quantisation).  Each output element is still its own k16 chain: the
+    column block it sits in does not touch its sum."""
+    BLOCK_W: tl.constexpr = BLOCK_N + BLOCK_N2
     n_m = tl.cdiv(M, BLOCK_M)
-    n_n = tl.cdiv(N, BLOCK_N)
+    n_n = tl.cdiv(N, BLOCK_W)
     for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGS, flatten=False):
         i_m, i_n = _tile_coords(tile, n_m, n_n, GROUP_M)
+        o_m, o_n = i_m * BLOCK_M, i_n * BLOCK_W
         b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if BLOCK_N2 > 0:
+            b_total2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
         for s in range(0, N_SEG):
             b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if BLOCK_N2 > 0:
+                b_acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
             for kk in range(0, SEG_K, BLOCK_K):
-                b_x = d_x.load([i_m * BLOCK_M, s * SEG_K + kk])
-                b_w = d_w.load([i_n * BLOCK_N, s * SEG_K + kk])
-                b_acc = tl.dot(b_x, b_w.T, b_acc)
+                b_x = d_x.load([o_m, s * SEG_K + kk])
+                b_acc = tl.dot(b_x, d_w.load([o_n, s * SEG_K + kk]).T, b_acc)
+                if BLOCK_N2 > 0:
+                    b_acc2 = tl.dot(b_x, d_w2.load([o_n + BLOCK_N, s * SEG_K + kk]).T, b_acc2)
             b_total += b_acc
-        d_y.store([i_m * BLOCK_M, i_n * BLOCK_N], b_total.to(d_y.dtype))
+            if BLOCK_N2 > 0:
+                b_total2 += b_acc2
+        d_y.store([o_m, o_n], b_total.to(d_y.dtype))
+        if BLOCK_N2 > 0:
+            d_y2.store([o_m, o_n + BLOCK_N], b_total2.to(d_y2.dtype))
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -217,12 +235,23 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True) -> d
     return {"schedule": "split" if split else "fused", **cfg}
 
 
+def column_blocks(BN: int) -> tuple[int, int]:
+    """A tile width -> the TMA kernel's (BLOCK_N, BLOCK_N2): a power of two,
+    or one and a half (192 = 128 + 64, 96 = 64 + 32)."""
+    main = 1 << (BN.bit_length() - 1)
+    rest = BN - main
+    if rest and rest * 2 != main:
+        raise ValueError(f"block_n={BN} must be a power of two or 1.5 times one (96, 192, ...)")
+    return main, rest
+
+
 def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *, seg_k: int,
                    block_m=None, block_n=None, block_k=None, schedule=None, num_warps=None,
                    num_stages=None) -> tuple:
     """The launch a call runs -> (schedule, BM, BN, BK, num_warps, num_stages):
     ``launch_config``'s choice, an explicit schedule's default tile, the
-    caller's knobs on top, default stages fitted to shared memory; checked."""
+    caller's knobs on top, default stages fitted to shared memory; checked.
+    BN is the tile width: 1.5 times a power of two only on the TMA schedule."""
     lc = launch_config(M, N, K, sms, tma_ok)
     if schedule is None:
         schedule = lc["schedule"]
@@ -231,6 +260,8 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
     if schedule not in ("fused", "split", "tma"):
         raise ValueError(f"schedule must be 'fused', 'split' or 'tma', got {schedule!r}")
     BM, BN, BK = block_m or lc["BLOCK_M"], block_n or lc["BLOCK_N"], block_k or lc["BLOCK_K"]
+    if column_blocks(BN)[1] and schedule != "tma":
+        raise ValueError(f"block_n={BN} (not a power of two) needs schedule='tma'")
     while not block_k and BK > 32 and (BM + BN) * BK * elem * 2 > _SMEM:  # fp32 tiles: a shorter k-step
         BK //= 2
     nw, ns = num_warps or lc["num_warps"], num_stages or _fit_stages(lc["num_stages"], BM, BN, BK, elem)
@@ -272,10 +303,14 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
         if not tma_ok:
             raise ValueError("schedule='tma' needs bf16 operands with unit last stride and 16-byte aligned rows")
         progs = min(sms, tiles)
+        bn, bn2 = column_blocks(BN)
+        d_w, d_y = TensorDescriptor.from_tensor(w, [bn, BK]), TensorDescriptor.from_tensor(y, [BM, bn])
+        d_w2, d_y2 = ((TensorDescriptor.from_tensor(w, [bn2, BK]), TensorDescriptor.from_tensor(y, [BM, bn2]))
+                      if bn2 else (d_w, d_y))
         _mm_tma_persistent_kernel[(progs,)](
-            TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]),
-            TensorDescriptor.from_tensor(y, [BM, BN]), M, N, K, n_seg,
-            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs, num_warps=nw, num_stages=ns)
+            TensorDescriptor.from_tensor(x, [BM, BK]), d_w, d_w2, d_y, d_y2, M, N, K, n_seg,
+            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=bn, BLOCK_N2=bn2, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs,
+            num_warps=nw, num_stages=ns)
     elif schedule == "split" and n_seg > 1:
         ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
         _mm_split_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), n_seg)](
