@@ -155,6 +155,68 @@ def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
             d_y2.store([o_m, o_n + BLOCK_N], b_total2.to(d_y2.dtype))
 
 
+@triton.jit
+def _tma_segment(d_x, d_w, o_m, o_n, k_lo, SEG_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """p_s of one tile: the k16 chain over one K segment, from zero (TMA loads)."""
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, SEG_K, BLOCK_K):
+        b_acc = tl.dot(d_x.load([o_m, k_lo + kk]), d_w.load([o_n, k_lo + kk]).T, b_acc)
+    return b_acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_streamk_kernel(d_x, d_w, d_y, p_ws, p_flag, M, N, K, N_SEG,
+                       SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr):
+    """Mid-M schedule: stream-K over (tile, K segment) units, cut only at
+    segment boundaries, so the sum keeps the contract's order exactly.
+
+    The tiles' units, tile-major, are dealt out to NUM_PROGS programs in
+    contiguous equal runs (wave quantisation is at unit grain, not tile grain).
+    The program that holds a tile's segment 0 owns the tile: it adds its own
+    segments p_0, p_1, ... into ``total`` left to right, then waits for each
+    later segment's partial (written by the next programs, from zero, to the
+    fp32 workspace, with a release flag) and adds it, in segment order, then
+    rounds once.  That is ((0 + p_0) + p_1) + ... -- the fused kernel's adds.
+    A program's run starts with its only non-owned piece, so every wait is on
+    a later program that writes before it ever waits: no cycle, given that all
+    NUM_PROGS (<= SMs, one per SM) programs are resident at once."""
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    n_units = n_m * n_n * N_SEG
+    pid = tl.program_id(0)
+    u = pid * n_units // NUM_PROGS
+    u_end = (pid + 1) * n_units // NUM_PROGS
+    o_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    while u < u_end:
+        tile = u // N_SEG
+        s_lo = u % N_SEG
+        s_hi = tl.minimum(N_SEG, s_lo + u_end - u)
+        i_m, i_n = _tile_coords(tile, n_m, n_n, GROUP_M)
+        o_m, o_n = i_m * BLOCK_M, i_n * BLOCK_N
+        if s_lo == 0:  # owner: own segments, then the later programs' partials, in order
+            b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, s_hi):
+                b_total += _tma_segment(d_x, d_w, o_m, o_n, s * SEG_K, SEG_K, BLOCK_M, BLOCK_N, BLOCK_K)
+            for s in range(s_hi, N_SEG):
+                p_f = p_flag + tile * N_SEG + s
+                ready = tl.atomic_add(p_f, 0, sem="acquire")
+                while ready == 0:
+                    ready = tl.atomic_add(p_f, 0, sem="acquire")
+                slot = (tile * N_SEG + s).to(tl.int64) * (BLOCK_M * BLOCK_N)
+                b_total += tl.load(p_ws + slot + o_tile, cache_modifier=".cg")
+            d_y.store([o_m, o_n], b_total.to(d_y.dtype))
+        else:  # a later piece of a tile another program owns: publish each segment's partial
+            for s in range(s_lo, s_hi):
+                b_p = _tma_segment(d_x, d_w, o_m, o_n, s * SEG_K, SEG_K, BLOCK_M, BLOCK_N, BLOCK_K)
+                slot = (tile * N_SEG + s).to(tl.int64) * (BLOCK_M * BLOCK_N)
+                tl.store(p_ws + slot + o_tile, b_p)
+                tl.debug_barrier()  # every thread's store precedes the release
+                tl.atomic_xchg(p_flag + tile * N_SEG + s, 1, sem="release")
+        u += s_hi - s_lo
+
+
 _NUM_SMS: dict[int, int] = {}
 
 
@@ -235,6 +297,9 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True) -> d
     return {"schedule": "split" if split else "fused", **cfg}
 
 
+SCHEDULES = ("fused", "split", "tma", "streamk")
+
+
 def column_blocks(BN: int) -> tuple[int, int]:
     """A tile width -> the TMA kernel's (BLOCK_N, BLOCK_N2): a power of two,
     or one and a half (192 = 128 + 64, 96 = 64 + 32)."""
@@ -256,11 +321,12 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
     if schedule is None:
         schedule = lc["schedule"]
     elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
-        lc = _tma_config(*_TMA_TILES[0]) if schedule == "tma" else _split_config(M, N, triton.cdiv(K, seg_k), sms)
-    if schedule not in ("fused", "split", "tma"):
-        raise ValueError(f"schedule must be 'fused', 'split' or 'tma', got {schedule!r}")
+        lc = (_tma_config(*_TMA_TILES[0]) if schedule in ("tma", "streamk") else
+              _split_config(M, N, triton.cdiv(K, seg_k), sms))
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     BM, BN, BK = block_m or lc["BLOCK_M"], block_n or lc["BLOCK_N"], block_k or lc["BLOCK_K"]
-    if column_blocks(BN)[1] and schedule != "tma":
+    if column_blocks(BN)[1] and schedule != "tma":  # (stream-K tiles are one column block)
         raise ValueError(f"block_n={BN} (not a power of two) needs schedule='tma'")
     while not block_k and BK > 32 and (BM + BN) * BK * elem * 2 > _SMEM:  # fp32 tiles: a shorter k-step
         BK //= 2
@@ -278,7 +344,7 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
                       num_stages: int | None = None, _reduction: dict | None = None) -> torch.Tensor:
     """x (M, K) · w (N, K)ᵀ -> (M, N) in x.dtype.  Strided inputs are fine.
 
-    ``block_m``/``block_n``/``block_k``, ``schedule`` ("fused", "split", "tma"),
+    ``block_m``/``block_n``/``block_k``, ``schedule`` (``SCHEDULES``),
     ``num_warps`` and ``num_stages`` are free launch knobs (defaults from
     ``launch_config``); none changes a bit.  ``_reduction`` overrides
     ``reduction_config`` (for sweeps only: it does change bits).
@@ -297,11 +363,22 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     seg_k = SEG_K if n_seg > 1 else triton.cdiv(K, BK) * BK
     ieee = x.dtype == torch.float32
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    if schedule == "tma":
+    if schedule in ("tma", "streamk"):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         if not tma_ok:
-            raise ValueError("schedule='tma' needs bf16 operands with unit last stride and 16-byte aligned rows")
+            raise ValueError(f"schedule={schedule!r} needs bf16 operands with unit last stride and 16-byte aligned rows")
+    if schedule == "streamk":
+        units = tiles * n_seg
+        progs = triton.cdiv(units, triton.cdiv(units, sms))  # fewest programs at the least units each
+        ws = torch.empty(units * BM * BN, dtype=torch.float32, device=x.device)
+        flags = torch.zeros(units, dtype=torch.int32, device=x.device)
+        _mm_streamk_kernel[(progs,)](
+            TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]),
+            TensorDescriptor.from_tensor(y, [BM, BN]), ws, flags, M, N, K, n_seg,
+            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs,
+            num_warps=nw, num_stages=ns)
+    elif schedule == "tma":
         progs = min(sms, tiles)
         bn, bn2 = column_blocks(BN)
         d_w, d_y = TensorDescriptor.from_tensor(w, [bn, BK]), TensorDescriptor.from_tensor(y, [BM, bn])
