@@ -30,14 +30,10 @@ SMALL_M = [  # decode, M <= 64
 LARGE_M = [  # M >= 128
     ("split", 64, 64, 64, 4, 4), ("split", 128, 64, 64, 4, 4), ("split", 128, 64, 64, 8, 4),
     ("split", 64, 32, 128, 4, 4), ("split", 128, 128, 64, 8, 3),
-    ("tma", 128, 256, 64, 8, 3), ("tma", 128, 192, 64, 8, 3), ("tma", 128, 192, 64, 8, 4),
-    ("tma", 128, 128, 64, 8, 4), ("tma", 128, 128, 128, 8, 3), ("tma", 128, 96, 64, 8, 4),
-    ("tma", 128, 96, 128, 4, 4), ("tma", 128, 64, 64, 8, 4), ("tma", 128, 64, 128, 4, 4),
-    ("tma", 64, 384, 64, 8, 3), ("tma", 64, 256, 64, 4, 4), ("tma", 64, 192, 64, 4, 4),
-    ("tma", 64, 192, 128, 4, 3), ("tma", 64, 128, 128, 4, 4), ("tma", 64, 96, 128, 4, 4),
-    ("tma", 64, 64, 128, 4, 4), ("tma", 64, 32, 128, 4, 4),
-    ("streamk", 128, 256, 64, 8, 3), ("streamk", 128, 256, 64, 8, 4), ("streamk", 128, 128, 64, 8, 4),
-    ("streamk", 128, 128, 128, 8, 3), ("streamk", 128, 64, 128, 4, 4), ("streamk", 64, 256, 64, 4, 4),
+    ("tma", 128, 256, 64, 8, 3), ("tma", 128, 192, 64, 8, 4), ("tma", 128, 128, 64, 8, 4),
+    ("tma", 128, 128, 128, 8, 3), ("tma", 128, 64, 128, 4, 4), ("tma", 64, 256, 64, 4, 4),
+    ("tma", 64, 192, 128, 4, 3), ("tma", 64, 128, 128, 4, 4), ("tma", 64, 64, 128, 4, 4),
+    ("streamk", 128, 256, 64, 8, 4), ("streamk", 128, 128, 128, 8, 3), ("streamk", 128, 64, 128, 4, 4),
     ("streamk", 64, 128, 128, 4, 4),
 ]
 
@@ -49,11 +45,16 @@ def main():
                     help="NxK list")
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--top", type=int, default=5, help="fastest candidates printed per (N, K, M)")
+    ap.add_argument("--schedules", default="fused,split,tma,streamk", help="schedules swept")
+    ap.add_argument("--k-loops", default="0", help="TMA k-loop forms swept (kernel.py: 0 per segment, "
+                    "1 flattened, 2 one loop)")
     args = ap.parse_args()
     t_end = time.time() + args.budget_s
     torch.manual_seed(0)
     dev = torch.device("cuda")
     ms = [int(m) for m in args.ms.split(",")]
+    schedules = args.schedules.split(",")
+    loops = [int(v) for v in args.k_loops.split(",")]
     for shape in args.shapes.split(","):
         N, K = (int(v) for v in shape.split("x"))
         x = torch.randn(max(ms), K, device=dev).bfloat16()
@@ -67,14 +68,17 @@ def main():
             cub = _time_graph(lambda: torch.mm(xm, w.t()))
             dflt = _time_graph(lambda: matmul_fwd_triton(xm, w))
             res = []
-            for sched, BM, BN, BK, nw, ns in (SMALL_M if M <= 64 else LARGE_M):
+            cands = [(*c, lp) for c in (SMALL_M if M <= 64 else LARGE_M) if c[0] in schedules
+                     for lp in (loops if c[0] == "tma" else (0,))]
+            for sched, BM, BN, BK, nw, ns, lp in cands:
                 f = lambda: matmul_fwd_triton(xm, w, schedule=sched, block_m=BM, block_n=BN, block_k=BK,
-                                              num_warps=nw, num_stages=ns)
+                                              num_warps=nw, num_stages=ns, k_loop=lp)
+                name = f"{sched}{'/loop' + str(lp) if lp else ''}"
                 try:
                     same = torch.equal(f(), ref)
-                    res.append((_time_graph(f), sched, BM, BN, BK, nw, ns, same))
+                    res.append((_time_graph(f), name, BM, BN, BK, nw, ns, same))
                 except Exception as e:  # out of shared memory etc.
-                    res.append((float("inf"), sched, BM, BN, BK, nw, ns, type(e).__name__))
+                    res.append((float("inf"), name, BM, BN, BK, nw, ns, type(e).__name__))
             res.sort(key=lambda r: r[0])
             print(f"N={N} K={K} M={M} cublas={cub:.4f}ms default={dflt:.4f}ms ({cub / dflt:.2f}x)", flush=True)
             for r in res[:args.top]:

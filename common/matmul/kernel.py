@@ -118,7 +118,7 @@ def _mm_merge_kernel(p_ws, p_y, M, N, stride_ym, stride_yn, N_SEG, BLOCK: tl.con
 def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
                               SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                              NUM_PROGS: tl.constexpr):
+                              NUM_PROGS: tl.constexpr, LOOP: tl.constexpr = 0, FLATTEN: tl.constexpr = False):
     """Large-M schedule: persistent programs walk the tiles; operands arrive by
     TMA (out-of-bounds reads are zero).  Same per-element arithmetic as
     ``_segment_dot`` + the fused kernel: segment chains from zero, added left
@@ -138,18 +138,34 @@ def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
         b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if BLOCK_N2 > 0:
             b_total2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
-        for s in range(0, N_SEG):
+        if LOOP == 2:  # one k-loop over all of K: the chain restarts from zero after a segment's last step
             b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if BLOCK_N2 > 0:
                 b_acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
-            for kk in range(0, SEG_K, BLOCK_K):
-                b_x = d_x.load([o_m, s * SEG_K + kk])
-                b_acc = tl.dot(b_x, d_w.load([o_n, s * SEG_K + kk]).T, b_acc)
+            for kk in range(0, N_SEG * SEG_K, BLOCK_K):
+                b_x = d_x.load([o_m, kk])
+                b_acc = tl.dot(b_x, d_w.load([o_n, kk]).T, b_acc)
                 if BLOCK_N2 > 0:
-                    b_acc2 = tl.dot(b_x, d_w2.load([o_n + BLOCK_N, s * SEG_K + kk]).T, b_acc2)
-            b_total += b_acc
-            if BLOCK_N2 > 0:
-                b_total2 += b_acc2
+                    b_acc2 = tl.dot(b_x, d_w2.load([o_n + BLOCK_N, kk]).T, b_acc2)
+                if (kk + BLOCK_K) % SEG_K == 0:
+                    b_total += b_acc
+                    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    if BLOCK_N2 > 0:
+                        b_total2 += b_acc2
+                        b_acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
+        else:  # a k-loop per segment (FLATTEN: the compiler pipelines across them)
+            for s in tl.range(0, N_SEG, flatten=FLATTEN):
+                b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                if BLOCK_N2 > 0:
+                    b_acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
+                for kk in range(0, SEG_K, BLOCK_K):
+                    b_x = d_x.load([o_m, s * SEG_K + kk])
+                    b_acc = tl.dot(b_x, d_w.load([o_n, s * SEG_K + kk]).T, b_acc)
+                    if BLOCK_N2 > 0:
+                        b_acc2 = tl.dot(b_x, d_w2.load([o_n + BLOCK_N, s * SEG_K + kk]).T, b_acc2)
+                b_total += b_acc
+                if BLOCK_N2 > 0:
+                    b_total2 += b_acc2
         d_y.store([o_m, o_n], b_total.to(d_y.dtype))
         if BLOCK_N2 > 0:
             d_y2.store([o_m, o_n + BLOCK_N], b_total2.to(d_y2.dtype))
@@ -341,7 +357,8 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
 def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None = None,
                       block_n: int | None = None, block_k: int | None = None,
                       schedule: str | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None, _reduction: dict | None = None) -> torch.Tensor:
+                      num_stages: int | None = None, k_loop: int = 0,
+                      _reduction: dict | None = None) -> torch.Tensor:
     """x (M, K) · w (N, K)ᵀ -> (M, N) in x.dtype.  Strided inputs are fine.
 
     ``block_m``/``block_n``/``block_k``, ``schedule`` (``SCHEDULES``),
@@ -387,7 +404,7 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
         _mm_tma_persistent_kernel[(progs,)](
             TensorDescriptor.from_tensor(x, [BM, BK]), d_w, d_w2, d_y, d_y2, M, N, K, n_seg,
             SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=bn, BLOCK_N2=bn2, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs,
-            num_warps=nw, num_stages=ns)
+            LOOP=k_loop, FLATTEN=k_loop == 1, num_warps=nw, num_stages=ns)
     elif schedule == "split" and n_seg > 1:
         ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
         _mm_split_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), n_seg)](
