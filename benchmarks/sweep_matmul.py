@@ -46,15 +46,12 @@ def main():
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--top", type=int, default=5, help="fastest candidates printed per (N, K, M)")
     ap.add_argument("--schedules", default="fused,split,tma,streamk", help="schedules swept")
-    ap.add_argument("--k-loops", default="0", help="TMA k-loop forms swept (kernel.py: 0 per segment, "
-                    "1 flattened, 2 one loop)")
     args = ap.parse_args()
     t_end = time.time() + args.budget_s
     torch.manual_seed(0)
     dev = torch.device("cuda")
     ms = [int(m) for m in args.ms.split(",")]
     schedules = args.schedules.split(",")
-    loops = [int(v) for v in args.k_loops.split(",")]
     for shape in args.shapes.split(","):
         N, K = (int(v) for v in shape.split("x"))
         x = torch.randn(max(ms), K, device=dev).bfloat16()
@@ -68,17 +65,16 @@ def main():
             cub = _time_graph(lambda: torch.mm(xm, w.t()))
             dflt = _time_graph(lambda: matmul_fwd_triton(xm, w))
             res = []
-            cands = [(*c, lp) for c in (SMALL_M if M <= 64 else LARGE_M) if c[0] in schedules
-                     for lp in (loops if c[0] == "tma" else (0,))]
-            for sched, BM, BN, BK, nw, ns, lp in cands:
+            for sched, BM, BN, BK, nw, ns in (SMALL_M if M <= 64 else LARGE_M):
+                if sched not in schedules:
+                    continue
                 f = lambda: matmul_fwd_triton(xm, w, schedule=sched, block_m=BM, block_n=BN, block_k=BK,
-                                              num_warps=nw, num_stages=ns, k_loop=lp)
-                name = f"{sched}{'/loop' + str(lp) if lp else ''}"
+                                              num_warps=nw, num_stages=ns)
                 try:
                     same = torch.equal(f(), ref)
-                    res.append((_time_graph(f), name, BM, BN, BK, nw, ns, same))
+                    res.append((_time_graph(f), sched, BM, BN, BK, nw, ns, same))
                 except Exception as e:  # out of shared memory etc.
-                    res.append((float("inf"), name, BM, BN, BK, nw, ns, type(e).__name__))
+                    res.append((float("inf"), sched, BM, BN, BK, nw, ns, type(e).__name__))
             res.sort(key=lambda r: r[0])
             print(f"N={N} K={K} M={M} cublas={cub:.4f}ms default={dflt:.4f}ms ({cub / dflt:.2f}x)", flush=True)
             for r in res[:args.top]:

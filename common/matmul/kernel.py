@@ -118,17 +118,23 @@ def _mm_merge_kernel(p_ws, p_y, M, N, stride_ym, stride_yn, N_SEG, BLOCK: tl.con
 def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
                               SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                              NUM_PROGS: tl.constexpr, LOOP: tl.constexpr = 0, FLATTEN: tl.constexpr = False):
+                              NUM_PROGS: tl.constexpr):
     """Large-M schedule: persistent programs walk the tiles; operands arrive by
     TMA (out-of-bounds reads are zero).  Same per-element arithmetic as
     ``_segment_dot`` + the fused kernel: segment chains from zero, added left
     to right (measured bit-identical on the H200).
 
+    One k-loop runs over all of K and restarts the chain from zero after each
+    segment's last step: a loop per segment drained the software pipeline at
+    every segment boundary (4-12 times a tile; one loop measured 1.03-1.16x
+    faster, session 5 sweep).
+
     A tile is BLOCK_N + BLOCK_N2 columns wide: BLOCK_N2 > 0 adds a second,
     narrower column block (its own descriptors ``d_w2``/``d_y2`` and dot), so
     a tile can be 192 or 96 wide where powers of two leave SMs idle (wave
-    quantisation).  Each output element is still its own k16 chain: the
-    column block it sits in does not touch its sum."""
+    quantisation).  Such tiles keep a k-loop per segment: one loop holding
+    four accumulators ran 1.2-2.5x slower.  Each output element is still its
+    own k16 chain: the column block it sits in does not touch its sum."""
     BLOCK_W: tl.constexpr = BLOCK_N + BLOCK_N2
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_W)
@@ -136,49 +142,26 @@ def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
         i_m, i_n = _tile_coords(tile, n_m, n_n, GROUP_M)
         o_m, o_n = i_m * BLOCK_M, i_n * BLOCK_W
         b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if BLOCK_N2 > 0:
-            b_total2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
-        if LOOP == 2:  # one k-loop over all of K: the chain restarts from zero after a segment's last step
-            b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if BLOCK_N2 > 0:
-                b_acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
+        b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if BLOCK_N2 == 0:
             for kk in range(0, N_SEG * SEG_K, BLOCK_K):
-                b_x = d_x.load([o_m, kk])
-                b_acc = tl.dot(b_x, d_w.load([o_n, kk]).T, b_acc)
-                if BLOCK_N2 > 0:
-                    b_acc2 = tl.dot(b_x, d_w2.load([o_n + BLOCK_N, kk]).T, b_acc2)
-                if (kk + BLOCK_K) % SEG_K == 0:
+                b_acc = tl.dot(d_x.load([o_m, kk]), d_w.load([o_n, kk]).T, b_acc)
+                if (kk + BLOCK_K) % SEG_K == 0:  # a segment's last step
                     b_total += b_acc
                     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    if BLOCK_N2 > 0:
-                        b_total2 += b_acc2
-                        b_acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
-        else:  # a k-loop per segment (FLATTEN: the compiler pipelines across them)
-            for s in tl.range(0, N_SEG, flatten=FLATTEN):
+        else:
+            b_total2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
+            for s in range(0, N_SEG):
                 b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                if BLOCK_N2 > 0:
-                    b_acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
-                for kk in range(0, SEG_K, BLOCK_K):
-                    b_x = d_x.load([o_m, s * SEG_K + kk])
-                    b_acc = tl.dot(b_x, d_w.load([o_n, s * SEG_K + kk]).T, b_acc)
-                    if BLOCK_N2 > 0:
-                        b_acc2 = tl.dot(b_x, d_w2.load([o_n + BLOCK_N, s * SEG_K + kk]).T, b_acc2)
+                b_acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
+                for kk in range(s * SEG_K, (s + 1) * SEG_K, BLOCK_K):
+                    b_x = d_x.load([o_m, kk])
+                    b_acc = tl.dot(b_x, d_w.load([o_n, kk]).T, b_acc)
+                    b_acc2 = tl.dot(b_x, d_w2.load([o_n + BLOCK_N, kk]).T, b_acc2)
                 b_total += b_acc
-                if BLOCK_N2 > 0:
-                    b_total2 += b_acc2
-        d_y.store([o_m, o_n], b_total.to(d_y.dtype))
-        if BLOCK_N2 > 0:
+                b_total2 += b_acc2
             d_y2.store([o_m, o_n + BLOCK_N], b_total2.to(d_y2.dtype))
-
-
-@triton.jit
-def _tma_segment(d_x, d_w, o_m, o_n, k_lo, SEG_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """p_s of one tile: the k16 chain over one K segment, from zero (TMA loads)."""
-    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, SEG_K, BLOCK_K):
-        b_acc = tl.dot(d_x.load([o_m, k_lo + kk]), d_w.load([o_n, k_lo + kk]).T, b_acc)
-    return b_acc
+        d_y.store([o_m, o_n], b_total.to(d_y.dtype))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -209,12 +192,23 @@ def _mm_streamk_kernel(d_x, d_w, d_y, p_ws, p_flag, M, N, K, N_SEG,
         tile = u // N_SEG
         s_lo = u % N_SEG
         s_hi = tl.minimum(N_SEG, s_lo + u_end - u)
+        owner = s_lo == 0
         i_m, i_n = _tile_coords(tile, n_m, n_n, GROUP_M)
         o_m, o_n = i_m * BLOCK_M, i_n * BLOCK_N
-        if s_lo == 0:  # owner: own segments, then the later programs' partials, in order
-            b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, s_hi):
-                b_total += _tma_segment(d_x, d_w, o_m, o_n, s * SEG_K, SEG_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(s_lo * SEG_K, s_hi * SEG_K, BLOCK_K):  # one k-loop over the piece
+            b_acc = tl.dot(d_x.load([o_m, kk]), d_w.load([o_n, kk]).T, b_acc)
+            if (kk + BLOCK_K) % SEG_K == 0:  # a segment's last step: p_s is b_acc
+                if owner:
+                    b_total += b_acc
+                else:  # publish p_s for the owner
+                    slot = (tile * N_SEG + kk // SEG_K).to(tl.int64) * (BLOCK_M * BLOCK_N)
+                    tl.store(p_ws + slot + o_tile, b_acc)
+                    tl.debug_barrier()  # every thread's store precedes the release
+                    tl.atomic_xchg(p_flag + tile * N_SEG + kk // SEG_K, 1, sem="release")
+                b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if owner:  # the later programs' partials, in segment order, then one rounding
             for s in range(s_hi, N_SEG):
                 p_f = p_flag + tile * N_SEG + s
                 ready = tl.atomic_add(p_f, 0, sem="acquire")
@@ -223,13 +217,6 @@ def _mm_streamk_kernel(d_x, d_w, d_y, p_ws, p_flag, M, N, K, N_SEG,
                 slot = (tile * N_SEG + s).to(tl.int64) * (BLOCK_M * BLOCK_N)
                 b_total += tl.load(p_ws + slot + o_tile, cache_modifier=".cg")
             d_y.store([o_m, o_n], b_total.to(d_y.dtype))
-        else:  # a later piece of a tile another program owns: publish each segment's partial
-            for s in range(s_lo, s_hi):
-                b_p = _tma_segment(d_x, d_w, o_m, o_n, s * SEG_K, SEG_K, BLOCK_M, BLOCK_N, BLOCK_K)
-                slot = (tile * N_SEG + s).to(tl.int64) * (BLOCK_M * BLOCK_N)
-                tl.store(p_ws + slot + o_tile, b_p)
-                tl.debug_barrier()  # every thread's store precedes the release
-                tl.atomic_xchg(p_flag + tile * N_SEG + s, 1, sem="release")
         u += s_hi - s_lo
 
 
@@ -357,8 +344,7 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
 def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None = None,
                       block_n: int | None = None, block_k: int | None = None,
                       schedule: str | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None, k_loop: int = 0,
-                      _reduction: dict | None = None) -> torch.Tensor:
+                      num_stages: int | None = None, _reduction: dict | None = None) -> torch.Tensor:
     """x (M, K) · w (N, K)ᵀ -> (M, N) in x.dtype.  Strided inputs are fine.
 
     ``block_m``/``block_n``/``block_k``, ``schedule`` (``SCHEDULES``),
@@ -404,7 +390,7 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
         _mm_tma_persistent_kernel[(progs,)](
             TensorDescriptor.from_tensor(x, [BM, BK]), d_w, d_w2, d_y, d_y2, M, N, K, n_seg,
             SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=bn, BLOCK_N2=bn2, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs,
-            LOOP=k_loop, FLATTEN=k_loop == 1, num_warps=nw, num_stages=ns)
+            num_warps=nw, num_stages=ns)
     elif schedule == "split" and n_seg > 1:
         ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
         _mm_split_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), n_seg)](
