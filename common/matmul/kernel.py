@@ -17,7 +17,9 @@ Three schedules compute exactly that arithmetic:
   segment) writes ``p_s`` in fp32 to a workspace, and the merge adds the S
   partials left to right (small M: S× more programs to fill 132 SMs);
 * ``_mm_tma_persistent_kernel`` — the fused arithmetic with TMA loads and
-  persistent programs (bf16 at M ≥ 128 by default).
+  persistent programs (bf16 at M ≥ 128 by default), in one k-loop that
+  restarts the chain after each segment's last step; tiles may be 1.5 powers
+  of two wide (192 = 128 + 64 columns, two dots) to fill the SM waves.
 
 The fused and split kernels call the same ``_segment_dot``; the schedule is
 picked for speed alone and cannot change a bit.  Every output element is the
@@ -29,8 +31,10 @@ pointer-load schedules gave identical bits at SEG_K = 1024, while SEG_K =
 2048 changed them (benchmarks/results/2026-11-30-h200-matmul-sweep.txt); in
 session 4, 22 schedule × tile candidates including the TMA schedule and
 64×32 tiles, at six Qwen3-8B (N, K) and M = 1…1024, all gave the default's
-bits (…-session4-matmul-sweep.txt).  ``launch_config`` is therefore free to
-depend on M.  BLOCK_M stays ≥ 64 so Hopper always runs wgmma (smaller tiles
+bits (…-session4-matmul-sweep.txt); in session 5 the one-loop TMA kernel,
+192- and 96-wide tiles and a stream-K schedule (dropped: slower everywhere)
+did too (…-session5-matmul-sweeps.txt).  ``launch_config`` is therefore free
+to depend on M.  BLOCK_M stays ≥ 64 so Hopper always runs wgmma (smaller tiles
 lower to mma.sync, whose in-instruction summation is not promised equal).
 """
 from __future__ import annotations
@@ -164,62 +168,6 @@ def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
         d_y.store([o_m, o_n], b_total.to(d_y.dtype))
 
 
-@triton.jit(do_not_specialize=["M"])
-def _mm_streamk_kernel(d_x, d_w, d_y, p_ws, p_flag, M, N, K, N_SEG,
-                       SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr):
-    """Mid-M schedule: stream-K over (tile, K segment) units, cut only at
-    segment boundaries, so the sum keeps the contract's order exactly.
-
-    The tiles' units, tile-major, are dealt out to NUM_PROGS programs in
-    contiguous equal runs (wave quantisation is at unit grain, not tile grain).
-    The program that holds a tile's segment 0 owns the tile: it adds its own
-    segments p_0, p_1, ... into ``total`` left to right, then waits for each
-    later segment's partial (written by the next programs, from zero, to the
-    fp32 workspace, with a release flag) and adds it, in segment order, then
-    rounds once.  That is ((0 + p_0) + p_1) + ... -- the fused kernel's adds.
-    A program's run starts with its only non-owned piece, so every wait is on
-    a later program that writes before it ever waits: no cycle, given that all
-    NUM_PROGS (<= SMs, one per SM) programs are resident at once."""
-    n_m = tl.cdiv(M, BLOCK_M)
-    n_n = tl.cdiv(N, BLOCK_N)
-    n_units = n_m * n_n * N_SEG
-    pid = tl.program_id(0)
-    u = pid * n_units // NUM_PROGS
-    u_end = (pid + 1) * n_units // NUM_PROGS
-    o_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    while u < u_end:
-        tile = u // N_SEG
-        s_lo = u % N_SEG
-        s_hi = tl.minimum(N_SEG, s_lo + u_end - u)
-        owner = s_lo == 0
-        i_m, i_n = _tile_coords(tile, n_m, n_n, GROUP_M)
-        o_m, o_n = i_m * BLOCK_M, i_n * BLOCK_N
-        b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(s_lo * SEG_K, s_hi * SEG_K, BLOCK_K):  # one k-loop over the piece
-            b_acc = tl.dot(d_x.load([o_m, kk]), d_w.load([o_n, kk]).T, b_acc)
-            if (kk + BLOCK_K) % SEG_K == 0:  # a segment's last step: p_s is b_acc
-                if owner:
-                    b_total += b_acc
-                else:  # publish p_s for the owner
-                    slot = (tile * N_SEG + kk // SEG_K).to(tl.int64) * (BLOCK_M * BLOCK_N)
-                    tl.store(p_ws + slot + o_tile, b_acc)
-                    tl.debug_barrier()  # every thread's store precedes the release
-                    tl.atomic_xchg(p_flag + tile * N_SEG + kk // SEG_K, 1, sem="release")
-                b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if owner:  # the later programs' partials, in segment order, then one rounding
-            for s in range(s_hi, N_SEG):
-                p_f = p_flag + tile * N_SEG + s
-                ready = tl.atomic_add(p_f, 0, sem="acquire")
-                while ready == 0:
-                    ready = tl.atomic_add(p_f, 0, sem="acquire")
-                slot = (tile * N_SEG + s).to(tl.int64) * (BLOCK_M * BLOCK_N)
-                b_total += tl.load(p_ws + slot + o_tile, cache_modifier=".cg")
-            d_y.store([o_m, o_n], b_total.to(d_y.dtype))
-        u += s_hi - s_lo
-
-
 _NUM_SMS: dict[int, int] = {}
 
 
@@ -236,8 +184,12 @@ def reduction_config(N: int, K: int) -> dict:
     return {"SEG_K": 1024}
 
 
-# Persistent TMA tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), largest first.
-_TMA_TILES = ((128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 4))
+# Persistent TMA tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) and each
+# one's speed relative to the 128x256 tile with every SM busy (rounded from the
+# session-5 sweeps, benchmarks/results/2026-11-30-h200-session5-matmul-sweeps.txt).
+_TMA_TILES = ((128, 256, 64, 8, 3), (128, 192, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 128, 4, 4),
+              (64, 64, 128, 4, 4))
+_TMA_SPEED = (1.0, 0.87, 0.9, 0.85, 0.65)
 
 
 def _tma_config(bm: int, bn: int, bk: int, nw: int, ns: int) -> dict:
@@ -271,15 +223,16 @@ def _fit_stages(stages: int, BM: int, BN: int, BK: int, elem: int) -> int:
 
 def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True) -> dict:
     """Bit-neutral schedule and tile for speed: any choice gives the same
-    bits (H200 sweep of session 4, benchmarks/results/2026-11-30-h200-session4-matmul-sweep.txt:
-    22 schedules x tiles at 6 Qwen3-8B (N, K) and 7 M, none changed a bit).
+    bits (H200 sweeps of sessions 4 and 5, benchmarks/results/2026-11-30-h200-session4-matmul-sweep.txt
+    and ...-session5-matmul-sweeps.txt: every schedule x tile candidate at six
+    Qwen3-8B (N, K) and M = 1...4096 gave the default's bits).
 
     * M <= 64 (decode): 64-row tiles streaming the weight; split over the K
       segments while the tiles alone would not fill two waves, else fused.
-    * larger M with TMA-able operands: the persistent TMA schedule with the
-      largest tile whose wave fill is within 0.05 of the best candidate's
-      (wave quantisation, not tile efficiency, lost most at M = 128-512);
-      split instead when even the smallest tile leaves 30% of the SMs idle.
+    * larger M with TMA-able operands: the persistent TMA tile with the best
+      (tile speed x wave fill): at M = 128-1024 wave quantisation costs more
+      than a smaller tile does; split instead when even 64x64 tiles would
+      leave 30% of the SMs idle.
     * otherwise (fp32 or unaligned operands): the pointer-load fused/split kernels.
     """
     n_seg = triton.cdiv(K, reduction_config(N, K)["SEG_K"])
@@ -289,18 +242,18 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True) -> d
         return {"schedule": "split" if split else "fused", "BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk,
                 "num_warps": 4, "num_stages": 4}
     if tma:
-        if n_seg > 1 and triton.cdiv(M, 64) * triton.cdiv(N, 128) < 0.7 * sms:  # the smallest tile's count
+        if n_seg > 1 and triton.cdiv(M, 64) * triton.cdiv(N, 64) < 0.7 * sms:  # the smallest tile's count
             return _split_config(M, N, n_seg, sms)
-        fills = [_wave_fill(triton.cdiv(M, bm) * triton.cdiv(N, bn), sms) for bm, bn, *_ in _TMA_TILES]
-        i = next(i for i, f in enumerate(fills) if f >= max(fills) - 0.05)
-        return _tma_config(*_TMA_TILES[i])
+        score = [v * _wave_fill(triton.cdiv(M, bm) * triton.cdiv(N, bn), sms)
+                 for (bm, bn, *_), v in zip(_TMA_TILES, _TMA_SPEED)]
+        return _tma_config(*_TMA_TILES[score.index(max(score))])
     cfg = ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4} if M <= 512 else
            {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3})
     split = n_seg > 1 and triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]) < sms
     return {"schedule": "split" if split else "fused", **cfg}
 
 
-SCHEDULES = ("fused", "split", "tma", "streamk")
+SCHEDULES = ("fused", "split", "tma")
 
 
 def column_blocks(BN: int) -> tuple[int, int]:
@@ -324,12 +277,11 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
     if schedule is None:
         schedule = lc["schedule"]
     elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
-        lc = (_tma_config(*_TMA_TILES[0]) if schedule in ("tma", "streamk") else
-              _split_config(M, N, triton.cdiv(K, seg_k), sms))
+        lc = _tma_config(*_TMA_TILES[0]) if schedule == "tma" else _split_config(M, N, triton.cdiv(K, seg_k), sms)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     BM, BN, BK = block_m or lc["BLOCK_M"], block_n or lc["BLOCK_N"], block_k or lc["BLOCK_K"]
-    if column_blocks(BN)[1] and schedule != "tma":  # (stream-K tiles are one column block)
+    if column_blocks(BN)[1] and schedule != "tma":
         raise ValueError(f"block_n={BN} (not a power of two) needs schedule='tma'")
     while not block_k and BK > 32 and (BM + BN) * BK * elem * 2 > _SMEM:  # fp32 tiles: a shorter k-step
         BK //= 2
@@ -366,22 +318,11 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     seg_k = SEG_K if n_seg > 1 else triton.cdiv(K, BK) * BK
     ieee = x.dtype == torch.float32
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    if schedule in ("tma", "streamk"):
+    if schedule == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         if not tma_ok:
-            raise ValueError(f"schedule={schedule!r} needs bf16 operands with unit last stride and 16-byte aligned rows")
-    if schedule == "streamk":
-        units = tiles * n_seg
-        progs = triton.cdiv(units, triton.cdiv(units, sms))  # fewest programs at the least units each
-        ws = torch.empty(units * BM * BN, dtype=torch.float32, device=x.device)
-        flags = torch.zeros(units, dtype=torch.int32, device=x.device)
-        _mm_streamk_kernel[(progs,)](
-            TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]),
-            TensorDescriptor.from_tensor(y, [BM, BN]), ws, flags, M, N, K, n_seg,
-            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs,
-            num_warps=nw, num_stages=ns)
-    elif schedule == "tma":
+            raise ValueError("schedule='tma' needs bf16 operands with unit last stride and 16-byte aligned rows")
         progs = min(sms, tiles)
         bn, bn2 = column_blocks(BN)
         d_w, d_y = TensorDescriptor.from_tensor(w, [bn, BK]), TensorDescriptor.from_tensor(y, [BM, bn])
