@@ -121,12 +121,13 @@ def _uniform01(b_seed, b_step):
 
 
 @triton.jit
-def _support_kernel(p_skeys, p_keys, p_temp, p_topk, p_topp, p_minp, p_seed, p_step, p_tok_in,
+def _support_kernel(p_skeys, p_logits, p_temp, p_topk, p_topp, p_minp, p_seed, p_step, p_tok_in,
                     p_tok, p_lp, p_v0, p_logz, p_last, V, SV, BLOCK: tl.constexpr, DRAW: tl.constexpr):
     """One program per row: the per-row program of op.py after the sort.
     DRAW: draw a token from (seed, step); else score p_tok_in (the replay).
     p_skeys rows hold the first SV sorted keys (SV >= every row's k'; the
-    passes below read positions < k' only)."""
+    passes below read positions < k' only); the replay's token key is
+    _order_key of its logit, the bits of the full keys'."""
     i_b = tl.program_id(0)
     o_row = i_b.to(tl.int64) * V
     p_row = p_skeys + i_b.to(tl.int64) * SV
@@ -174,7 +175,8 @@ def _support_kernel(p_skeys, p_keys, p_temp, p_topk, p_topp, p_minp, p_seed, p_s
             pick = tl.minimum(pick, tl.min(tl.where((o < n) & (b_S > b_target), o, n - 1), 0))
         b_key_tok = tl.load(p_row + pick)
     else:
-        b_key_tok = tl.load(p_keys + o_row + tl.load(p_tok_in + i_b))
+        o_tok = tl.load(p_tok_in + i_b)
+        b_key_tok = _order_key(tl.load(p_logits + o_row + o_tok), tl.where(greedy, 1.0, b_temp), o_tok)
 
     # rules.chosen_logprob: the same two fp32 subtractions, in the same order
     b_lp = (_key_value(b_key_tok) - b_v0) - b_logz
@@ -232,6 +234,7 @@ def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head
     dev = logits.device
     from .op import sorted_head
 
+    logits = logits.contiguous()
     keys = order_keys_cuda(logits, temperature)
     skeys = sorted_head(keys, head)  # (B, min(head, V)): the sorted positions any row reads
     draw = tokens is None
@@ -244,7 +247,7 @@ def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head
     lp, v0, logz = (torch.empty(B, dtype=torch.float32, device=dev) for _ in range(3))
     last = torch.empty(B, dtype=torch.int64, device=dev)
     if B:
-        _support_kernel[(B,)](skeys, keys, *ins, tok, lp, v0, logz, last, V, skeys.shape[1],
+        _support_kernel[(B,)](skeys, logits, *ins, tok, lp, v0, logz, last, V, skeys.shape[1],
                               BLOCK=BLOCK_V, DRAW=draw, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return (tok if draw else tokens), lp, v0, logz, last
 
