@@ -80,8 +80,19 @@ def test_sorted_head_gives_the_full_sorts_bits(device, monkeypatch):
     logits, t, k, p, m = (x.to(device) for x in (logits, t, k, p, m))
     seed, step = torch.arange(B, device=device), torch.full((B,), 3, device=device)
     widths = []
-    real = op.sorted_head
-    monkeypatch.setattr(op, "sorted_head", lambda keys, head: widths.append(min(head, keys.shape[1])) or real(keys, head))
+    if device.type == "cuda":  # CUDA forms its head from the logits (kernel.sorted_head_cuda)
+        import alignzoo.common.sampling.kernel as owner
+        name = "sorted_head_cuda"
+    else:
+        owner, name = op, "sorted_head"
+    real = getattr(owner, name)
+
+    def record(*args):
+        out = real(*args)
+        widths.append(out.shape[1])
+        return out
+
+    monkeypatch.setattr(owner, name, record)
 
     def run():
         tok, lp = sample_fwd(logits, t, k, p, m, seed, step)
@@ -103,6 +114,123 @@ def test_sorted_head_gives_the_full_sorts_bits(device, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(sample_fwd(logits, t, k, p, m, seed, step, head=hint), head[:2]))
     assert torch.equal(sampling_logprobs_fwd(logits, head[0], t, k, p, m, head=hint)[0], head[2])
     assert widths == [300, 300]
+
+
+# --- CUDA's head from torch.topk of the logits ----------------------------------
+
+CUT_KINDS = ("ulp/3", "rounded", "-inf", "+-0", "ulp/0.7", "greedy", "random")
+
+
+def _ulp_pair(tau: float) -> tuple[float, float]:
+    """Adjacent fp32 logits x < y with fl(x / tau) == fl(y / tau): topk ranks y
+    first, the keys tie them and rank the smaller id first."""
+    tau_t, x = torch.tensor(tau), torch.tensor(6.0)
+    while True:
+        y = torch.nextafter(x, torch.tensor(math.inf))
+        if torch.equal(x / tau_t, y / tau_t):
+            return x.item(), y.item()
+        x = y
+
+
+def _cut_rows(B: int, V: int, head: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, V) logits and (B,) temperatures, rows of ``CUT_KINDS`` in turn, with
+    ties at the cut of a ``head``-wide sorted head: head - 1 tokens above
+    y, y, x with x on the smallest of the three ids, an ulp pair x < y that
+    one division ties (equal logits under greedy), so topk keeps both y and
+    the head needs x; ties everywhere; five finite logits and -inf; +-0.0
+    around three positives; plain random rows."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, V, generator=g)
+    temp = torch.rand(B, generator=g) * 1.4 + 0.3
+    above = min(head, V - 2) - 1
+    for r in range(B):
+        kind, row = CUT_KINDS[r % len(CUT_KINDS)], logits[r]
+        if kind in ("ulp/3", "ulp/0.7", "greedy"):
+            temp[r] = {"ulp/3": 3.0, "ulp/0.7": 0.7, "greedy": 0.0}[kind]
+            x, y = _ulp_pair(float(temp[r])) if kind != "greedy" else (6.0, 6.0)
+            ids = torch.randperm(V, generator=g)[:above + 3]
+            row.clamp_(max=5.0)
+            row[ids[:above]] = 20.0 + torch.rand(above, generator=g)
+            a, c1, c2 = ids[above:].sort().values
+            row[a], row[c1], row[c2] = x, y, y
+        elif kind == "rounded":
+            row.mul_(4).round_()
+        elif kind == "-inf":
+            row[torch.randperm(V, generator=g)[5:]] = float("-inf")
+        elif kind == "+-0":
+            zero = torch.where(torch.rand(V, generator=g) < 0.5, -0.0, 0.0)
+            row.copy_(torch.where(row > 0, zero, row))
+            row[torch.randperm(V, generator=g)[:3]] = 1.0 + torch.rand(3, generator=g)
+    return logits, temp
+
+
+def _check_cuda_head(device, V: int, B: int, heads) -> None:
+    """For each head: ``kernel.sorted_head_cuda`` == ``op.sorted_head`` of the
+    full keys (without building them when head < V), and ``rows_cuda``'s draw
+    and replays (drawn tokens, random tokens) with that head == with the full
+    sort (head = V) through the same support kernel; the replay's key (from
+    the logit) gives ``rules.chosen_logprob``'s bits.  On CUDA, or on CPU
+    tensors under TRITON_INTERPRET=1."""
+    import contextlib
+    from unittest import mock
+
+    from alignzoo.common.sampling import kernel
+    from alignzoo.common.sampling.op import sorted_head
+    from alignzoo.common.sampling.rules import chosen_logprob
+
+    for head in heads:
+        logits, temp = _cut_rows(B, V, head, seed=V + head)
+        keys = order_keys(logits / torch.where(temp == 0, torch.ones_like(temp), temp)[:, None])
+        g = torch.Generator().manual_seed(head)
+        k = torch.randint(1, min(head, V) + 1, (B,), generator=g)
+        p = torch.where(torch.rand(B, generator=g) < 0.5, 1.0, torch.rand(B, generator=g) * 0.98 + 0.02)
+        m = torch.where(torch.rand(B, generator=g) < 0.5, 0.0, torch.rand(B, generator=g) * 0.2)
+        seed, step = torch.randint(-(2**62), 2**62, (B,), generator=g), torch.randint(0, 5000, (B,), generator=g)
+        others = torch.randint(0, V, (B,), generator=g)
+        l, t, k, p, m, seed, step, others = (x.to(device) for x in (logits, temp, k, p, m, seed, step, others))
+
+        no_keys = mock.patch.object(kernel, "order_keys_cuda", side_effect=AssertionError("(B, V) keys"))
+        with no_keys if head < V else contextlib.nullcontext():
+            got = kernel.sorted_head_cuda(l, t, head)
+            runs = [kernel.rows_cuda(l, t, k, p, m, seed, step, None, head)]
+            runs += [kernel.rows_cuda(l, t, k, p, m, None, None, tok, head) for tok in (runs[0][0], others)]
+        assert torch.equal(got.cpu(), sorted_head(keys, head)), f"V={V} head={head}"
+        full = kernel.rows_cuda(l, t, k, p, m, seed, step, None, V)
+        fulls = [full] + [kernel.rows_cuda(l, t, k, p, m, None, None, tok, V) for tok in (full[0], others)]
+        for run, ref in zip(runs, fulls):
+            assert all(bitwise_equal(a, b) for a, b in zip(run, ref)), f"V={V} head={head}"
+        for tok, lp, v0, logz, last in runs:
+            key_tok = keys.gather(1, tok.cpu()[:, None]).squeeze(1)
+            assert bitwise_equal(lp.cpu(), chosen_logprob(key_tok, v0.cpu(), logz.cpu(), last.cpu(), temp == 0))
+        assert bitwise_equal(runs[1][1], runs[0][1])  # the replay is the sampler
+
+
+_INTERPRETED_HEAD = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_sampling import _check_cuda_head
+{calls}
+"""
+
+
+def test_cuda_head_is_the_full_sorts_head_interpreted():
+    """kernel.py's head path (torch.topk of the logits, _head_keys_kernel's
+    tie scan) run by Triton's interpreter on CPU tensors: the full sort's
+    sorted head and rows, with ties straddling the cut (ulp pairs tied by
+    tau = 3 and 0.7, equal logits, -inf rows, +-0.0), greedy rows, heads 1
+    to V, odd V, in CI (``test_gpu_cuda_head_is_the_full_sorts_head`` at
+    the real vocabulary)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    calls = ["_check_cuda_head('cpu', 1000, 8, (1, 7, 50, 999, 1000))",
+             "_check_cuda_head('cpu', 4099, 9, (1, 50, 1024, 4098, 4099))"]
+    script = _INTERPRETED_HEAD.format(tests=os.path.dirname(__file__), calls="\n".join(calls))
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("B,V", [pytest.param(13, 1000, id="B13-V1000"), pytest.param(3, QWEN_VOCAB, id="B3-V151936")])
@@ -503,6 +631,14 @@ def test_gpu_keys_and_uniforms_are_the_cpu_bits():
     step = torch.cat([torch.tensor([2**63 - 1, -(2**63), 0, 1]), torch.randint(0, 2**40, (5000,))])
     assert torch.equal(uniform01_cuda(seed.cuda(), step.cuda()).cpu(), uniform01(seed, step))
     assert torch.equal(uniform01(seed.cuda(), step.cuda()).cpu(), uniform01(seed, step))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 7, 64])
+def test_gpu_cuda_head_is_the_full_sorts_head(B):
+    """The head path's bits at the real vocabulary, rows with ties at the cut
+    (B = 1 is an ulp pair tied by tau = 3)."""
+    _check_cuda_head(torch.device("cuda"), QWEN_VOCAB, B, (1, 50, 1024, QWEN_VOCAB - 1, QWEN_VOCAB))
 
 
 @pytest.mark.gpu

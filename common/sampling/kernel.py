@@ -1,18 +1,45 @@
 """Triton kernels of the sampling transforms, and their CUDA launchers.
 
-The GPU path of one block of rows (``rows_cuda``) is
+The GPU path of one block of rows (``rows_cuda``) forms the sorted head the
+rows read (``sorted_head_cuda``), then runs the support kernel:
 
-    _order_keys_kernel  logits, temperature -> int64 sort keys      Triton, element-wise
-    torch.sort / topk   keys -> sorted keys (the head rows read) torch / CUB
-    _support_kernel     sorted keys -> token, lp, v0, log Z, last   Triton, one program per row
-    _replay_bwd_kernel  d lp / d logits (the trainer's backward)    Triton, element-wise
+    head < V (``op.head_width``, top-k <= ``op._HEAD_MAX``):
+    torch.topk          fp32 logits -> head + 1 candidates (value, id)   torch, no keys
+    _head_keys_kernel   candidates (the row, on a tie at the cut) ->
+                        head + 1 int64 keys, the head's among them       Triton, one program per row
+    torch.sort          (B, head + 1) keys -> the sorted head            torch / CUB
+    head == V (a full sort):
+    _order_keys_kernel  logits, temperature -> (B, V) int64 sort keys    Triton, element-wise
+    torch.sort          keys -> sorted keys                              torch / CUB
+    then
+    _support_kernel     sorted keys -> token, lp, v0, log Z, last        Triton, one program per row
+    _replay_bwd_kernel  d lp / d logits (the trainer's backward)         Triton, element-wise
 
-Why the sort is torch's: a 151936-wide per-row sort is a multi-pass radix sort
-that Triton does not express well, and it needs no care here: the keys of a
-row are distinct (``rules.order_keys``), so every correct sort returns the one
-sorted permutation of the row, whatever algorithm, stability or batch
-segmentation torch/CUB picks.  Everything that rounds is in the Triton
-kernels, one program per row, with a layout fixed by the constants below.
+Why the sorts are torch's: a 151936-wide per-row sort is a multi-pass radix
+sort that Triton does not express well, and it needs no care here: the keys
+of a row are distinct (``rules.order_keys``), so every correct sort returns
+the one sorted permutation of the row, whatever algorithm, stability or batch
+segmentation torch/CUB picks.
+
+Why the head path has the full sort's bits (``op.sorted_head`` of every
+key): s = fl(l / tau) is non-decreasing in l (tau > 0, 1 for greedy rows;
+IEEE division is monotone), so with torch.topk's head + 1 largest logits,
+t = fl(vals[head - 1] / tau) is the row's head-th largest s whichever equal
+logits topk chose, and every token with s > t has l > vals[head - 1]: it is a
+candidate.  If fl(vals[head] / tau) < t, the first head candidates are
+exactly the tokens with s >= t and the last one sorts after them.  Otherwise
+a tie straddles the cut (equal logits, -inf rows, or logits an ulp apart that
+one division makes equal), topk's pick among the tied need not be the
+keys' "smaller id first", and ``_head_keys_kernel`` scans the row in id order for the tied
+tokens that make the head (``_head_keys_kernel``'s docstring).  Each key is
+``_order_key`` of (logit, tau, id), the same function as the full keys', and
+the replay computes its token's key the same way from the logit, so the head
+path writes no (B, V) key buffer at all.  NaN logits are outside the
+contract (``rules.order_keys``): topk ranks every NaN first while the keys
+rank a negative-signed NaN last, so the two paths may differ on them.
+
+Everything that rounds is in the Triton kernels, one program per row, with a
+layout fixed by the constants below.
 ``_support_kernel`` also folds the greedy / "off" parameters, hashes
 (seed, step) into the uniform with the same int64 operations as
 ``rules.uniform01`` (same bits), and computes the token's log-prob with the
@@ -48,6 +75,8 @@ import triton.language as tl
 BLOCK_V = 4096  # sorted positions per chunk in _support_kernel: shapes the scan
 NUM_WARPS = 8  # shapes tl.cumsum's tree: fixed
 ELEM_BLOCK = 1024  # element-wise kernels: no reduction, any value gives the same bits
+TIE_BLOCK = 1024  # tokens per chunk of _head_keys_kernel's tie scan: integer ranks, any value gives the same bits
+INT64_MAX = tl.constexpr(2**63 - 1)  # sorts after every non-NaN key: the largest, -inf's at id 2**31 - 1, is below 2**63 - 2**54
 
 
 @triton.jit
@@ -78,6 +107,50 @@ def _order_keys_kernel(p_logits, p_temp, p_keys, V, BLOCK: tl.constexpr):
     b_temp = tl.load(p_temp + i_b)
     b_key = _order_key(b_l, tl.where(b_temp == 0.0, 1.0, b_temp), o_v)  # greedy rows sort the raw logits
     tl.store(p_keys + o_row + o_v, b_key, mask=m_v)
+
+
+@triton.jit
+def _head_keys_kernel(p_logits, p_temp, p_vals, p_ids, p_cand, V, H, BLOCK_H: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """One program per row: H + 1 keys whose H smallest are the keys of the
+    row's first H sorted positions (rules.order_keys), from torch.topk's H + 1
+    largest logits p_vals / ids p_ids (descending; rows of H + 1, like p_cand).
+
+    t = fl(vals[H - 1] / tau).  The candidates' s are non-increasing, so those
+    with s > t are a prefix, G of them, and hold every such token of the row.
+    fl(vals[H] / tau) < t: the candidates' keys are the answer, the last key
+    sorting after the rest.  Equal (a tie straddles the cut): the first G
+    candidates' keys, then the first H - G ids of the row with s == t (chunks
+    of BLOCK tokens in id order, ranks by an integer tl.cumsum: exact; the
+    scan stops once it has them), then INT64_MAX.  == and > treat -0.0 as
+    +0.0, as the keys do."""
+    i_b = tl.program_id(0)
+    o_row = i_b.to(tl.int64) * V
+    o_crow = i_b.to(tl.int64) * (H + 1)
+    b_temp = tl.load(p_temp + i_b)
+    b_tau = tl.where(b_temp == 0.0, 1.0, b_temp)  # greedy rows sort the raw logits
+    o_h = tl.arange(0, BLOCK_H)
+    m_h = o_h <= H
+    b_l = tl.load(p_vals + o_crow + o_h, mask=m_h, other=0.0)
+    b_key = _order_key(b_l, b_tau, tl.load(p_ids + o_crow + o_h, mask=m_h, other=0))
+    b_t = tl.div_rn(tl.load(p_vals + o_crow + H - 1), b_tau)
+    tie = tl.div_rn(tl.load(p_vals + o_crow + H), b_tau) == b_t
+    n_gt = tl.sum((m_h & (tl.div_rn(b_l, b_tau) > b_t)).to(tl.int32), 0)
+    tl.store(p_cand + o_crow + o_h, b_key, mask=o_h < tl.where(tie, n_gt, H + 1))
+
+    need = H - n_gt
+    n_eq = tl.where(tie, 0, need)  # tied tokens seen so far; no scan without a tie
+    i_c = 0
+    while (n_eq < need) & (i_c * BLOCK < V):
+        o_v = i_c * BLOCK + tl.arange(0, BLOCK)
+        m_v = o_v < V
+        b_lv = tl.load(p_logits + o_row + o_v, mask=m_v, other=0.0)
+        m_eq = m_v & (tl.div_rn(b_lv, b_tau) == b_t)
+        b_rank = n_eq + tl.cumsum(m_eq.to(tl.int32), 0) - 1
+        tl.store(p_cand + o_crow + n_gt + b_rank, _order_key(b_lv, b_tau, o_v), mask=m_eq & (b_rank < need))
+        n_eq += tl.sum(m_eq.to(tl.int32), 0)
+        i_c += 1
+    tl.store(p_cand + o_crow + H, tl.full([], INT64_MAX, tl.int64), mask=tie)
 
 
 @triton.jit
@@ -125,7 +198,7 @@ def _support_kernel(p_skeys, p_logits, p_temp, p_topk, p_topp, p_minp, p_seed, p
                     p_tok, p_lp, p_v0, p_logz, p_last, V, SV, BLOCK: tl.constexpr, DRAW: tl.constexpr):
     """One program per row: the per-row program of op.py after the sort.
     DRAW: draw a token from (seed, step); else score p_tok_in (the replay).
-    p_skeys rows hold the first SV sorted keys (SV >= every row's k'; the
+    p_skeys rows (row stride SV) start with the first k' sorted keys (the
     passes below read positions < k' only); the replay's token key is
     _order_key of its logit, the bits of the full keys'."""
     i_b = tl.program_id(0)
@@ -224,19 +297,36 @@ def order_keys_cuda(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Te
     return keys
 
 
+def sorted_head_cuda(logits: torch.Tensor, temperature: torch.Tensor, head: int) -> torch.Tensor:
+    """logits (B, V) fp32 contiguous, temperature (B,) fp32 (0 = greedy) ->
+    (B, min(head, V)) int64: ``op.sorted_head`` of the rows' sort keys, the
+    same bits.  head < V: from torch.topk's head + 1 largest logits and
+    ``_head_keys_kernel`` (no (B, V) keys; a view of row stride head + 1);
+    else a full sort of ``order_keys_cuda``'s keys."""
+    B, V = logits.shape
+    if head >= V:
+        from .op import sorted_head
+
+        return sorted_head(order_keys_cuda(logits, temperature), head)
+    vals, ids = torch.topk(logits, head + 1, dim=-1, sorted=True)  # (B, head + 1)
+    cand = torch.empty(B, head + 1, dtype=torch.int64, device=logits.device)
+    if B:
+        _head_keys_kernel[(B,)](logits, temperature.contiguous(), vals, ids, cand, V, head,
+                                BLOCK_H=triton.next_power_of_2(head + 1), BLOCK=TIE_BLOCK, num_warps=4,
+                                enable_fp_fusion=False)
+    return torch.sort(cand, dim=-1).values[:, :head]
+
+
 def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head):
-    """The per-row program on CUDA rows: keys kernel, torch.sort / topk, support kernel.
+    """The per-row program on CUDA rows: the sorted head (``sorted_head_cuda``), support kernel.
 
     tokens None: draw (needs seed, step); else score the given tokens.  ``head``
     (``op.head_width``) bounds the sorted positions formed.
     Returns (tokens int64, lp fp32, v0 fp32, logz fp32, last_key int64), all (B,)."""
     B, V = logits.shape
     dev = logits.device
-    from .op import sorted_head
-
     logits = logits.contiguous()
-    keys = order_keys_cuda(logits, temperature)
-    skeys = sorted_head(keys, head)  # (B, min(head, V)): the sorted positions any row reads
+    skeys = sorted_head_cuda(logits, temperature, head)  # (B, min(head, V)): the sorted positions any row reads
     draw = tokens is None
     if draw:
         tokens = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -247,7 +337,7 @@ def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head
     lp, v0, logz = (torch.empty(B, dtype=torch.float32, device=dev) for _ in range(3))
     last = torch.empty(B, dtype=torch.int64, device=dev)
     if B:
-        _support_kernel[(B,)](skeys, logits, *ins, tok, lp, v0, logz, last, V, skeys.shape[1],
+        _support_kernel[(B,)](skeys, logits, *ins, tok, lp, v0, logz, last, V, skeys.stride(0),
                               BLOCK=BLOCK_V, DRAW=draw, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return (tok if draw else tokens), lp, v0, logz, last
 

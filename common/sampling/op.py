@@ -10,8 +10,11 @@ The per-row program (each row reads only its own logits and parameters):
    (``rules.order_keys``): v[0] >= v[1] >= ..., ties to the smaller id.
    Only positions below every row's k' (step 4) are ever read, so when the
    rows' largest k' is small (<= ``_HEAD_MAX``) only that sorted head is
-   formed, by ``torch.topk`` -- the same positions with the same keys,
-   because the keys of a row are distinct (any correct selection agrees).
+   formed -- the same positions with the same keys, because the keys of a
+   row are distinct (any correct selection agrees): on the CPU by
+   ``torch.topk`` of the keys, on CUDA from ``torch.topk`` of the raw logits
+   with an id-order scan where a tie straddles the cut, without keys for the
+   whole row (``kernel.sorted_head_cuda``).
 3. weights e[i] = exp(v[i] - v[0]) and fixed-order inclusive prefix sums S[i]
    over sorted positions (order: cpu.py / kernel.py docstrings).
 4. top-k: k' = top_k if 0 < top_k < V else V (0 or >= V is off); the first k'
@@ -55,8 +58,10 @@ from .._validate import check_same_device, check_tensor
 from .cpu import support_cpu
 from .rules import chosen_logprob, key_ids, key_values, order_keys, uniform01
 
-# Rows per launch by default: bounds the (rows, V) int64 key buffers (three of
-# them) to ~1.5 GiB.  A launch-shape knob only: rows never interact.
+# Rows per launch by default: bounds the (rows, V) int64 key buffers of the
+# CPU path and of CUDA's full sort (keys, sorted keys, sort indices) to
+# ~1.5 GiB; CUDA's head path writes only (rows, head + 1) buffers besides
+# torch.topk's own.  A launch-shape knob only: rows never interact.
 _ROW_ELEMS = 1 << 26
 # Largest top-k served by a partial selection (torch.topk) instead of a full
 # sort of the vocabulary; a speed knob only (the keys are distinct).
@@ -86,7 +91,9 @@ def _prepare(temperature, top_k, top_p, min_p, V):
 
 def sorted_head(keys: torch.Tensor, head: int) -> torch.Tensor:
     """The first ``head`` positions of each row's ascending sort of its
-    distinct int64 keys (all of them when ``head`` >= V) -> (B, min(head, V))."""
+    distinct int64 keys (all of them when ``head`` >= V) -> (B, min(head, V)).
+    The CPU path's head; ``kernel.sorted_head_cuda`` gives the same bits from
+    the logits without the (B, V) keys when ``head`` < V."""
     if head >= keys.shape[1]:
         return torch.sort(keys, dim=-1).values
     return torch.topk(keys, head, dim=-1, largest=False, sorted=True).values
@@ -94,7 +101,8 @@ def sorted_head(keys: torch.Tensor, head: int) -> torch.Tensor:
 
 def head_width(temperature: torch.Tensor, top_k: torch.Tensor, V: int) -> int:
     """The sorted positions a block of rows can read: its largest k'
-    (``_effective_k``), or V when that is above ``_HEAD_MAX`` (a full sort).
+    (``_effective_k``), or V when that is above ``_HEAD_MAX`` (a full sort;
+    below V, CUDA forms the head from torch.topk of head + 1 logits).
     ``sample_fwd``'s ``head``: computed from host copies of the parameters,
     where they are built, it keeps the sampler free of a device-to-host read,
     so the launch does not wait for the logits and can be graph-captured.
