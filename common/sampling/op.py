@@ -68,8 +68,9 @@ _ROW_ELEMS = 1 << 26
 _HEAD_MAX = 1024
 
 
-def _row_chunk(row_chunk: int | None, V: int) -> int:
-    return row_chunk if row_chunk is not None else max(1, _ROW_ELEMS // max(V, 1))
+def _row_chunk(row_chunk: int | None, width: int) -> int:
+    """Rows per launch: ``row_chunk``, else as many as keep (rows, width) buffers at _ROW_ELEMS."""
+    return row_chunk if row_chunk is not None else max(1, _ROW_ELEMS // max(width, 1))
 
 
 def _effective_k(temperature, top_k, V):
@@ -141,7 +142,7 @@ def _rows(logits, temperature, top_k, top_p, min_p, seed, step, tokens, row_chun
     R, V = logits.shape
     if head is None:
         head = head_width(temperature, top_k, V)
-    rc = _row_chunk(row_chunk, V)
+    rc = _row_chunk(row_chunk, head + 1 if logits.is_cuda and head < V else V)  # the per-row buffer width
     if R <= rc:
         return fn(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head)
     outs = []
