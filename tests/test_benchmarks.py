@@ -1,5 +1,6 @@
-"""benchmarks/run_suite.py's report on a synthetic result, and the vendor
-server (the engine benchmark's baseline) on the CPU."""
+"""benchmarks/run_suite.py's report on a synthetic result, the vendor server
+(the engine benchmark's baseline) on the CPU, and a CPU smoke run of
+profile_prefill.py."""
 from __future__ import annotations
 
 import json
@@ -114,3 +115,17 @@ def test_vendor_server_generates_on_cpu():
         assert torch.isfinite(o.logprobs).all()
         assert (o.logprobs - s).abs().max() < 1e-2
         assert (o.logprobs - t.detach().cpu()).abs().max() < 5e-2
+
+
+def test_profile_prefill_smoke_on_cpu(tmp_path):
+    """benchmarks/profile_prefill.py end to end on the tiny preset (the code
+    path, not a speed): both servers, every run listed, the table written."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_prefill.py"
+    run = subprocess.run([sys.executable, str(script), "--config", "tiny", "--device", "cpu", "--batches", "1",
+                          "--prompt", "40", "--reps", "2", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    md = (tmp_path / "profile_prefill.md").read_text()
+    assert "| aligned | 1 |" in md and "| vendor | 1 |" in md and "top kernels of one prefill" in md

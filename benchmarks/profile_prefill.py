@@ -1,0 +1,100 @@
+"""Where a prefill's time goes: the wall time of ``engine.generate`` with
+max_new_tokens=1 (bench_engine's prefill measurement, each run listed) against
+the CUDA time of the kernels it launched (torch.profiler), and its top kernels,
+for the aligned server and the vendor-kernel server side by side.
+
+    python benchmarks/profile_prefill.py --config qwen3-8b --batches 1,8 --out DIR
+
+Per batch size B (B random prompts of --prompt tokens, one warm-up run first):
+  wall ms      each of --reps timed runs, and their median
+  kernel ms    the summed CUDA time of every kernel of one profiled run
+  other ms     median wall - kernel ms: host work, launch gaps, syncs
+Writes profile_prefill.json and profile_prefill.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_engine import fit_max_position, load, sync_device, timed  # noqa: E402
+from bench_primitives import commit  # noqa: E402
+
+
+def profile_batch(pair, B: int, prompt: int, reps: int, g: torch.Generator) -> dict:
+    from alignzoo import SamplingParams
+
+    eng, dev = pair.server, pair.server.runner.device
+    prompts = [torch.randint(0, pair.config.vocab_size, (prompt,), generator=g).tolist() for _ in range(B)]
+    sp1 = SamplingParams(temperature=1.0, max_new_tokens=1, seed=1)
+    eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=2, seed=1, stop_token_ids=()))
+    walls = [1e3 * timed(lambda: eng.generate(prompts, sp1), dev)[1] for _ in range(reps)]
+    on_cuda = torch.device(dev).type == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if on_cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        eng.generate(prompts, sp1)
+        sync_device(dev)
+    own = (lambda e: e.self_device_time_total) if on_cuda else (lambda e: e.self_cpu_time_total)
+    events = sorted(prof.key_averages(), key=lambda e: -own(e))
+    median = sorted(walls)[len(walls) // 2]
+    kernel_ms = sum(own(e) for e in events) / 1e3
+    return {"batch": B, "wall_ms": walls, "wall_ms_median": median, "kernel_ms": kernel_ms,
+            "other_ms": median - kernel_ms,
+            "kernels": [{"kernel": e.key[:90], "calls": e.count, "ms": own(e) / 1e3} for e in events[:12]]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="qwen3-8b")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kernels", default="aligned,vendor", help="server kernels to profile, comma-separated")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (use --config tiny)")
+    ap.add_argument("--out", default="gpu_out")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("profile_prefill needs a CUDA device (or --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    batches = [int(b) for b in args.batches.split(",")]
+    max_pos = fit_max_position(args.prompt + 2)
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    head = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "commit": commit(), "command": " ".join(sys.argv), "config": args.config, "max_position": max_pos}
+    results = {}
+    for kind in args.kernels.split(","):
+        pair = load(args.config, server_kernels=kind, max_batch_size=max(batches), max_position=max_pos,
+                    cuda_graphs=args.device == "cuda", device=args.device)
+        g = torch.Generator().manual_seed(0)
+        results[kind] = [profile_batch(pair, B, args.prompt, args.reps, g) for B in batches]
+        print(json.dumps({kind: results[kind]}), flush=True)
+        del pair
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile_prefill.json"), "w") as f:
+        json.dump({**head, "results": results}, f, indent=1)
+    lines = [f"# Prefill profile: qwen3 {args.config}, prompts of {args.prompt} tokens", "",
+             *(f"- {k}: {v}" for k, v in head.items()), "",
+             "| server | batch | wall ms (median) | wall ms (each run) | kernel ms | other ms |", "|---|---|---|---|---|---|"]
+    for kind, rows in results.items():
+        lines += [f"| {kind} | {x['batch']} | {x['wall_ms_median']:.2f} | {', '.join(f'{w:.1f}' for w in x['wall_ms'])} | "
+                  f"{x['kernel_ms']:.2f} | {x['other_ms']:.2f} |" for x in rows]
+    for kind, rows in results.items():
+        for x in rows:
+            lines += ["", f"## {kind}, batch {x['batch']}: top kernels of one prefill", "",
+                      "| kernel | calls | ms |", "|---|---|---|"]
+            lines += [f"| `{k['kernel']}` | {k['calls']} | {k['ms']:.3f} |" for k in x["kernels"]]
+    with open(os.path.join(args.out, "profile_prefill.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
