@@ -46,6 +46,12 @@ def cuda_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+def kernel_table(title: str, kernels: list, key: str, label: str) -> list:
+    """Markdown lines of a top-kernels table (rows: kernel, calls, ``key``)."""
+    return ["", f"## {title}", "", f"| kernel | calls | {label} |", "|---|---|---|",
+            *(f"| `{k['kernel']}` | {k['calls']} | {k[key]:.3f} |" for k in kernels)]
+
+
 def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> dict:
     from alignzoo import SamplingParams
     from alignzoo.common.engine.model_runner import static_decode_batch
@@ -146,9 +152,8 @@ def main() -> int:
                   f"{x['host_ms']:.2f} | {r['bound_ms']:.2f} |" for x in r["rows"]]
     for kind, r in results.items():
         for x in r["rows"]:
-            lines += ["", f"## {kind}, batch {x['batch']}: top kernels of one eager decode forward", "",
-                      "| kernel | calls | ms per forward |", "|---|---|---|"]
-            lines += [f"| `{k['kernel']}` | {k['calls']} | {k['ms_per_forward']:.3f} |" for k in x["kernels"]]
+            lines += kernel_table(f"{kind}, batch {x['batch']}: top kernels of one eager decode forward",
+                                  x["kernels"], "ms_per_forward", "ms per forward")
     with open(os.path.join(args.out, "profile_decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import fit_max_position, load, sync_device, timed  # noqa: E402
 from bench_primitives import commit  # noqa: E402
+from profile_decode import kernel_table  # noqa: E402
 
 
 def profile_batch(pair, B: int, prompt: int, reps: int, g: torch.Generator) -> dict:
@@ -87,9 +88,7 @@ def main() -> int:
                   f"{x['kernel_ms']:.2f} | {x['other_ms']:.2f} |" for x in rows]
     for kind, rows in results.items():
         for x in rows:
-            lines += ["", f"## {kind}, batch {x['batch']}: top kernels of one prefill", "",
-                      "| kernel | calls | ms |", "|---|---|---|"]
-            lines += [f"| `{k['kernel']}` | {k['calls']} | {k['ms']:.3f} |" for k in x["kernels"]]
+            lines += kernel_table(f"{kind}, batch {x['batch']}: top kernels of one prefill", x["kernels"], "ms", "ms")
     with open(os.path.join(args.out, "profile_prefill.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
