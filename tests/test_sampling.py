@@ -166,7 +166,8 @@ def _cut_rows(B: int, V: int, head: int, seed: int) -> tuple[torch.Tensor, torch
 
 def _check_cuda_head(device, V: int, B: int, heads) -> None:
     """For each head: ``kernel.sorted_head_cuda`` == ``op.sorted_head`` of the
-    full keys (without building them when head < V), and ``rows_cuda``'s draw
+    full keys (without building them when head < V and head <= op._HEAD_MAX;
+    larger heads take the full sort), and ``rows_cuda``'s draw
     and replays (drawn tokens, random tokens) with that head == with the full
     sort (head = V) through the same support kernel; the replay's key (from
     the logit) gives ``rules.chosen_logprob``'s bits.  On CUDA, or on CPU
@@ -174,7 +175,7 @@ def _check_cuda_head(device, V: int, B: int, heads) -> None:
     import contextlib
     from unittest import mock
 
-    from alignzoo.common.sampling import kernel
+    from alignzoo.common.sampling import kernel, op
     from alignzoo.common.sampling.op import sorted_head
     from alignzoo.common.sampling.rules import chosen_logprob
 
@@ -190,7 +191,7 @@ def _check_cuda_head(device, V: int, B: int, heads) -> None:
         l, t, k, p, m, seed, step, others = (x.to(device) for x in (logits, temp, k, p, m, seed, step, others))
 
         no_keys = mock.patch.object(kernel, "order_keys_cuda", side_effect=AssertionError("(B, V) keys"))
-        with no_keys if head < V else contextlib.nullcontext():
+        with no_keys if head < V and head <= op._HEAD_MAX else contextlib.nullcontext():
             got = kernel.sorted_head_cuda(l, t, head)
             runs = [kernel.rows_cuda(l, t, k, p, m, seed, step, None, head)]
             runs += [kernel.rows_cuda(l, t, k, p, m, None, None, tok, head) for tok in (runs[0][0], others)]

@@ -300,13 +300,15 @@ def order_keys_cuda(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Te
 def sorted_head_cuda(logits: torch.Tensor, temperature: torch.Tensor, head: int) -> torch.Tensor:
     """logits (B, V) fp32 contiguous, temperature (B,) fp32 (0 = greedy) ->
     (B, min(head, V)) int64: ``op.sorted_head`` of the rows' sort keys, the
-    same bits.  head < V: from torch.topk's head + 1 largest logits and
-    ``_head_keys_kernel`` (no (B, V) keys; a view of row stride head + 1);
-    else a full sort of ``order_keys_cuda``'s keys."""
-    B, V = logits.shape
-    if head >= V:
-        from .op import sorted_head
+    same bits.  head < V and head <= ``op._HEAD_MAX`` (what ``head_width``
+    gives): from torch.topk's head + 1 largest logits and ``_head_keys_kernel``
+    (no (B, V) keys; a view of row stride head + 1); else a full sort of
+    ``order_keys_cuda``'s keys (the candidates are one program's tile: at
+    head = V - 1 that tile was 262144 wide)."""
+    from .op import _HEAD_MAX, sorted_head
 
+    B, V = logits.shape
+    if head >= V or head > _HEAD_MAX:  # the candidates are one program's tile: heads past _HEAD_MAX sort fully
         return sorted_head(order_keys_cuda(logits, temperature), head)
     vals, ids = torch.topk(logits, head + 1, dim=-1, sorted=True)  # (B, head + 1)
     cand = torch.empty(B, head + 1, dtype=torch.int64, device=logits.device)
