@@ -26,6 +26,8 @@ import json
 
 import torch
 
+from ..common._host import cdiv
+
 _MASK64 = (1 << 64) - 1
 _CHUNK_WORDS = 1 << 25  # 128 MiB of input; bounds the int64 temporaries to 256 MiB each
 
@@ -64,12 +66,10 @@ _BLOCK_WORDS = 4096  # words per program of the CUDA kernel
 
 def _word_sum_cuda(words: torch.Tensor) -> torch.Tensor:
     """sum over i of f(words[i] + i * K0) mod 2**64 as an int64 CUDA scalar (one kernel + a torch sum)."""
-    import triton
-
     from ._checksum_kernel import checksum_kernel
 
     n = words.numel()
-    part = torch.empty(triton.cdiv(n, _BLOCK_WORDS), dtype=torch.int64, device=words.device)
+    part = torch.empty(cdiv(n, _BLOCK_WORDS), dtype=torch.int64, device=words.device)
     checksum_kernel[(part.numel(),)](words, part, n, _K0, _K1, _K2, BLOCK=_BLOCK_WORDS)
     return part.sum()
 

@@ -146,3 +146,15 @@ def test_launch_resolution_fits_the_h200_and_keeps_wgmma():
     with pytest.raises(ValueError, match="block_n=192 .* needs schedule='tma'"):
         resolve_launch(256, 4096, 4096, 2, 132, True, seg_k=1024, block_n=192, schedule="fused")
 
+
+
+def test_host_integer_helpers_equal_tritons():
+    """The launchers' plain-Python cdiv / next_power_of_2 (``common._host``:
+    triton's are ConstexprFunction wrappers, ~12 µs a call from Python) give
+    triton's values, so no grid or block size moves."""
+    import triton
+
+    from alignzoo.common._host import cdiv, next_power_of_2
+
+    assert all(cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 5000, 7) for b in (1, 3, 64, 100, 1024, 4096))
+    assert all(next_power_of_2(n) == triton.next_power_of_2(n) for n in range(0, 1 << 17))

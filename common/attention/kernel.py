@@ -135,6 +135,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv, next_power_of_2
 from ..kv_cache.op import PAGE_SIZE
 from .op import SEGMENT
 
@@ -640,7 +641,7 @@ def _attn_bwd_dkdv_kernel(
 def _tiling(G: int, block_m: int) -> tuple[int, int, int]:
     """(heads per tile, head chunks per kv head, tokens per tile)."""
     hpt = min(G, block_m)
-    return hpt, triton.cdiv(G, hpt), block_m // hpt
+    return hpt, cdiv(G, hpt), block_m // hpt
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -662,7 +663,7 @@ def _fwd_launch(q, k, v, cu_q, seq_lens, block_table, max_q_len, window, scale, 
     G, B, (hpt, n_hc, tpt), o, lse = _launch_setup(q, k, cu_q, block_m)
     if q.shape[0] == 0 or B == 0:
         return o, lse
-    n_m = triton.cdiv(max_q_len, tpt)
+    n_m = cdiv(max_q_len, tpt)
     if paged:
         skp, svp, sbt = k.stride(0), v.stride(0), block_table.stride(0)
         skt, skh, svt, svh = k.stride(1), k.stride(2), v.stride(1), v.stride(2)
@@ -676,7 +677,7 @@ def _fwd_launch(q, k, v, cu_q, seq_lens, block_table, max_q_len, window, scale, 
         skt, skh, skp, svt, svh, svp,
         o.stride(0), o.stride(1), lse.stride(0), sbt,
         scale * _LOG2E, n_m,
-        D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        D=d, BLOCK_D=max(16, next_power_of_2(d)),
         G=G, HPT=hpt, N_HC=n_hc, TPT=tpt,
         WINDOW=window, PAGED=paged, MASK_ALL=mask_all, PRECISION=_precision(q.dtype),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, SEG_BLOCKS=SEG_BLOCKS,
@@ -696,7 +697,7 @@ def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mas
     G, B, (hpt, n_hc, _), o, lse = _launch_setup(q, k, cu_q, block_m)
     if T == 0 or B == 0:
         return o, lse
-    n_seg = max(1, triton.cdiv(block_table.shape[1], seg_blocks))
+    n_seg = max(1, cdiv(block_table.shape[1], seg_blocks))
     final = n_seg == 1
     if final:
         ws_m = ws_l = ws_acc = lse  # unused
@@ -704,7 +705,7 @@ def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mas
         ws_m = torch.empty(n_seg, T, hq, dtype=torch.float32, device=q.device)
         ws_l = torch.empty_like(ws_m)
         ws_acc = torch.empty(n_seg, T, hq, d, dtype=torch.float32, device=q.device)
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_power_of_2(d))
     _attn_decode_split_kernel[(n_seg, B, hkv * n_hc)](
         q, k, v, o, lse, ws_m, ws_l, ws_acc, cu_q, seq_lens, block_table,
         q.stride(0), q.stride(1),
@@ -717,8 +718,8 @@ def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mas
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
     if not final:
-        block_h = min(16, triton.next_power_of_2(hq))
-        _attn_decode_merge_kernel[(B, triton.cdiv(hq, block_h))](
+        block_h = min(16, next_power_of_2(hq))
+        _attn_decode_merge_kernel[(B, cdiv(hq, block_h))](
             o, lse, ws_m, ws_l, ws_acc, cu_q, seq_lens,
             o.stride(0), o.stride(1), lse.stride(0), T, hq,
             D=d, BLOCK_D=block_d, BLOCK_H=block_h, WINDOW=window, BLOCK_N=BLOCK_N, SEG_BLOCKS=seg_blocks,
@@ -766,11 +767,11 @@ def attention_bwd_cuda(q, k, v, o, lse, do, cu_seqlens, max_seqlen, window, scal
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if T == 0 or B == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_power_of_2(d))
     prec = _precision(q.dtype)
     delta = torch.empty(T, hq, dtype=torch.float32, device=q.device)
-    _bwd_preprocess_kernel[(triton.cdiv(T * hq, 64),)](o, do, delta, T * hq, D=d, BLOCK_D=block_d, BLOCK_R=64)
-    n_m = triton.cdiv(max_seqlen, tpt)
+    _bwd_preprocess_kernel[(cdiv(T * hq, 64),)](o, do, delta, T * hq, D=d, BLOCK_D=block_d, BLOCK_R=64)
+    n_m = cdiv(max_seqlen, tpt)
     common = dict(D=d, BLOCK_D=block_d, G=G, HPT=hpt, N_HC=n_hc, TPT=tpt, WINDOW=window, PRECISION=prec,
                   BLOCK_M=block_m, BLOCK_N=BLOCK_N, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False)
     _attn_bwd_dq_kernel[(n_m, B, hkv * n_hc)](
@@ -778,7 +779,7 @@ def attention_bwd_cuda(q, k, v, o, lse, do, cu_seqlens, max_seqlen, window, scal
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), lse.stride(0),
         scale * _LOG2E, scale, n_m, **common,
     )
-    _attn_bwd_dkdv_kernel[(triton.cdiv(max_seqlen, BLOCK_N), B, hkv)](
+    _attn_bwd_dkdv_kernel[(cdiv(max_seqlen, BLOCK_N), B, hkv)](
         q, k, v, do, lse, delta, dk, dv, cu_seqlens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), lse.stride(0),
         scale * _LOG2E, scale, **common,

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv
 from .quant import BLOCK
 
 
@@ -103,7 +104,7 @@ def fp8_gemm_triton(x_codes: torch.Tensor, x_scales: torch.Tensor, w_codes: torc
     y = torch.empty((M, N), dtype=out_dtype, device=x_codes.device)
     if M == 0 or N == 0:
         return y
-    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+    grid = (cdiv(M, BM) * cdiv(N, BN),)
     _fp8_gemm_kernel[grid](
         x_codes, x_scales, w_codes, w_scale_inv, y, M, N, K, x_scales.shape[1],
         x_codes.stride(0), x_scales.stride(0), w_codes.stride(0), w_scale_inv.stride(0), y.stride(0),

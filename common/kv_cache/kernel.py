@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import next_power_of_2
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -41,5 +43,5 @@ def write_kv_cuda(
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        D=d, BLOCK_D=triton.next_power_of_2(d),
+        D=d, BLOCK_D=next_power_of_2(d),
     )

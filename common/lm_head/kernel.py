@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv, next_power_of_2
 from .cpu import VOCAB_GROUP
 
 DEFAULT_BLOCK_M = 64
@@ -250,7 +251,7 @@ def _fwd_launch(h, w, targets, block_m, write_logits, want_stats):
     """-> (logprobs or None, lse or None, logits or None)."""
     T, K = h.shape
     V = w.shape[0]
-    G = triton.cdiv(V, VOCAB_GROUP)
+    G = cdiv(V, VOCAB_GROUP)
     BM = block_m or _fwd_block_m(T)
     dev = h.device
     f32 = dict(dtype=torch.float32, device=dev)
@@ -264,7 +265,7 @@ def _fwd_launch(h, w, targets, block_m, write_logits, want_stats):
     m = torch.empty(T, G, **f32) if want_stats else dummy
     l = torch.empty(T, G, **f32) if want_stats else dummy
     zt = torch.full((T,), float("nan"), **f32) if has_t else dummy
-    _lm_head_fwd_kernel[(triton.cdiv(T, BM), G)](
+    _lm_head_fwd_kernel[(cdiv(T, BM), G)](
         h, w, targets if has_t else torch.empty(1, dtype=torch.int64, device=dev),
         logits if write_logits else dummy, m, l, zt,
         T, V, K, G,
@@ -273,9 +274,9 @@ def _fwd_launch(h, w, targets, block_m, write_logits, want_stats):
         num_stages=_FWD_STAGES, enable_fp_fusion=False,
     )
     if want_stats:
-        G2 = max(2, triton.next_power_of_2(G))
+        G2 = max(2, next_power_of_2(G))
         BR = max(2, min(16, 4096 // G2))
-        _lm_head_merge_kernel[(triton.cdiv(T, BR),)](
+        _lm_head_merge_kernel[(cdiv(T, BR),)](
             m, l, zt, lp if has_t else dummy, lse, T, G,
             BR=BR, G2=G2, LOG2G2=G2.bit_length() - 1, HAS_TARGETS=has_t,
             num_warps=4, enable_fp_fusion=False,
@@ -298,7 +299,7 @@ def lm_head_logits_cuda(h, w, *, return_lse=False, block_m=None):
 def _gemm(a, a_strides, b, b_strides, c, c_strides, M, N, L, accumulate):
     ieee = a.dtype == torch.float32
     BM, BN = (64, 64) if ieee else (64, 128)
-    _gemm_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+    _gemm_kernel[(cdiv(M, BM), cdiv(N, BN))](
         a, b, c, M, N, L, *a_strides, *b_strides, *c_strides,
         BM=BM, BN=BN, BL=_GEMM_BL, IEEE=ieee, ACCUMULATE=accumulate,
         num_warps=_GEMM_WARPS, num_stages=3, enable_fp_fusion=False,
@@ -309,7 +310,7 @@ def lm_head_bwd_cuda(h, w, targets, lse, grad, *, block_m=None, vocab_chunk=None
     """Gradients of sum_t grad[t]·logprob[t] -> (dh (T, K) h.dtype, dW (V, K) w.dtype)."""
     T, K = h.shape
     V = w.shape[0]
-    G = triton.cdiv(V, VOCAB_GROUP)
+    G = cdiv(V, VOCAB_GROUP)
     BM = block_m or DEFAULT_BLOCK_M
     dev = h.device
     dh = torch.zeros(T, K, dtype=torch.float32, device=dev)
@@ -325,7 +326,7 @@ def lm_head_bwd_cuda(h, w, targets, lse, grad, *, block_m=None, vocab_chunk=None
     for g0 in range(0, G, vocab_chunk):
         g1 = min(g0 + vocab_chunk, G)
         v0, v1 = g0 * VOCAB_GROUP, min(g1 * VOCAB_GROUP, V)
-        _lm_head_dz_kernel[(triton.cdiv(T, BM), g1 - g0)](
+        _lm_head_dz_kernel[(cdiv(T, BM), g1 - g0)](
             h, w, targets, lse, grad, dz, T, V, K, g0, n_cols,
             BM=BM, BV=VOCAB_GROUP, **_proj_consts(h.dtype, BM),
             num_stages=_FWD_STAGES, enable_fp_fusion=False,

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv
+
 
 @triton.jit
 def _segment_dot(p_x, p_w, i_m, i_n, M, N, K, k_lo,
@@ -198,13 +200,13 @@ def _tma_config(bm: int, bn: int, bk: int, nw: int, ns: int) -> dict:
 
 def _wave_fill(tiles: int, sms: int) -> float:
     """Busy fraction of the SM-waves that ``tiles`` equal tiles take."""
-    return tiles / (triton.cdiv(tiles, sms) * sms)
+    return tiles / (cdiv(tiles, sms) * sms)
 
 
 def _split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
     """Split (one program per tile and K segment): narrow 64x32 tiles with
     BLOCK_K 128 while the programs fit two per SM, else 64-row tiles."""
-    if triton.cdiv(M, 64) * triton.cdiv(N, 32) * n_seg <= 2 * sms:
+    if cdiv(M, 64) * cdiv(N, 32) * n_seg <= 2 * sms:
         return {"schedule": "split", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
     return {"schedule": "split", "BLOCK_M": 64, "BLOCK_N": 64 if N <= 2048 else 128, "BLOCK_K": 64,
             "num_warps": 4, "num_stages": 4}
@@ -235,21 +237,21 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True) -> d
       leave 30% of the SMs idle.
     * otherwise (fp32 or unaligned operands): the pointer-load fused/split kernels.
     """
-    n_seg = triton.cdiv(K, reduction_config(N, K)["SEG_K"])
+    n_seg = cdiv(K, reduction_config(N, K)["SEG_K"])
     if M <= 64:
         bn, bk = (32, 128) if N <= 2048 else (64, 64)
-        split = n_seg > 1 and triton.cdiv(N, bn) < 2 * sms
+        split = n_seg > 1 and cdiv(N, bn) < 2 * sms
         return {"schedule": "split" if split else "fused", "BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk,
                 "num_warps": 4, "num_stages": 4}
     if tma:
-        if n_seg > 1 and triton.cdiv(M, 64) * triton.cdiv(N, 64) < 0.7 * sms:  # the smallest tile's count
+        if n_seg > 1 and cdiv(M, 64) * cdiv(N, 64) < 0.7 * sms:  # the smallest tile's count
             return _split_config(M, N, n_seg, sms)
-        score = [v * _wave_fill(triton.cdiv(M, bm) * triton.cdiv(N, bn), sms)
+        score = [v * _wave_fill(cdiv(M, bm) * cdiv(N, bn), sms)
                  for (bm, bn, *_), v in zip(_TMA_TILES, _TMA_SPEED)]
         return _tma_config(*_TMA_TILES[score.index(max(score))])
     cfg = ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4} if M <= 512 else
            {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3})
-    split = n_seg > 1 and triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]) < sms
+    split = n_seg > 1 and cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]) < sms
     return {"schedule": "split" if split else "fused", **cfg}
 
 
@@ -277,7 +279,7 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
     if schedule is None:
         schedule = lc["schedule"]
     elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
-        lc = _tma_config(*_TMA_TILES[0]) if schedule == "tma" else _split_config(M, N, triton.cdiv(K, seg_k), sms)
+        lc = _tma_config(*_TMA_TILES[0]) if schedule == "tma" else _split_config(M, N, cdiv(K, seg_k), sms)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     BM, BN, BK = block_m or lc["BLOCK_M"], block_n or lc["BLOCK_N"], block_k or lc["BLOCK_K"]
@@ -314,10 +316,10 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     schedule, BM, BN, BK, nw, ns = resolve_launch(
         M, N, K, x.element_size(), sms, tma_ok, seg_k=SEG_K, block_m=block_m, block_n=block_n,
         block_k=block_k, schedule=schedule, num_warps=num_warps, num_stages=num_stages)
-    n_seg = triton.cdiv(K, SEG_K)
-    seg_k = SEG_K if n_seg > 1 else triton.cdiv(K, BK) * BK
+    n_seg = cdiv(K, SEG_K)
+    seg_k = SEG_K if n_seg > 1 else cdiv(K, BK) * BK
     ieee = x.dtype == torch.float32
-    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    tiles = cdiv(M, BM) * cdiv(N, BN)
     if schedule == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -334,11 +336,11 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
             num_warps=nw, num_stages=ns)
     elif schedule == "split" and n_seg > 1:
         ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
-        _mm_split_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), n_seg)](
+        _mm_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
             x, w, ws, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
             SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns)
         BLOCK = 1024
-        _mm_merge_kernel[(triton.cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK)
+        _mm_merge_kernel[(cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK)
     else:  # fused, or split with a single K segment
         _mm_fused_kernel[(tiles,)](
             x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),

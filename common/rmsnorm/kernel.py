@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv
 from .cpu import DW_SLOTS2, DW_TILES, ROW_CHUNK, dw_slots, tree_width
 
 
@@ -308,7 +309,7 @@ def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warp
     new_res = torch.empty_like(x) if residual is not None else None
     if M == 0:
         return y, new_res, rstd
-    _rmsnorm_fwd_kernel[(triton.cdiv(M, bm),)](
+    _rmsnorm_fwd_kernel[(cdiv(M, bm),)](
         x,
         residual if residual is not None else x,
         z if z is not None else x,
@@ -337,7 +338,7 @@ def rmsnorm_bwd_cuda(dy, x, w, rstd, dres=None, z=None, num_warps=None):
     nw = num_warps or max(2, min(16, S * chunks["CHUNK"] // 256))
     dx = torch.empty_like(x)
     dz = torch.empty_like(z) if z is not None else None
-    nb = max(1, triton.cdiv(M, S * DW_TILES))
+    nb = max(1, cdiv(M, S * DW_TILES))
     part = torch.empty(nb, H, dtype=torch.float32, device=x.device)
     _rmsnorm_bwd_kernel[(nb,)](
         dy,
@@ -363,7 +364,7 @@ def rmsnorm_bwd_cuda(dy, x, w, rstd, dres=None, z=None, num_warps=None):
     )
     dw = torch.empty_like(w)
     block = min(128, tree_width(H))
-    _dw_sum_kernel[(triton.cdiv(H, block),)](
+    _dw_sum_kernel[(cdiv(H, block),)](
         part, dw, nb, H, S2=DW_SLOTS2, LOG2_S2=DW_SLOTS2.bit_length() - 1, BLOCK=block, num_warps=4, enable_fp_fusion=False
     )
     return dx, dz, dw

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv, next_power_of_2
+
 
 @triton.jit(do_not_specialize=["N"])
 def rope_kernel(
@@ -93,7 +95,7 @@ def rope_kernel(
 
 def default_block_rows(rotary_dim: int, head_dim: int) -> int:
     """About 4K elements per program; any power of two gives the same bits."""
-    width = max(triton.next_power_of_2(rotary_dim // 2), triton.next_power_of_2(max(head_dim - rotary_dim, 1)))
+    width = max(next_power_of_2(rotary_dim // 2), next_power_of_2(max(head_dim - rotary_dim, 1)))
     return max(1, min(128, 4096 // width))
 
 
@@ -121,17 +123,17 @@ def rope_rotate_cuda(
         raise ValueError(f"block_rows must be a power of two on CUDA, got {block_r}")
     n_pass = D - R
     pass_off = R if rot_offset == 0 else 0
-    grid = (triton.cdiv(N, block_r),)
+    grid = (cdiv(N, block_r),)
     rope_kernel[grid](
         x, y, positions, cos, sin,
         N, H, cos.shape[0],
         D=D,
         ROT_OFF=rot_offset,
         HALF=half,
-        HALF_PAD=triton.next_power_of_2(half),
+        HALF_PAD=next_power_of_2(half),
         PASS_OFF=pass_off,
         PASS=n_pass,
-        PASS_PAD=triton.next_power_of_2(max(n_pass, 1)),
+        PASS_PAD=next_power_of_2(max(n_pass, 1)),
         IN_INTERLEAVED=in_interleaved,
         OUT_INTERLEAVED=out_interleaved,
         NEGATE_SIN=negate_sin,

@@ -72,6 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv, next_power_of_2
+
 BLOCK_V = 4096  # sorted positions per chunk in _support_kernel: shapes the scan
 NUM_WARPS = 8  # shapes tl.cumsum's tree: fixed
 ELEM_BLOCK = 1024  # element-wise kernels: no reduction, any value gives the same bits
@@ -292,7 +294,7 @@ def order_keys_cuda(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Te
     logits, temperature = logits.contiguous(), temperature.contiguous()
     keys = torch.empty(B, V, dtype=torch.int64, device=logits.device)
     if B:
-        grid = (B, triton.cdiv(V, ELEM_BLOCK))
+        grid = (B, cdiv(V, ELEM_BLOCK))
         _order_keys_kernel[grid](logits, temperature, keys, V, BLOCK=ELEM_BLOCK, num_warps=4, enable_fp_fusion=False)
     return keys
 
@@ -314,7 +316,7 @@ def sorted_head_cuda(logits: torch.Tensor, temperature: torch.Tensor, head: int)
     cand = torch.empty(B, head + 1, dtype=torch.int64, device=logits.device)
     if B:
         _head_keys_kernel[(B,)](logits, temperature.contiguous(), vals, ids, cand, V, head,
-                                BLOCK_H=triton.next_power_of_2(head + 1), BLOCK=TIE_BLOCK, num_warps=4,
+                                BLOCK_H=next_power_of_2(head + 1), BLOCK=TIE_BLOCK, num_warps=4,
                                 enable_fp_fusion=False)
     return torch.sort(cand, dim=-1).values[:, :head]
 
@@ -358,7 +360,7 @@ def replay_bwd_cuda(logits, tau, tokens, v0, logz, last_key, coef):
         t.contiguous() for t in (logits, tau, tokens, v0, logz, last_key, coef))
     dl = torch.empty_like(logits)
     if B:
-        grid = (B, triton.cdiv(V, ELEM_BLOCK))
+        grid = (B, cdiv(V, ELEM_BLOCK))
         _replay_bwd_kernel[grid](logits, tau, tokens, v0, logz, last_key, coef, dl, V,
                                  BLOCK=ELEM_BLOCK, num_warps=4, enable_fp_fusion=False)
     return dl

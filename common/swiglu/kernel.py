@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv, next_power_of_2
+
 
 @triton.jit(do_not_specialize=["M"])
 def _swiglu_fwd_kernel(
@@ -95,7 +97,7 @@ def _swiglu_bwd_kernel(
 
 
 def _config(I: int, block_rows, block_cols):
-    bn = block_cols or min(1024, triton.next_power_of_2(I))
+    bn = block_cols or min(1024, next_power_of_2(I))
     bm = block_rows or max(1, 2048 // bn)
     if bm & (bm - 1) or bn & (bn - 1):
         raise ValueError(f"block_rows and block_cols must be powers of two on CUDA, got {bm}, {bn}")
@@ -110,7 +112,7 @@ def swiglu_fwd_cuda(gate, up, lim, block_rows=None, block_cols=None, num_warps=N
     if M == 0 or I == 0:
         return y
     bm, bn = _config(I, block_rows, block_cols)
-    _swiglu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bn))](
+    _swiglu_fwd_kernel[(cdiv(M, bm), cdiv(I, bn))](
         gate, up, y, M, I, gate.stride(0), up.stride(0), y.stride(0),
         0.0 if lim is None else lim,
         HAS_LIMIT=lim is not None, BM=bm, BN=bn,
@@ -125,7 +127,7 @@ def swiglu_bwd_cuda(dy, gate, up, lim, dgate, dup, block_rows=None, block_cols=N
     if M == 0 or I == 0:
         return dgate, dup
     bm, bn = _config(I, block_rows, block_cols)
-    _swiglu_bwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bn))](
+    _swiglu_bwd_kernel[(cdiv(M, bm), cdiv(I, bn))](
         dy, gate, up, dgate, dup, M, I,
         dy.stride(0), gate.stride(0), up.stride(0), dgate.stride(0), dup.stride(0),
         0.0 if lim is None else lim,

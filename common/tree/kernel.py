@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._host import cdiv, next_power_of_2
+
 
 @triton.jit
 def _tree_kernel(p_in, p_out, N, numel, N_POW2: tl.constexpr, LOG2_N: tl.constexpr, BLOCK: tl.constexpr):
@@ -39,7 +41,7 @@ def tree_reduce_triton(parts: torch.Tensor, out_dtype: torch.dtype, block: int |
     out = torch.empty(parts.shape[1:], dtype=out_dtype, device=parts.device)
     if numel == 0:
         return out
-    n_pow2 = triton.next_power_of_2(N)
+    n_pow2 = next_power_of_2(N)
     BLOCK = block or max(16, min(1024, 4096 // n_pow2))
-    _tree_kernel[(triton.cdiv(numel, BLOCK),)](flat, out, N, numel, N_POW2=n_pow2, LOG2_N=n_pow2.bit_length() - 1, BLOCK=BLOCK)
+    _tree_kernel[(cdiv(numel, BLOCK),)](flat, out, N, numel, N_POW2=n_pow2, LOG2_N=n_pow2.bit_length() - 1, BLOCK=BLOCK)
     return out
