@@ -59,6 +59,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from bench_engine import sync_device  # noqa: E402
 from bench_primitives import HEAD_DIM, HEADS, KV_HEADS, _time, _time_wall, commit, ensure_alignzoo  # noqa: E402
 
 HQ, HKV, D = HEADS, KV_HEADS, HEAD_DIM  # Qwen3-8B: 32 query heads, 8 kv heads, head_dim 128
@@ -91,11 +92,6 @@ def _probe_packages() -> dict:
 
 def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
-
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -148,7 +144,7 @@ def _sdpa_forward(q, k, v, *, causal, backends):
 
             try:
                 fn()
-                _sync(q.device)
+                sync_device(q.device)
                 return fn, f"{be.name.lower()}, {'enable_gqa' if gqa else 'K/V repeated'}"
             except RuntimeError as e:
                 errors.append(f"{be.name}/{'gqa' if gqa else 'repeat'}: {_err(e)}")
@@ -173,7 +169,7 @@ def _sdpa_backward(q, k, v, do):
                 return torch.autograd.grad(out, (qs, ks, vs), do, retain_graph=True)
 
             grads = fn()
-            _sync(q.device)
+            sync_device(q.device)
             return fn, f"flash_attention, {'enable_gqa' if gqa else 'K/V repeated'}", grads[0]
         except RuntimeError as e:
             errors.append(f"{'gqa' if gqa else 'repeat'}: {_err(e)}")
@@ -205,7 +201,7 @@ def _timed(r, key, fn, timer):
 
 def _time_both(r, dev, ours, vendor_fn, timer):
     """Ours, then the vendor's when it set up; errors stay in the row."""
-    _sync(dev)
+    sync_device(dev)
     _timed(r, "ours_ms", ours, timer)
     if vendor_fn is not None:
         _timed(r, "vendor_ms", vendor_fn, timer)
@@ -240,7 +236,7 @@ def bench_prefill(ctx, lens):
     except Exception as e:
         for r in (r_pk, r_pg):
             r["error"] = f"vendor: {_err(e)}"
-    _sync(dev)
+    sync_device(dev)
 
     _timed(r_pk, "ours_ms", lambda: attention_fwd(q, k, v, cu, max_seqlen=S), ctx.timer)
     _timed(r_pg, "ours_ms", lambda: paged_attention_fwd(q, kc, vc, cu, sl, bt, max_seqlen_q=S), ctx.timer)
@@ -405,7 +401,7 @@ def _choose_decode_baseline(ctx, c, o_ours):
         try:
             fn, label = build(c)
             out = fn()
-            _sync(c.dev)
+            sync_device(c.dev)
             diff = _maxdiff(out, o_ours)
             if not torch.allclose(out.float(), o_ours.float(), atol=VENDOR_ATOL, rtol=VENDOR_RTOL):
                 raise ValueError(f"output differs from ours by up to {diff:.3g} (atol/rtol {VENDOR_ATOL})")

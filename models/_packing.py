@@ -50,7 +50,7 @@ def pack_scored(sequences, prompt_lens: Sequence[int], vocab_size: int, max_posi
     seqs = []
     for i, s in enumerate(sequences):
         try:
-            seqs.append(check_token_ids(s, vocab_size))
+            seqs.append(check_token_ids(s, vocab_size, "sequence"))
         except (TypeError, ValueError) as e:
             raise type(e)(f"sequence {i}: {e}") from None
     tokens, positions, rows, targets, counts, cu = [], [], [], [], [], [0]

@@ -169,11 +169,13 @@ def test_bad_input(pair):
     assert outs[0].error is None and outs[0].finish_reason in ("length", "stop")
     assert "outside the vocabulary" in outs[1].error and outs[1].finish_reason == "error"
     assert "max_position" in outs[2].error
-    assert "empty" in outs[3].error
+    assert "the prompt is empty" in outs[3].error
     with pytest.raises(ValueError, match="outside the vocabulary"):
         pair.trainer.logprobs([[1, V]], [1])
     with pytest.raises(ValueError, match="prompt_lens"):
         pair.trainer.logprobs([[1, 2]], [3])
+    with pytest.raises(ValueError, match="sequence 1: the sequence is empty"):
+        pair.trainer.logprobs([[1, 2], []], [1, 1])
     with pytest.raises(ValueError, match="not both"):
         alignzoo.load_pair("qwen3", checkpoint="/nonexistent", config="tiny")
 

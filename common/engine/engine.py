@@ -211,7 +211,7 @@ class Engine:
         loras = one_each(adapters, len(sequences), "sequences", "adapters")
         for i, (s, pl, sp, a) in enumerate(zip(sequences, prompt_lens, sps, loras)):
             try:
-                s = check_token_ids(s, self.model.vocab_size)
+                s = check_token_ids(s, self.model.vocab_size, "sequence")
                 if not isinstance(sp, SamplingParams):
                     raise TypeError(f"sampling must be a SamplingParams, got {type(sp).__name__}")
                 if isinstance(pl, bool) or not isinstance(pl, int) or not 1 <= pl <= len(s):

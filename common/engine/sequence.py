@@ -137,10 +137,11 @@ def one_each(value, n: int, what: str, kind: str) -> list:
     return [value] * n
 
 
-def check_token_ids(ids, vocab_size: int) -> list[int]:
+def check_token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
     """A list of ints from a 1-D integer tensor or a sequence of ints, each
     in [0, vocab_size); a clear TypeError / ValueError otherwise.  Used for
-    the engine's prompts and scored sequences and the trainers' sequences."""
+    the engine's prompts and scored sequences and the trainers' sequences
+    (``what`` names the input in the empty-input message)."""
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex:
             raise TypeError(f"token ids must be a 1-D integer tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
@@ -148,7 +149,7 @@ def check_token_ids(ids, vocab_size: int) -> list[int]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Seq):
         raise TypeError(f"token ids must be a list of ints, got {type(ids).__name__}")
     if not ids:
-        raise ValueError("the prompt is empty: give at least one token id")
+        raise ValueError(f"the {what} is empty: give at least one token id")
     out = []
     for i, t in enumerate(ids):
         if isinstance(t, bool):

@@ -2,7 +2,6 @@
 import torch
 
 from ..ladder import accuracy, rung1_repeat, rung2_rows
-from .naive import tree_reduce_ref
 from .op import tree_reduce_fwd
 
 
