@@ -18,7 +18,7 @@ from ..sampling import SamplingParams
 from .model_api import ServeModel
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import Completion, Sequence, check_token_ids, one_each
+from .sequence import Completion, Sequence, adapter_position, check_token_ids, one_each
 
 CPU_KV_CACHE_BYTES = 1 << 30
 CUDA_KV_CACHE_FRACTION = 0.3  # of free memory after the model loaded; the rest: the trainer (it shares the GPU), activations, logits, graphs
@@ -240,12 +240,7 @@ class Engine:
         """(name, index into ``adapter_names``) of a requested LoRA adapter; None: the base model."""
         if name is None:
             return None
-        if not isinstance(name, str):
-            raise TypeError(f"adapter must be an adapter name (str) or None, got {type(name).__name__}")
-        if name not in self.adapter_names:
-            have = ", ".join(map(repr, self.adapter_names)) if self.adapter_names else "none"
-            raise ValueError(f"unknown adapter {name!r}: the model serves adapters {have}")
-        return name, self.adapter_names.index(name)
+        return name, adapter_position(name, self.adapter_names, "the model serves")
 
     def _check_request(self, prompt, sampling) -> list[int]:
         if not isinstance(sampling, SamplingParams):

@@ -137,6 +137,18 @@ def one_each(value, n: int, what: str, kind: str) -> list:
     return [value] * n
 
 
+def adapter_position(name, names: Seq, holder: str) -> int:
+    """The index of LoRA adapter ``name`` among ``names``: a TypeError for a
+    non-str, a ValueError naming the adapters ``holder`` ("the model serves")
+    has.  The engine's requests and the trainer's multi-mode calls."""
+    if not isinstance(name, str):
+        raise TypeError(f"adapter must be an adapter name (str) or None, got {type(name).__name__}")
+    if name not in names:
+        have = ", ".join(map(repr, names)) if names else "none"
+        raise ValueError(f"unknown adapter {name!r}: {holder} adapters {have}")
+    return list(names).index(name)
+
+
 def check_token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
     """A list of ints from a 1-D integer tensor or a sequence of ints, each
     in [0, vocab_size); a clear TypeError / ValueError otherwise.  Used for

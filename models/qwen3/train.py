@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ...common.attention import attention
-from ...common.engine.sequence import one_each
+from ...common.engine.sequence import adapter_position, one_each
 from ...common.fp8 import Fp8WeightCache, fp8_linear
 from ...common.lm_head import lm_head_logits
 from ...common.lora import LoRAConfig, init_lora_weights, lora_add, lora_add_multi, lora_merge, lora_merge_fwd
@@ -406,12 +406,7 @@ class Qwen3Trainer(nn.Module):
                              f"lora_mode='multi', lora_adapters={{name: config or PEFT dir}})")
         if name is None:
             raise ValueError(f"name one of the adapters {', '.join(map(repr, self.adapter_configs))} (multi-mode LoRA)")
-        if not isinstance(name, str):
-            raise TypeError(f"adapter must be an adapter name (str) or None, got {type(name).__name__}")
-        if name not in self.adapter_configs:
-            raise ValueError(f"unknown adapter {name!r}: the model has adapters "
-                             f"{', '.join(map(repr, self.adapter_configs))}")
-        return self.adapter_names.index(name)
+        return adapter_position(name, self.adapter_names, "the model has")
 
     def lora_modules(self, adapter: str | None = None) -> dict[str, tuple[nn.Module, str]]:
         """{``layers.{i}.<projection>``: (the module holding its ``lora_A`` /
