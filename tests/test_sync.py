@@ -168,6 +168,24 @@ def test_checksums_see_every_byte():
     assert weights_checksum({"x": t}) != weights_checksum({"y": t})
 
 
+def test_checksums_are_pinned_and_batched_alike():
+    """The checksum is part of the sync protocol (a payload's end state), so
+    its values are pinned; ``tensor_checksums`` (one host read per device)
+    gives each tensor's ``tensor_checksum``."""
+    from alignzoo.sync.checksum import tensor_checksums
+
+    g = torch.Generator().manual_seed(5)
+    ts = [torch.randn(37, 5, generator=g), torch.randint(0, 255, (7,), dtype=torch.uint8, generator=g),
+          torch.randn(8, 9, generator=g).bfloat16()[:, 1:], torch.zeros(0), torch.tensor(True),
+          torch.randn(3, generator=g).double()]
+    sums = tensor_checksums(ts)
+    assert [f"{v:016x}" for v in sums] == ["b4c402f341f120af", "a8111ed60d022578", "0b940f63eccff129",
+                                           "0000000000000000", "8d9c35f3f1f31e0e", "90ac4c4dc06ca4db"]
+    assert sums == [tensor_checksum(t) for t in ts]
+    assert weights_checksum({f"w{i}": t for i, t in enumerate(ts)}) == \
+        "7936bdf4d0deeadcf254e0ed8b17bd9de07d64685ff0ca113e568d0beef7086f"
+
+
 @pytest.mark.gpu
 def test_checksum_cuda_kernel_equals_cpu():
     """The CUDA kernel and the CPU torch passes give the same checksum, at odd
