@@ -4,7 +4,7 @@ aligned qwen3 pair at real shapes with random weights.
     python benchmarks/bench_engine.py --config qwen3-8b --out DIR [--batches 1,8,64,256]
 
 Prefill: B prompts of --prompt tokens with max_new_tokens=1 (prompt tokens / s;
-the median of up to 5 runs while B x prompt <= 16384 tokens, else one run).
+the median of 5 runs while B x prompt <= 4096 tokens, of 3 up to 8192, else one run).
 Decode: the same prompts with --new tokens each; decode tok/s = B * (new - 1) /
 (total time - the prefill time measured alone).  Writes engine.json and engine.md
 (engine_vendor.* with --server-kernels vendor).
@@ -103,7 +103,7 @@ def measure(eng, vocab: int, batch: int, prompt: int, new: int, seed: int = 0) -
     pre0 = eng.num_preemptions
     # prefill: the median of a few runs where one is short (a lone B = 1 run of ~35 ms
     # once read 48 ms; benchmarks/results/2026-11-30-h200-session5-runs.md)
-    reps = max(1, min(5, 16384 // (batch * prompt)))
+    reps = 5 if batch * prompt <= 4096 else 3 if batch * prompt <= 8192 else 1  # odd: a true median
     t_pre = sorted(timed(lambda: eng.generate(prompts, sp1), dev)[1] for _ in range(reps))[reps // 2]
     outs, t_all = timed(lambda: eng.generate(prompts, spn), dev)
     n_dec = sum(len(o.tokens) - 1 for o in outs)

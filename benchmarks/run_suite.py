@@ -142,9 +142,9 @@ def _render_engine(results: dict) -> list[str]:
     L = [f"## Engine: {eng.get('config', '?')} (qwen3, random weights), max_position {eng.get('max_position', '?')}, "
          f"CUDA graphs {eng.get('cuda_graphs', '?')}", "",
          f"Prompts of {eng.get('prompt', '?')} tokens, {eng.get('new', '?')} new tokens each (temperature 1, "
-         "top-p 0.95). Prefill tok/s: prompt tokens / time of a max_new_tokens=1 run (the median of up to 5 "
-         "runs while batch × prompt ≤ 16384 tokens); decode tok/s: generated tokens / (full run − that "
-         "prefill time).", ""]
+         "top-p 0.95). Prefill tok/s: prompt tokens / time of a max_new_tokens=1 run (the median of 5 runs "
+         "while batch × prompt ≤ 4096 tokens, of 3 up to 8192); decode tok/s: generated tokens / (full run − "
+         "that prefill time).", ""]
     check = eng.get("check")
     if check:
         rows = check.get("rows", [])

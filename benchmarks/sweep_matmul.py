@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_primitives import _time_graph  # noqa: E402
 from alignzoo.common.matmul.kernel import matmul_fwd_triton  # noqa: E402
 
-# (schedule, BM, BN, BK, num_warps, num_stages); BN 96/192/384: a tile of two column blocks (TMA only)
+# (schedule, BM, BN, BK, num_warps, num_stages); BN 192: a tile of two column blocks (TMA only)
 SMALL_M = [  # decode, M <= 64
     ("fused", 64, 64, 64, 4, 4), ("fused", 64, 64, 128, 4, 4), ("fused", 64, 128, 64, 4, 4),
     ("fused", 64, 256, 64, 4, 4), ("fused", 64, 32, 128, 4, 4),
@@ -27,7 +27,7 @@ SMALL_M = [  # decode, M <= 64
     ("split", 64, 128, 64, 4, 4), ("split", 64, 256, 64, 4, 4),
     ("tma", 64, 128, 128, 4, 4), ("tma", 64, 64, 128, 4, 4),
 ]
-LARGE_M = [  # M >= 128
+LARGE_M = [  # M > 64
     ("split", 64, 64, 64, 4, 4), ("split", 128, 64, 64, 4, 4), ("split", 128, 64, 64, 8, 4),
     ("split", 64, 32, 128, 4, 4), ("split", 128, 128, 64, 8, 3),
     ("tma", 128, 256, 64, 8, 3), ("tma", 128, 192, 64, 8, 4), ("tma", 128, 128, 64, 8, 4),

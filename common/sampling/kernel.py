@@ -3,14 +3,15 @@
 The GPU path of one block of rows (``rows_cuda``) forms the sorted head the
 rows read (``sorted_head_cuda``), then runs the support kernel:
 
-    head < V (``op.head_width``, top-k <= ``op._HEAD_MAX``):
+    head < V and head <= ``op._HEAD_MAX`` (``op.partial_head``; ``op.head_width``
+    gives such heads or V):
     torch.topk          fp32 logits -> head + 1 candidates (value, id)   torch, no keys
     _head_keys_kernel   candidates (the row, on a tie at the cut) ->
                         head + 1 int64 keys, the head's among them       Triton, one program per row
     torch.sort          (B, head + 1) keys -> the sorted head            torch / CUB
-    head == V (a full sort):
+    any other head (head == V, or a head past _HEAD_MAX given by hand):
     _order_keys_kernel  logits, temperature -> (B, V) int64 sort keys    Triton, element-wise
-    torch.sort          keys -> sorted keys                              torch / CUB
+    torch.sort / topk   keys -> sorted keys (the first head of them)     torch / CUB
     then
     _support_kernel     sorted keys -> token, lp, v0, log Z, last        Triton, one program per row
     _replay_bwd_kernel  d lp / d logits (the trainer's backward)         Triton, element-wise
@@ -300,18 +301,19 @@ def order_keys_cuda(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Te
 
 
 def sorted_head_cuda(logits: torch.Tensor, temperature: torch.Tensor, head: int) -> torch.Tensor:
-    """logits (B, V) fp32 contiguous, temperature (B,) fp32 (0 = greedy) ->
+    """logits (B, V) fp32, temperature (B,) fp32 (0 = greedy) ->
     (B, min(head, V)) int64: ``op.sorted_head`` of the rows' sort keys, the
-    same bits.  head < V and head <= ``op._HEAD_MAX`` (what ``head_width``
-    gives): from torch.topk's head + 1 largest logits and ``_head_keys_kernel``
-    (no (B, V) keys; a view of row stride head + 1); else a full sort of
-    ``order_keys_cuda``'s keys (the candidates are one program's tile: at
-    head = V - 1 that tile was 262144 wide)."""
-    from .op import _HEAD_MAX, sorted_head
+    same bits.  ``op.partial_head`` (head < V, head <= ``op._HEAD_MAX``: what
+    ``head_width`` gives): from torch.topk's head + 1 largest logits and
+    ``_head_keys_kernel`` (no (B, V) keys; a view of row stride head + 1);
+    else ``op.sorted_head`` of ``order_keys_cuda``'s keys (the candidates are
+    one program's tile: at head = V - 1 it was 262144 wide)."""
+    from .op import partial_head, sorted_head
 
     B, V = logits.shape
-    if head >= V or head > _HEAD_MAX:  # the candidates are one program's tile: heads past _HEAD_MAX sort fully
+    if not partial_head(head, V):
         return sorted_head(order_keys_cuda(logits, temperature), head)
+    logits = logits.contiguous()  # _head_keys_kernel reads rows of stride V
     vals, ids = torch.topk(logits, head + 1, dim=-1, sorted=True)  # (B, head + 1)
     cand = torch.empty(B, head + 1, dtype=torch.int64, device=logits.device)
     if B:

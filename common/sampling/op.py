@@ -64,8 +64,15 @@ from .rules import chosen_logprob, key_ids, key_values, order_keys, uniform01
 # torch.topk's own.  A launch-shape knob only: rows never interact.
 _ROW_ELEMS = 1 << 26
 # Largest top-k served by a partial selection (torch.topk) instead of a full
-# sort of the vocabulary; a speed knob only (the keys are distinct).
+# sort of the vocabulary.  Bit-neutral (the keys are distinct), but on CUDA it
+# also bounds the candidate tile one program of _head_keys_kernel holds
+# (next_power_of_2(head + 1) lanes; a 262144-wide one did not compile).
 _HEAD_MAX = 1024
+
+
+def partial_head(head: int, V: int) -> bool:
+    """Whether a block of rows forms only its sorted head (else a full sort)."""
+    return head < V and head <= _HEAD_MAX
 
 
 def _row_chunk(row_chunk: int | None, width: int) -> int:
@@ -142,7 +149,7 @@ def _rows(logits, temperature, top_k, top_p, min_p, seed, step, tokens, row_chun
     R, V = logits.shape
     if head is None:
         head = head_width(temperature, top_k, V)
-    rc = _row_chunk(row_chunk, head + 1 if logits.is_cuda and head < V else V)  # the per-row buffer width
+    rc = _row_chunk(row_chunk, head + 1 if logits.is_cuda and partial_head(head, V) else V)  # buffer width
     if R <= rc:
         return fn(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head)
     outs = []
