@@ -3,6 +3,7 @@
 checks that can fail, bad input."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -206,6 +207,65 @@ def _check_cuda_head(device, V: int, B: int, heads) -> None:
         assert bitwise_equal(runs[1][1], runs[0][1])  # the replay is the sampler
 
 
+def _support_reference(logits, temperature, top_k, top_p, min_p, seed, step, block=4096):
+    """The support kernel's passes written plainly in numpy fp32 (one row at a
+    time, every chunk, no early exit): under TRITON_INTERPRET=1 tl.exp,
+    tl.cumsum and tl.log are numpy's, so the kernel must give these bits."""
+    from alignzoo.common.sampling.op import _prepare
+    from alignzoo.common.sampling.rules import chosen_logprob, key_values, order_keys, uniform01
+
+    greedy, tau, k, p, m = _prepare(temperature, top_k, top_p, min_p, logits.shape[1])
+    keys = order_keys(logits / tau[:, None])
+    skeys = torch.sort(keys, dim=-1).values
+    u = uniform01(seed, step).numpy()
+    toks, logzs, lasts = [], [], []
+    for b in range(logits.shape[0]):
+        n_k = int(k[b])
+        v = key_values(skeys[b]).numpy()
+        e = np.exp(v[:n_k] - v[0]).astype(np.float32)
+        S = np.empty(n_k, np.float32)
+        carry = np.float32(0.0)
+        for c in range(0, n_k, block):
+            S[c:c + block] = carry + np.cumsum(e[c:c + block], dtype=np.float32)
+            carry = S[min(c + block, n_k) - 1]
+        low = np.nonzero((np.arange(n_k) >= 1) & (e < np.float32(m[b])))[0]
+        n = int(low[0]) if low.size else n_k
+        if float(p[b]) < 1.0:
+            hit = np.nonzero(S[:n] >= np.float32(p[b]) * S[n_k - 1])[0]
+            n = min(n, int(hit[0]) + 1) if hit.size else n
+        z = S[n - 1]
+        hit = np.nonzero(S[:n] > np.float32(u[b]) * z)[0]
+        pick = int(hit[0]) if hit.size else n - 1
+        toks.append(skeys[b, pick]); lasts.append(skeys[b, n - 1]); logzs.append(np.log(z))
+    key_tok, last = torch.stack(toks), torch.stack(lasts)
+    logz = torch.tensor(np.array(logzs, dtype=np.float32))
+    v0 = key_values(skeys[:, 0])
+    return key_tok & 0xFFFFFFFF, chosen_logprob(key_tok, v0, logz, last, greedy), v0, logz, last
+
+
+def _check_support_against_reference(V: int, seed: int) -> None:
+    """``rows_cuda`` (draw) on CPU tensors == ``_support_reference``, for rows
+    that take each path of the kernel's passes: a top-p cut in chunk 0 and in
+    a later chunk, a min-p cut alone, no cut at all, a top-k cut, greedy."""
+    from alignzoo.common.sampling import kernel
+
+    g = torch.Generator().manual_seed(seed)
+    B = 8
+    logits = torch.randn(B, V, generator=g) * 3
+    logits[1] = torch.randn(V, generator=g) * 0.01  # flat: a 0.9 top-p cut lands past chunk 0 when V > 4096
+    logits[6] = logits[6].round()  # ties
+    temperature = torch.rand(B, generator=g) + 0.3
+    temperature[7] = 0.0  # greedy
+    top_k = torch.tensor([0, 0, 0, 0, V // 3, 0, 0, 0])
+    top_p = torch.tensor([0.5, 0.9, 1.0, 1.0, 0.8, 1e-6, 0.95, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.01, 0.0, 0.1, 0.0])
+    seed_t, step = torch.randint(-(2**62), 2**62, (B,), generator=g), torch.randint(0, 10**6, (B,), generator=g)
+    got = kernel.rows_cuda(logits, temperature, top_k, top_p, min_p, seed_t, step, None, V)
+    ref = _support_reference(logits, temperature, top_k, top_p, min_p, seed_t, step)
+    for name, a, b in zip(("token", "lp", "v0", "logz", "last"), got, ref):
+        assert bitwise_equal(a, b) if a.is_floating_point() else torch.equal(a, b), (V, seed, name)
+
+
 _INTERPRETED_HEAD = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -231,6 +291,25 @@ def test_cuda_head_is_the_full_sorts_head_interpreted():
     script = _INTERPRETED_HEAD.format(tests=os.path.dirname(__file__), calls="\n".join(calls))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_support_kernel_passes_equal_a_plain_reference_interpreted():
+    """kernel.py's ``_support_kernel`` (its passes stop at the first chunk with
+    a top-p or draw hit, and skip the Z pass where pass 1 or 2 read Z) run by
+    Triton's interpreter: its tokens and bits equal ``_support_reference``,
+    the passes written plainly in numpy, every chunk, no early exit.  V up to
+    three 4096-wide chunks, the last one partial."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    calls = [f"_check_support_against_reference({V}, {seed})" for V in (97, 5000, 9000) for seed in (0, 1)]
+    script = _INTERPRETED_HEAD.format(tests=os.path.dirname(__file__), calls="\n".join(calls)).replace(
+        "import _check_cuda_head", "import _check_support_against_reference")
+    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
 
 

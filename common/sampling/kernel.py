@@ -63,6 +63,10 @@ BLOCK_V and num_warps shape the scan: they are fixed constants, never chosen
 from the number of rows.  The passes recompute e and S with the same code on
 the same inputs (e is zeroed past the top-k cut n_k in every pass; the other
 cuts are position tests), so a position's S has the same bits in every pass.
+That is also why the top-p and draw passes may stop at the first chunk with
+their "first i" (no later chunk can hold a smaller i), and why Z is taken
+from the pass that already read S[n - 1] (Z_k when nothing was cut, the
+top-p pass otherwise), with a pass of its own only after a min-p cut alone.
 Scaling uses ``tl.div_rn`` (IEEE division, as torch's CPU and CUDA division),
 and no kernel has an add that FP fusion could contract into an FMA
 (``enable_fp_fusion=False`` anyway).
@@ -224,18 +228,26 @@ def _support_kernel(p_skeys, p_logits, p_temp, p_topk, p_topp, p_minp, p_seed, p
         b_zk += tl.sum(tl.where(o == n_k - 1, b_S, 0.0), 0)
         n = tl.minimum(n, tl.min(tl.where(m & (o >= 1) & (b_e < b_m), o, n_k), 0))
 
-    # pass 2 (top_p < 1 only): n = min(n, 1 + first i < n with S[i] >= top_p * Z_k)
+    # pass 2 (top_p < 1 only): n = min(n, 1 + first i < n with S[i] >= top_p * Z_k); it stops at
+    # the first chunk with such an i, and keeps S[n - 1] (that S[i], or S[n_mk - 1] with no cut)
     n_mk = n
     b_t = b_p * b_zk
     b_carry = tl.zeros([], dtype=tl.float32)
-    for i_c in range(0, tl.where(b_p < 1.0, tl.cdiv(n_mk, BLOCK), 0)):
-        o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK)
-        n = tl.minimum(n, tl.min(tl.where((o < n_mk) & (b_S >= b_t), o + 1, n_mk), 0))
-
-    # pass 3: Z = S[n - 1]
     b_z = tl.zeros([], dtype=tl.float32)
+    n_c = tl.where(b_p < 1.0, tl.cdiv(n_mk, BLOCK), 0)
+    i_c = 0
+    while i_c < n_c:
+        o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK)
+        first = tl.min(tl.where((o < n_mk) & (b_S >= b_t), o, n_mk), 0)
+        n = tl.minimum(n, first + 1)
+        b_z += tl.sum(tl.where(o == n - 1, b_S, 0.0), 0)  # S[n - 1] once it is in this chunk
+        i_c = tl.where(first < n_mk, n_c, i_c + 1)
+
+    # pass 3: Z = S[n - 1] -- already read where pass 2 ran (Z = S[n - 1] there) or nothing
+    # was cut (n == n_k: Z = Z_k); else (a min-p cut alone) one more pass
+    b_z = tl.where(n == n_k, b_zk, b_z)
     b_carry = tl.zeros([], dtype=tl.float32)
-    for i_c in range(0, tl.cdiv(n, BLOCK)):
+    for i_c in range(0, tl.where((n_c == 0) & (n < n_k), tl.cdiv(n, BLOCK), 0)):
         o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK)
         b_z += tl.sum(tl.where(o == n - 1, b_S, 0.0), 0)
     b_logz = tl.log(b_z)
@@ -246,9 +258,12 @@ def _support_kernel(p_skeys, p_logits, p_temp, p_topk, p_topp, p_minp, p_seed, p
         b_target = _uniform01(tl.load(p_seed + i_b), tl.load(p_step + i_b)) * b_z
         pick = n - 1
         b_carry = tl.zeros([], dtype=tl.float32)
-        for i_c in range(0, tl.cdiv(n, BLOCK)):
+        i_c = 0
+        while i_c < tl.cdiv(n, BLOCK):  # stops at the first chunk with such an i
             o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK)
-            pick = tl.minimum(pick, tl.min(tl.where((o < n) & (b_S > b_target), o, n - 1), 0))
+            first = tl.min(tl.where((o < n) & (b_S > b_target), o, n), 0)
+            pick = tl.minimum(pick, first)
+            i_c = tl.where(first < n, tl.cdiv(n, BLOCK), i_c + 1)
         b_key_tok = tl.load(p_row + pick)
     else:
         o_tok = tl.load(p_tok_in + i_b)
