@@ -46,6 +46,37 @@ def cuda_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+def run_header(args, max_pos: int, **extra) -> dict:
+    """The facts a profile page and its JSON start with."""
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    return {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(), "commit": commit(),
+            "command": " ".join(sys.argv), "config": args.config, "max_position": max_pos, **extra}
+
+
+def each_server(args, max_batch: int, max_pos: int, profile) -> dict:
+    """{kind: profile(pair, generator)} for each of --kernels, one server loaded at a time."""
+    results = {}
+    for kind in args.kernels.split(","):
+        pair = load(args.config, server_kernels=kind, max_batch_size=max_batch, max_position=max_pos,
+                    cuda_graphs=args.device == "cuda", device=args.device)
+        results[kind] = profile(pair, torch.Generator().manual_seed(0))
+        print(json.dumps({kind: results[kind]}), flush=True)
+        del pair
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def write_report(out: str, stem: str, head: dict, results: dict, lines: list) -> None:
+    """``stem``.json (head + results) and ``stem``.md (``lines``) in ``out``; the page printed."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        json.dump({**head, "results": results}, f, indent=1)
+    with open(os.path.join(out, stem + ".md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def kernel_table(title: str, kernels: list, key: str, label: str) -> list:
     """Markdown lines of a top-kernels table (rows: kernel, calls, ``key``)."""
     return ["", f"## {title}", "", f"| kernel | calls | {label} |", "|---|---|---|",
@@ -126,24 +157,14 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     max_pos = fit_max_position(args.prompt + args.steps + 16) if args.max_position is None else args.max_position
     bw = copy_bandwidth(args.device, (2 << 30) if args.device == "cuda" else (64 << 20))
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    head = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-            "commit": commit(), "command": " ".join(sys.argv), "config": args.config, "max_position": max_pos, "copy_GBps": bw / 1e9}
-    results = {}
-    for kind in args.kernels.split(","):
-        pair = load(args.config, server_kernels=kind, max_batch_size=max(batches), max_position=max_pos,
-                    cuda_graphs=args.device == "cuda", device=args.device)
-        g = torch.Generator().manual_seed(0)
+    head = run_header(args, max_pos, copy_GBps=bw / 1e9)
+
+    def profile(pair, g):
         wb = decode_weight_bytes(pair.server.runner.model)
         rows = [profile_batch(pair, B, args.prompt, args.steps, g) for B in batches]
-        results[kind] = {"weight_bytes": wb, "bound_ms": 1e3 * wb / bw, "rows": rows}
-        print(json.dumps({kind: results[kind]}), flush=True)
-        del pair
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile_decode.json"), "w") as f:
-        json.dump({**head, "results": results}, f, indent=1)
+        return {"weight_bytes": wb, "bound_ms": 1e3 * wb / bw, "rows": rows}
+
+    results = each_server(args, max(batches), max_pos, profile)
     lines = [f"# Decode step profile: qwen3 {args.config}", "", *(f"- {k}: {v}" for k, v in head.items()), "",
              "| server | batch | step ms | replay ms | sample ms | host ms | weight-read bound ms |",
              "|---|---|---|---|---|---|---|"]
@@ -154,9 +175,7 @@ def main() -> int:
         for x in r["rows"]:
             lines += kernel_table(f"{kind}, batch {x['batch']}: top kernels of one eager decode forward",
                                   x["kernels"], "ms_per_forward", "ms per forward")
-    with open(os.path.join(args.out, "profile_decode.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "profile_decode", head, results, lines)
     return 0
 
 

@@ -15,8 +15,6 @@ Writes profile_prefill.json and profile_prefill.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -24,9 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import fit_max_position, load, sync_device, timed  # noqa: E402
-from bench_primitives import commit  # noqa: E402
-from profile_decode import kernel_table  # noqa: E402
+from bench_engine import fit_max_position, sync_device, timed  # noqa: E402
+from profile_decode import each_server, kernel_table, run_header, write_report  # noqa: E402
 
 
 def profile_batch(pair, B: int, prompt: int, reps: int, g: torch.Generator) -> dict:
@@ -66,22 +63,9 @@ def main() -> int:
         return 2
     batches = [int(b) for b in args.batches.split(",")]
     max_pos = fit_max_position(args.prompt + 2)
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    head = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-            "commit": commit(), "command": " ".join(sys.argv), "config": args.config, "max_position": max_pos}
-    results = {}
-    for kind in args.kernels.split(","):
-        pair = load(args.config, server_kernels=kind, max_batch_size=max(batches), max_position=max_pos,
-                    cuda_graphs=args.device == "cuda", device=args.device)
-        g = torch.Generator().manual_seed(0)
-        results[kind] = [profile_batch(pair, B, args.prompt, args.reps, g) for B in batches]
-        print(json.dumps({kind: results[kind]}), flush=True)
-        del pair
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile_prefill.json"), "w") as f:
-        json.dump({**head, "results": results}, f, indent=1)
+    head = run_header(args, max_pos)
+    results = each_server(args, max(batches), max_pos,
+                          lambda pair, g: [profile_batch(pair, B, args.prompt, args.reps, g) for B in batches])
     lines = [f"# Prefill profile: qwen3 {args.config}, prompts of {args.prompt} tokens", "",
              *(f"- {k}: {v}" for k, v in head.items()), "",
              "| server | batch | wall ms (median) | wall ms (each run) | device ms | other ms |", "|---|---|---|---|---|---|"]
@@ -91,9 +75,7 @@ def main() -> int:
     for kind, rows in results.items():
         for x in rows:
             lines += kernel_table(f"{kind}, batch {x['batch']}: top kernels of one prefill", x["kernels"], "ms", "ms")
-    with open(os.path.join(args.out, "profile_prefill.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "profile_prefill", head, results, lines)
     return 0
 
 
