@@ -159,3 +159,60 @@ def test_host_integer_helpers_equal_tritons():
 
     assert all(cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 5000, 7) for b in (1, 3, 64, 100, 1024, 4096))
     assert all(next_power_of_2(n) == triton.next_power_of_2(n) for n in range(0, 1 << 17))
+
+
+_TMA_INTERPRETED = """
+import numpy as np, torch, triton
+from triton.tools.tensor_descriptor import TensorDescriptor as D
+from alignzoo.common.matmul.kernel import _mm_tma_persistent_kernel, column_blocks
+
+def reference(x, w, seg, bk, bm, bn, bn2):
+    # the contract's order with the interpreter's dot (np.matmul of one (BM, BK) x (BK, bn) step, tile by
+    # tile, zero-padded as TMA pads): p_s chains from 0 per K segment, added left to right
+    M, K = x.shape
+    N, W = w.shape[0], bn + bn2
+    Kp, Mp, Np = -(-K // seg) * seg, -(-M // bm) * bm, -(-N // W) * W + W
+    xp = np.zeros((Mp, Kp), np.float32); xp[:M, :K] = x.numpy()
+    wp = np.zeros((Np, Kp), np.float32); wp[:N, :K] = w.numpy()
+    y = np.zeros((Mp, Np), np.float32)
+    for m0 in range(0, Mp, bm):
+        for n0 in range(0, Np - W, W):
+            for c0, c1 in ((n0, n0 + bn), (n0 + bn, n0 + W)) if bn2 else ((n0, n0 + bn),):
+                total = np.zeros((bm, c1 - c0), np.float32)
+                for s in range(0, Kp, seg):
+                    acc = np.zeros_like(total)
+                    for k in range(s, s + seg, bk):
+                        acc = np.matmul(xp[m0:m0 + bm, k:k + bk], wp[c0:c1, k:k + bk].T, dtype=np.float32) + acc
+                    total = total + acc
+                y[m0:m0 + bm, c0:c1] = total
+    return torch.from_numpy(y[:M, :N].copy())
+
+
+g = torch.Generator().manual_seed(0)
+for M, N, K, BM, BN, BK, SEG in [(70, 200, 160, 32, 96, 16, 64), (33, 100, 100, 16, 32, 16, 32), (40, 64, 96, 16, 64, 32, 32)]:
+    x, w = (torch.randn(r, K, generator=g).bfloat16().float() for r in (M, N))  # bf16 values: exact in tf32
+    y = torch.full((M, N), float("nan"))
+    bn, bn2 = column_blocks(BN)
+    dw, dy = D.from_tensor(w, [bn, BK]), D.from_tensor(y, [BM, bn])
+    dw2, dy2 = (D.from_tensor(w, [bn2, BK]), D.from_tensor(y, [BM, bn2])) if bn2 else (dw, dy)
+    _mm_tma_persistent_kernel[(3,)](D.from_tensor(x, [BM, BK]), dw, dw2, dy, dy2, M, N, K, triton.cdiv(K, SEG),
+                                    SEG_K=SEG, BLOCK_M=BM, BLOCK_N=bn, BLOCK_N2=bn2, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=3)
+    assert torch.equal(y, reference(x, w, SEG, BK, BM, bn, bn2)), (M, N, K, BN)
+print("ok")
+"""
+
+
+def test_tma_kernel_keeps_the_segment_order_interpreted():
+    """The TMA kernel's source (one k-loop restarting the chain after each
+    segment's last step; 96- and 192-wide tiles of two column blocks with a
+    loop per segment) run by Triton's interpreter on fp32 CPU tensors equals a
+    numpy reference of the contract's order: p_s chains from zero, added left
+    to right.  K not a multiple of SEG_K, M and N not multiples of the tile.
+    (Carrying the chain across a segment end fails this test.)"""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _TMA_INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
