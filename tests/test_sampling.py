@@ -722,6 +722,14 @@ def test_gpu_cuda_head_is_the_full_sorts_head(B):
 
 
 @pytest.mark.gpu
+def test_gpu_cuda_head_at_odd_vocabulary():
+    """V % 16 != 0: the full sort's keys are padded to a 16-multiple row
+    stride like the head's (heads 15 and 1023 make head + 1 a multiple of 16,
+    50 and 1024 do not), so the support kernel runs one layout for all."""
+    _check_cuda_head(torch.device("cuda"), 4099, 9, (1, 15, 50, 1023, 1024, 4098, 4099))
+
+
+@pytest.mark.gpu
 def test_gpu_every_batch_size_gives_the_same_rows():
     dev = torch.device("cuda")
     c = random_case(256, QWEN_VOCAB, dev, seed=13)
@@ -730,3 +738,35 @@ def test_gpu_every_batch_size_gives_the_same_rows():
         for sl in (slice(0, M), slice(256 - M, 256)):
             got = sample_fwd(*(x[sl] for x in _rows(c)))
             assert torch.equal(got[0], ref[0][sl]) and bitwise_equal(got[1], ref[1][sl]), f"M={M}"
+
+
+_SUPPORT_TYPES = {"p_skeys": "*i64", "p_logits": "*fp32", "p_temp": "*fp32", "p_topk": "*i64", "p_topp": "*fp32",
+                  "p_minp": "*fp32", "p_seed": "*i64", "p_step": "*i64", "p_tok_in": "*i64", "p_tok": "*i64",
+                  "p_lp": "*fp32", "p_v0": "*fp32", "p_logz": "*fp32", "p_last": "*i64"}
+
+
+def test_support_kernel_layout_ignores_its_integer_arguments():
+    """The support kernel's sm_90 layouts (and so its scan's association
+    order) are the same whatever the divisibility of its integer arguments:
+    the JIT specializes them by % 16, and the sorted keys' row stride follows
+    the batch (head + 1 on the head path, V on the full sort).  With the
+    stride reaching the key loads, strides 1025 and 1040 gave different log Z
+    bits on the H200 (session 6).  Compiled here, no GPU needed."""
+    pytest.importorskip("triton")
+    from sm90_layouts import can_compile_sm90, layouts, sm90_ttgir
+
+    from alignzoo.common.sampling import kernel
+
+    if not can_compile_sm90():
+        pytest.skip("this triton build has no NVIDIA backend")
+    fn = kernel._support_kernel
+    ints = [n for n in fn.arg_names if not n.startswith("p_") and n not in ("BLOCK", "DRAW")]
+    types = {**_SUPPORT_TYPES, **{n: "i32" for n in ints}}
+    consts = {"BLOCK": kernel.BLOCK_V, "DRAW": True}
+
+    def compiled(aligned_ints):
+        return layouts(sm90_ttgir(fn, types, consts, set(_SUPPORT_TYPES) | set(aligned_ints), kernel.NUM_WARPS))
+
+    base = compiled(ints)
+    for n in ints:
+        assert compiled(set(ints) - {n}) == base, f"{n} % 16 changes the support kernel's layouts"

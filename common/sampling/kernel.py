@@ -40,7 +40,15 @@ contract (``rules.order_keys``): topk ranks every NaN first while the keys
 rank a negative-signed NaN last, so the two paths may differ on them.
 
 Everything that rounds is in the Triton kernels, one program per row, with a
-layout fixed by the constants below.
+layout fixed by the constants below and by the sorted keys' row stride being
+a multiple of ``KEY_ROW_ALIGN`` (16): both launchers pad to it, INT64_MAX in
+the padding, which sorts last.  The JIT specializes integer arguments by
+% 16 and Triton lays a loaded block out by what it knows of the addresses,
+so a stride that reached the key loads as it was (head + 1 on the head
+path, V on the full sort) gave the scan a batch-dependent layout: strides
+1025 and 1040 gave different log Z bits on the H200.  The support kernel
+takes the stride in units of 16, so its addresses are 16-key aligned for
+every batch (``tests/test_sampling.py`` compiles it for sm_90 both ways).
 ``_support_kernel`` also folds the greedy / "off" parameters, hashes
 (seed, step) into the uniform with the same int64 operations as
 ``rules.uniform01`` (same bits), and computes the token's log-prob with the
@@ -83,6 +91,7 @@ BLOCK_V = 4096  # sorted positions per chunk in _support_kernel: shapes the scan
 NUM_WARPS = 8  # shapes tl.cumsum's tree: fixed
 ELEM_BLOCK = 1024  # element-wise kernels: no reduction, any value gives the same bits
 TIE_BLOCK = 1024  # tokens per chunk of _head_keys_kernel's tie scan: integer ranks, any value gives the same bits
+KEY_ROW_ALIGN = 16  # sorted keys' row stride is a multiple of this: one layout for the support kernel's loads
 INT64_MAX = tl.constexpr(2**63 - 1)  # sorts after every non-NaN key: the largest, -inf's at id 2**31 - 1, is below 2**63 - 2**54
 
 
@@ -105,23 +114,24 @@ def _key_value(b_key):
 
 
 @triton.jit
-def _order_keys_kernel(p_logits, p_temp, p_keys, V, BLOCK: tl.constexpr):
+def _order_keys_kernel(p_logits, p_temp, p_keys, V, W, BLOCK: tl.constexpr):
+    """Keys of rows of W >= V columns: INT64_MAX past V (padding sorts last)."""
     i_b, i_c = tl.program_id(0), tl.program_id(1)
     o_v = i_c * BLOCK + tl.arange(0, BLOCK)
     m_v = o_v < V
-    o_row = i_b.to(tl.int64) * V
-    b_l = tl.load(p_logits + o_row + o_v, mask=m_v, other=0.0)
+    b_l = tl.load(p_logits + i_b.to(tl.int64) * V + o_v, mask=m_v, other=0.0)
     b_temp = tl.load(p_temp + i_b)
     b_key = _order_key(b_l, tl.where(b_temp == 0.0, 1.0, b_temp), o_v)  # greedy rows sort the raw logits
-    tl.store(p_keys + o_row + o_v, b_key, mask=m_v)
+    tl.store(p_keys + i_b.to(tl.int64) * W + o_v, tl.where(m_v, b_key, INT64_MAX), mask=o_v < W)
 
 
 @triton.jit
-def _head_keys_kernel(p_logits, p_temp, p_vals, p_ids, p_cand, V, H, BLOCK_H: tl.constexpr,
+def _head_keys_kernel(p_logits, p_temp, p_vals, p_ids, p_cand, V, H, CS, BLOCK_H: tl.constexpr,
                       BLOCK: tl.constexpr):
     """One program per row: H + 1 keys whose H smallest are the keys of the
     row's first H sorted positions (rules.order_keys), from torch.topk's H + 1
-    largest logits p_vals / ids p_ids (descending; rows of H + 1, like p_cand).
+    largest logits p_vals / ids p_ids (descending; rows of H + 1); p_cand rows
+    are CS >= H + 1 wide, INT64_MAX past H (padding sorts last).
 
     t = fl(vals[H - 1] / tau).  The candidates' s are non-increasing, so those
     with s > t are a prefix, G of them, and hold every such token of the row.
@@ -134,6 +144,7 @@ def _head_keys_kernel(p_logits, p_temp, p_vals, p_ids, p_cand, V, H, BLOCK_H: tl
     i_b = tl.program_id(0)
     o_row = i_b.to(tl.int64) * V
     o_crow = i_b.to(tl.int64) * (H + 1)
+    p_crow = p_cand + i_b.to(tl.int64) * CS
     b_temp = tl.load(p_temp + i_b)
     b_tau = tl.where(b_temp == 0.0, 1.0, b_temp)  # greedy rows sort the raw logits
     o_h = tl.arange(0, BLOCK_H)
@@ -143,7 +154,8 @@ def _head_keys_kernel(p_logits, p_temp, p_vals, p_ids, p_cand, V, H, BLOCK_H: tl
     b_t = tl.div_rn(tl.load(p_vals + o_crow + H - 1), b_tau)
     tie = tl.div_rn(tl.load(p_vals + o_crow + H), b_tau) == b_t
     n_gt = tl.sum((m_h & (tl.div_rn(b_l, b_tau) > b_t)).to(tl.int32), 0)
-    tl.store(p_cand + o_crow + o_h, b_key, mask=o_h < tl.where(tie, n_gt, H + 1))
+    n_kept = tl.where(tie, n_gt, H + 1)
+    tl.store(p_crow + o_h, tl.where(o_h < n_kept, b_key, INT64_MAX), mask=(o_h < n_kept) | ((o_h > H) & (o_h < CS)))
 
     need = H - n_gt
     n_eq = tl.where(tie, 0, need)  # tied tokens seen so far; no scan without a tie
@@ -154,10 +166,10 @@ def _head_keys_kernel(p_logits, p_temp, p_vals, p_ids, p_cand, V, H, BLOCK_H: tl
         b_lv = tl.load(p_logits + o_row + o_v, mask=m_v, other=0.0)
         m_eq = m_v & (tl.div_rn(b_lv, b_tau) == b_t)
         b_rank = n_eq + tl.cumsum(m_eq.to(tl.int32), 0) - 1
-        tl.store(p_cand + o_crow + n_gt + b_rank, _order_key(b_lv, b_tau, o_v), mask=m_eq & (b_rank < need))
+        tl.store(p_crow + n_gt + b_rank, _order_key(b_lv, b_tau, o_v), mask=m_eq & (b_rank < need))
         n_eq += tl.sum(m_eq.to(tl.int32), 0)
         i_c += 1
-    tl.store(p_cand + o_crow + H, tl.full([], INT64_MAX, tl.int64), mask=tie)
+    tl.store(p_crow + H, tl.full([], INT64_MAX, tl.int64), mask=tie)
 
 
 @triton.jit
@@ -202,15 +214,16 @@ def _uniform01(b_seed, b_step):
 
 @triton.jit
 def _support_kernel(p_skeys, p_logits, p_temp, p_topk, p_topp, p_minp, p_seed, p_step, p_tok_in,
-                    p_tok, p_lp, p_v0, p_logz, p_last, V, SV, BLOCK: tl.constexpr, DRAW: tl.constexpr):
+                    p_tok, p_lp, p_v0, p_logz, p_last, V, SV16, BLOCK: tl.constexpr, DRAW: tl.constexpr):
     """One program per row: the per-row program of op.py after the sort.
     DRAW: draw a token from (seed, step); else score p_tok_in (the replay).
-    p_skeys rows (row stride SV) start with the first k' sorted keys (the
-    passes below read positions < k' only); the replay's token key is
+    p_skeys rows (row stride 16 * SV16: a multiple of 16 whatever the batch,
+    so the key loads have one layout) start with the first k' sorted keys
+    (the passes below read positions < k' only); the replay's token key is
     _order_key of its logit, the bits of the full keys'."""
     i_b = tl.program_id(0)
     o_row = i_b.to(tl.int64) * V
-    p_row = p_skeys + i_b.to(tl.int64) * SV
+    p_row = p_skeys + i_b.to(tl.int64) * (SV16 * 16)
     b_temp = tl.load(p_temp + i_b)
     greedy = b_temp == 0.0
     b_k = tl.load(p_topk + i_b).to(tl.int64)
@@ -304,36 +317,46 @@ def _replay_bwd_kernel(p_logits, p_tau, p_tok, p_v0, p_logz, p_last, p_coef, p_d
     tl.store(p_dl + o_row + o_v, b_dl, mask=m_v)
 
 
-def order_keys_cuda(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits (B, V) fp32, temperature (B,) fp32 (0 = greedy) -> keys (B, V) int64."""
+def key_row_stride(n: int) -> int:
+    """Row stride of a buffer of n sorted keys: n rounded up to ``KEY_ROW_ALIGN``."""
+    return cdiv(n, KEY_ROW_ALIGN) * KEY_ROW_ALIGN
+
+
+def order_keys_cuda(logits: torch.Tensor, temperature: torch.Tensor, *, padded: bool = False) -> torch.Tensor:
+    """logits (B, V) fp32, temperature (B,) fp32 (0 = greedy) -> keys (B, V)
+    int64; ``padded``: (B, key_row_stride(V)), INT64_MAX past V (sorts last)."""
     B, V = logits.shape
+    W = key_row_stride(V) if padded else V
     logits, temperature = logits.contiguous(), temperature.contiguous()
-    keys = torch.empty(B, V, dtype=torch.int64, device=logits.device)
+    keys = torch.empty(B, W, dtype=torch.int64, device=logits.device)
     if B:
-        grid = (B, cdiv(V, ELEM_BLOCK))
-        _order_keys_kernel[grid](logits, temperature, keys, V, BLOCK=ELEM_BLOCK, num_warps=4, enable_fp_fusion=False)
+        grid = (B, cdiv(W, ELEM_BLOCK))
+        _order_keys_kernel[grid](logits, temperature, keys, V, W, BLOCK=ELEM_BLOCK, num_warps=4,
+                                 enable_fp_fusion=False)
     return keys
 
 
 def sorted_head_cuda(logits: torch.Tensor, temperature: torch.Tensor, head: int) -> torch.Tensor:
     """logits (B, V) fp32, temperature (B,) fp32 (0 = greedy) ->
     (B, min(head, V)) int64: ``op.sorted_head`` of the rows' sort keys, the
-    same bits.  ``op.partial_head`` (head < V, head <= ``op._HEAD_MAX``: what
-    ``head_width`` gives): from torch.topk's head + 1 largest logits and
-    ``_head_keys_kernel`` (no (B, V) keys; a view of row stride head + 1);
-    else ``op.sorted_head`` of ``order_keys_cuda``'s keys (the candidates are
-    one program's tile: at head = V - 1 it was 262144 wide)."""
-    from .op import partial_head, sorted_head
+    same bits, as a view whose row stride is a multiple of ``KEY_ROW_ALIGN``
+    (what the support kernel reads).  ``op.partial_head`` (head < V, head <=
+    ``op._HEAD_MAX``: what ``head_width`` gives): from torch.topk's head + 1
+    largest logits and ``_head_keys_kernel`` (no (B, V) keys); else a sort of
+    ``order_keys_cuda``'s padded keys (the candidates are one program's tile:
+    at head = V - 1 it was 262144 wide)."""
+    from .op import partial_head
 
     B, V = logits.shape
     if not partial_head(head, V):
-        return sorted_head(order_keys_cuda(logits, temperature), head)
+        return torch.sort(order_keys_cuda(logits, temperature, padded=True), dim=-1).values[:, :min(head, V)]
     logits = logits.contiguous()  # _head_keys_kernel reads rows of stride V
     vals, ids = torch.topk(logits, head + 1, dim=-1, sorted=True)  # (B, head + 1)
-    cand = torch.empty(B, head + 1, dtype=torch.int64, device=logits.device)
+    cs = key_row_stride(head + 1)
+    cand = torch.empty(B, cs, dtype=torch.int64, device=logits.device)
     if B:
-        _head_keys_kernel[(B,)](logits, temperature.contiguous(), vals, ids, cand, V, head,
-                                BLOCK_H=next_power_of_2(head + 1), BLOCK=TIE_BLOCK, num_warps=4,
+        _head_keys_kernel[(B,)](logits, temperature.contiguous(), vals, ids, cand, V, head, cs,
+                                BLOCK_H=next_power_of_2(cs), BLOCK=TIE_BLOCK, num_warps=4,
                                 enable_fp_fusion=False)
     return torch.sort(cand, dim=-1).values[:, :head]
 
@@ -348,6 +371,9 @@ def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head
     dev = logits.device
     logits = logits.contiguous()
     skeys = sorted_head_cuda(logits, temperature, head)  # (B, min(head, V)): the sorted positions any row reads
+    if skeys.stride(0) % KEY_ROW_ALIGN or skeys.stride(1) != 1 or skeys.data_ptr() % 16:
+        raise AssertionError(f"sorted keys of row stride {skeys.stride(0)}: the support kernel needs a "
+                             f"multiple of {KEY_ROW_ALIGN} (its layout, and so its bits, would change)")
     draw = tokens is None
     if draw:
         tokens = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -358,7 +384,7 @@ def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head
     lp, v0, logz = (torch.empty(B, dtype=torch.float32, device=dev) for _ in range(3))
     last = torch.empty(B, dtype=torch.int64, device=dev)
     if B:
-        _support_kernel[(B,)](skeys, logits, *ins, tok, lp, v0, logz, last, V, skeys.stride(0),
+        _support_kernel[(B,)](skeys, logits, *ins, tok, lp, v0, logz, last, V, skeys.stride(0) // KEY_ROW_ALIGN,
                               BLOCK=BLOCK_V, DRAW=draw, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return (tok if draw else tokens), lp, v0, logz, last
 
