@@ -7,7 +7,8 @@ bound — for the aligned server and the vendor-kernel server side by side.
 Per batch size B (prompts of --prompt tokens, then decode steps timed one by one):
   step ms      wall time of ``engine.step()`` in steady decode (host included)
   replay ms    the captured decode graph replayed alone (CUDA events)
-  sample ms    ``sample_fwd`` on the graph's logits with the step's sampling params
+  sample ms    sampling the graph's logits with the step's params, as the engine
+               does (its captured sampler for buckets <= 16, else ``sample_fwd``)
   host ms      step - replay - sample: batch building, copies, scheduling, .tolist()
   bound ms     weight bytes / copy bandwidth measured in the same run (batch 1's floor)
 Then the top kernels of one eager decode forward (torch.profiler), by CUDA time.
@@ -114,8 +115,10 @@ def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> 
     head = head_width(host["temperature"], host["top_k"], V)  # as the engine does: no device read
     params = {k: v.to(dev) for k, v in host.items()}
 
-    def sample():
-        tok, lp = sample_fwd(logits, **params, head=head)
+    graphed = runner.sample_graphs is not None and bucket in runner.sample_graphs.buckets
+
+    def sample():  # as the engine samples: its captured sampler for small buckets, else sample_fwd
+        tok, lp = runner.sample_graphs.run(bucket, host, head) if graphed else sample_fwd(logits, **params, head=head)
         tok.tolist()
 
     sample_ms = cuda_ms(sample)

@@ -65,6 +65,32 @@ def _assert_same_support(got_lp, ref_lp, device):
 
 # --- rungs 1 and 2 -----------------------------------------------------------
 
+def test_head_hint_rounded_up_keeps_the_bits(device):
+    """The engine's sampler graphs round the batch's head width up to a power
+    of two (``SampleGraphs.head_class``): any head >= every row's k' gives the
+    same draws and replays, on either path (partial head or full sort)."""
+    from alignzoo.common.engine.model_runner import SampleGraphs
+
+    B, V = 6, 1000
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(B, V, generator=g) * 3).to(device)
+    t = torch.tensor([0.7, 1.0, 0.0, 1.3, 0.9, 1.0], device=device)
+    k = torch.tensor([3, 20, 0, 7, 1, 15], device=device)
+    p = torch.tensor([0.9, 1.0, 1.0, 0.5, 1.0, 0.95], device=device)
+    m = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.0, 0.1], device=device)
+    seed, step = torch.arange(B, device=device) * 7919, torch.arange(B, device=device)
+    head = head_width(t.cpu(), k.cpu(), V)
+    assert head == 20 and SampleGraphs.head_class(head, V) == 32
+    assert SampleGraphs.head_class(1, V) == 1 and SampleGraphs.head_class(V, V) == V
+    assert SampleGraphs.head_class(1000, 1024) == 1024 and SampleGraphs.head_class(600, 700) == 700
+    ref = sample_fwd(logits, t, k, p, m, seed, step, head=head)
+    for h in (32, 1000, V):
+        got = sample_fwd(logits, t, k, p, m, seed, step, head=h)
+        assert torch.equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1]), h
+        lp = sampling_logprobs_fwd(logits, ref[0], t, k, p, m, head=h)[0]
+        assert bitwise_equal(lp, ref[1]), h
+
+
 def test_sorted_head_gives_the_full_sorts_bits(device, monkeypatch):
     """A block whose largest top-k is small sorts only that head of the keys
     (torch.topk); draws, replays and the transformed distribution must have

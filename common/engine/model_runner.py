@@ -3,7 +3,10 @@
 Decode-shaped batches (one new token per sequence, a logit row each) replay a
 CUDA graph captured for the next bucket size up; everything else runs eager.
 Both give the same bits: the model's rows do not depend on the batch, so pad
-rows and the wider fixed block table cannot change the real rows.
+rows and the wider fixed block table cannot change the real rows.  Small
+decode buckets also replay their sampler (``SampleGraphs``): at batch 1 the
+sampler's host work (a dozen torch ops, two Triton launches) took longer
+than its kernels.
 """
 from __future__ import annotations
 
@@ -13,12 +16,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .._host import next_power_of_2
 from ..kv_cache import PAGE_SIZE, BlockManager
 from ..sampling import head_width, params_to_tensors, sample_fwd, sampling_logprobs_fwd
 from .model_api import ForwardBatch, ServeModel
 from .scheduler import Chunk
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SAMPLE_GRAPH_MAX_BATCH = 16  # buckets whose sampler is a graph too (above: the sort dominates; its buffers are big)
+_SAMPLE_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "step")
 log = logging.getLogger("alignzoo.engine")
 
 
@@ -85,6 +91,65 @@ def capture_decode_graphs(model: ServeModel, kv_cache, batch_sizes: list[int], w
     return DecodeGraphs(static, dict(sorted(graphs.items())), logits)
 
 
+class SampleGraphs:
+    """``sample_fwd`` on a decode graph's logits, captured per (bucket, head
+    class) on first use and replayed after the decode graph.
+
+    The head class is the batch's ``head_width`` rounded up to a power of two
+    (or V): bit-neutral, since ``head`` only bounds the sorted positions
+    formed and every row reads positions < its own k' (the head path equals
+    the full sort, ``tests/test_sampling.py``).  Pad rows keep whatever
+    parameters a previous step left (valid ones: greedy at first); their
+    tokens are dropped.  One memory pool serves every sampler graph: they
+    replay one at a time, and their outputs are read before the next replay."""
+
+    def __init__(self, decode: DecodeGraphs, max_batch: int):
+        self.decode = decode
+        self.buckets = [b for b in decode.graphs if b <= max_batch]
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.params: dict[int, dict[str, torch.Tensor]] = {}
+        self._pool = None
+
+    @staticmethod
+    def head_class(head: int, V: int) -> int:
+        return min(next_power_of_2(head), V) if head < V else V
+
+    def run(self, bs: int, host: dict, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """host: ``params_to_tensors`` of the batch's B <= bs rows (CPU);
+        -> (tokens, logprobs) of those rows, device tensors."""
+        B, V = host["temperature"].shape[0], self.decode.logits[bs].shape[1]
+        params = self.params.get(bs)
+        if params is None:
+            dev = self.decode.logits[bs].device
+            params = self.params[bs] = {
+                "temperature": torch.zeros(bs, dtype=torch.float32, device=dev),  # greedy pad rows
+                "top_k": torch.zeros(bs, dtype=torch.int64, device=dev),
+                "top_p": torch.ones(bs, dtype=torch.float32, device=dev),
+                "min_p": torch.zeros(bs, dtype=torch.float32, device=dev),
+                "seed": torch.zeros(bs, dtype=torch.int64, device=dev),
+                "step": torch.zeros(bs, dtype=torch.int64, device=dev)}
+        for k in _SAMPLE_KEYS:
+            params[k][:B].copy_(host[k].to(params[k].dtype), non_blocking=True)
+        key = (bs, self.head_class(head, V))
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bs, key[1])
+        graph, tok, lp = self.graphs[key]
+        graph.replay()
+        return tok[:B], lp[:B]
+
+    def _capture(self, bs: int, head: int):
+        t0 = time.perf_counter()
+        logits, params = self.decode.logits[bs], self.params[bs]
+        sample_fwd(logits, **params, head=head)  # warm-up: Triton compiles outside the capture
+        torch.cuda.synchronize(logits.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            tok, lp = sample_fwd(logits, **params, head=head)
+        self._pool = graph.pool() if self._pool is None else self._pool
+        log.info("captured the sampler for batch %d, head %d in %.1fs", bs, head, time.perf_counter() - t0)
+        return graph, tok, lp
+
+
 class ModelRunner:
     def __init__(self, model: ServeModel, num_pages: int, *, max_batch_size: int, cuda_graphs: bool):
         self.model = model
@@ -93,10 +158,12 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         self.graph_width = -(-model.max_position // PAGE_SIZE)
         self.graphs: DecodeGraphs | None = None
+        self.sample_graphs: SampleGraphs | None = None
         if cuda_graphs:
             with torch.inference_mode():
                 self.graphs = capture_decode_graphs(model, self.kv_cache, graph_batch_sizes(max_batch_size),
                                                     self.graph_width)
+            self.sample_graphs = SampleGraphs(self.graphs, SAMPLE_GRAPH_MAX_BATCH)
 
     def run(self, chunks: list[Chunk], block_manager: BlockManager) -> list[list[tuple[int, float]]]:
         """Forward the chunks as one batch; per chunk, the (token, log-prob)
@@ -138,14 +205,18 @@ class ModelRunner:
             logits = self.model.forward(batch, self.kv_cache)  # (R, V) fp32
         results: list[list[tuple[int, float]]] = [[] for _ in chunks]
         if rows:
-            for (i, _), tok, lp in zip(wanted, *self._sample(logits, [(chunks[i].seq, p) for i, p in wanted])):
+            graphed = bucket if bucket in getattr(self.sample_graphs, "buckets", ()) else None
+            for (i, _), tok, lp in zip(wanted, *self._sample(logits, [(chunks[i].seq, p) for i, p in wanted],
+                                                            graphed)):
                 results[i].append((tok, lp))
         return results
 
-    def _sample(self, logits: torch.Tensor, wanted: list) -> tuple[list[int], list[float]]:
+    def _sample(self, logits: torch.Tensor, wanted: list, bucket: int | None = None) -> tuple[list[int], list[float]]:
         """Per logit row (its sequence, its position): draw a generated
         sequence's next token, or replay a teacher-forced one's given next
-        token (the same program, so the same bits for the same row)."""
+        token (the same program, so the same bits for the same row).
+        ``bucket``: the logits are that decode graph's, and its sampler may
+        be replayed (when every row is drawn)."""
         tokens, lps = [0] * len(wanted), [0.0] * len(wanted)
         gen = [r for r, (s, _) in enumerate(wanted) if not s.teacher_forced]
         forced = [r for r, (s, _) in enumerate(wanted) if s.teacher_forced]
@@ -153,9 +224,12 @@ class ModelRunner:
             seqs = [wanted[r][0] for r in gen]
             params = params_to_tensors([s.sampling for s in seqs], [s.step for s in seqs])
             head = head_width(params["temperature"], params["top_k"], logits.shape[1])  # host tensors: no sync
-            params = {k: v.to(self.device, non_blocking=True) for k, v in params.items()}
-            lg = logits if len(gen) == len(wanted) else logits[self._to_device(gen, torch.int64)]
-            tok, lp = sample_fwd(lg, **params, head=head)
+            if bucket is not None and len(gen) == len(wanted):
+                tok, lp = self.sample_graphs.run(bucket, params, head)
+            else:
+                params = {k: v.to(self.device, non_blocking=True) for k, v in params.items()}
+                lg = logits if len(gen) == len(wanted) else logits[self._to_device(gen, torch.int64)]
+                tok, lp = sample_fwd(lg, **params, head=head)
             for r, t, l in zip(gen, tok.tolist(), lp.tolist()):
                 tokens[r], lps[r] = t, l
         if forced:
