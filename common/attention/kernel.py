@@ -136,6 +136,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._pdl import pdl_options, wait_prior
 from ..kv_cache.op import PAGE_SIZE
 from .op import SEGMENT
 
@@ -347,9 +348,10 @@ def _attn_fwd_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr,
     G: tl.constexpr, HPT: tl.constexpr, N_HC: tl.constexpr, TPT: tl.constexpr,
     WINDOW: tl.constexpr, PAGED: tl.constexpr, MASK_ALL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # late query tiles (the most KV blocks) are launched first
+    wait_prior(PDL)  # PDL: first, before any global load or store
     i_m = n_m_tiles - 1 - tl.program_id(0)
     i_b = tl.program_id(1)
     i_hc = tl.program_id(2)
@@ -414,6 +416,7 @@ def _attn_decode_split_kernel(
     G: tl.constexpr, HPT: tl.constexpr, N_HC: tl.constexpr,
     WINDOW: tl.constexpr, MASK_ALL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr, FINAL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One segment of one decode query (token ``cu_q[b]`` at position
     ``seq_lens[b] - 1``) x one kv head's query heads (rows; padding to BLOCK_M).
@@ -421,6 +424,7 @@ def _attn_decode_split_kernel(
     holds one segment) writes out/lse instead, which is what merging one
     segment into the empty total gives.  A segment outside the row's visible
     blocks writes nothing (the merge reads only those that hold one)."""
+    wait_prior(PDL)  # PDL: first, before any global load or store
     i_s = tl.program_id(0)
     i_b = tl.program_id(1)
     i_hc = tl.program_id(2)
@@ -470,11 +474,12 @@ def _attn_decode_merge_kernel(
     stride_ot, stride_oh, stride_lt,
     n_tok, n_heads,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr,
+    WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Merge decode segments in increasing order into the total (``_merge``,
     the tile kernel's arithmetic), then out/lse (``_finalize``).  One program:
     one decode query x BLOCK_H heads (rows)."""
+    wait_prior(PDL)  # PDL: first, before any global load or store
     i_b = tl.program_id(0)
     bos = tl.load(cu_q + i_b)
     if tl.load(cu_q + i_b + 1) == bos:
@@ -681,7 +686,7 @@ def _fwd_launch(q, k, v, cu_q, seq_lens, block_table, max_q_len, window, scale, 
         G=G, HPT=hpt, N_HC=n_hc, TPT=tpt,
         WINDOW=window, PAGED=paged, MASK_ALL=mask_all, PRECISION=_precision(q.dtype),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, SEG_BLOCKS=SEG_BLOCKS,
-        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, **pdl_options(q.device),
     )
     return o, lse
 
@@ -715,7 +720,7 @@ def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mas
         D=d, BLOCK_D=block_d, G=G, HPT=hpt, N_HC=n_hc,
         WINDOW=window, MASK_ALL=mask_all, PRECISION=_precision(q.dtype),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, SEG_BLOCKS=seg_blocks, FINAL=final,
-        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, **pdl_options(q.device),
     )
     if not final:
         block_h = min(16, next_power_of_2(hq))
@@ -723,7 +728,7 @@ def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mas
             o, lse, ws_m, ws_l, ws_acc, cu_q, seq_lens,
             o.stride(0), o.stride(1), lse.stride(0), T, hq,
             D=d, BLOCK_D=block_d, BLOCK_H=block_h, WINDOW=window, BLOCK_N=BLOCK_N, SEG_BLOCKS=seg_blocks,
-            num_warps=4, enable_fp_fusion=False,
+            num_warps=4, enable_fp_fusion=False, **pdl_options(o.device),
         )
     return o, lse
 

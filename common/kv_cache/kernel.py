@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .._host import next_power_of_2
+from .._pdl import pdl_options, wait_prior
 
 
 @triton.jit
@@ -18,8 +19,9 @@ def _write_kv_kernel(
     k, v, k_cache, v_cache, slot_mapping,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_cs, stride_ch,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_prior(PDL)  # PDL: first, before any global load or store
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_slot = tl.load(slot_mapping + i_n).to(tl.int64)
@@ -43,5 +45,5 @@ def write_kv_cuda(
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        D=d, BLOCK_D=next_power_of_2(d),
+        D=d, BLOCK_D=next_power_of_2(d), **pdl_options(k.device),
     )

@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._pdl import pdl_options, wait_prior
 from .cpu import VOCAB_GROUP
 
 DEFAULT_BLOCK_M = 64
@@ -110,10 +111,11 @@ def _lm_head_fwd_kernel(
     h, w, tgt, z_out, m_out, l_out, zt_out,
     T, V, K, G,
     BM: tl.constexpr, BV: tl.constexpr, LOG2BV: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-    WRITE_LOGITS: tl.constexpr, WRITE_STATS: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    WRITE_LOGITS: tl.constexpr, WRITE_STATS: tl.constexpr, HAS_TARGETS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Logits tile of (row tile i_m, group i_g); optionally store it (FP32),
     and/or the group's (max, pairwise sum of exp(z - max)) and target logits."""
+    wait_prior(PDL)  # PDL: first, before any global load or store
     i_m, i_g = tl.program_id(0), tl.program_id(1)
     b_z = _logits_tile(h, w, i_m, i_g, T, V, K, BM, BV, BK, IEEE)  # (BM, BV)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -142,10 +144,11 @@ def _lm_head_fwd_kernel(
 def _lm_head_merge_kernel(
     m_in, l_in, zt_in, lp_out, lse_out,
     T, G,
-    BR: tl.constexpr, G2: tl.constexpr, LOG2G2: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    BR: tl.constexpr, G2: tl.constexpr, LOG2G2: tl.constexpr, HAS_TARGETS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Per row: merge the G group stats by the fixed pairwise tree, then
     lse = M + log L and logprob = z_target - lse."""
+    wait_prior(PDL)  # PDL: first, before any global load or store
     i_r = tl.program_id(0)
     o_r = i_r * BR + tl.arange(0, BR)
     o_g = tl.arange(0, G2)
@@ -271,7 +274,7 @@ def _fwd_launch(h, w, targets, block_m, write_logits, want_stats):
         T, V, K, G,
         BM=BM, BV=VOCAB_GROUP, LOG2BV=_LOG2_GROUP, **_proj_consts(h.dtype, BM),
         WRITE_LOGITS=write_logits, WRITE_STATS=want_stats, HAS_TARGETS=has_t,
-        num_stages=_FWD_STAGES, enable_fp_fusion=False,
+        num_stages=_FWD_STAGES, enable_fp_fusion=False, **pdl_options(h.device),
     )
     if want_stats:
         G2 = max(2, next_power_of_2(G))
@@ -279,7 +282,7 @@ def _fwd_launch(h, w, targets, block_m, write_logits, want_stats):
         _lm_head_merge_kernel[(cdiv(T, BR),)](
             m, l, zt, lp if has_t else dummy, lse, T, G,
             BR=BR, G2=G2, LOG2G2=G2.bit_length() - 1, HAS_TARGETS=has_t,
-            num_warps=4, enable_fp_fusion=False,
+            num_warps=4, enable_fp_fusion=False, **pdl_options(m.device),
         )
     return lp, lse, logits
 

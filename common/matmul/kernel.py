@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv
+from .._pdl import pdl_options, wait_prior
 
 
 @triton.jit
@@ -82,7 +83,8 @@ def _tile_coords(tile, n_m, n_n, GROUP_M: tl.constexpr):
 def _mm_fused_kernel(p_x, p_w, p_y, M, N, K,
                      stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                      N_SEG, SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    wait_prior(PDL)  # PDL: first, before any global load or store
     i_m, i_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(0, N_SEG):
@@ -99,7 +101,8 @@ def _mm_fused_kernel(p_x, p_w, p_y, M, N, K,
 def _mm_split_kernel(p_x, p_w, p_ws, M, N, K,
                      stride_xm, stride_xk, stride_wn, stride_wk,
                      SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    wait_prior(PDL)  # PDL: first, before any global load or store
     i_m, i_n, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b_p = _segment_dot(p_x, p_w, i_m, i_n, M, N, K, s * SEG_K,
                        stride_xm, stride_xk, stride_wn, stride_wk,
@@ -111,7 +114,8 @@ def _mm_split_kernel(p_x, p_w, p_ws, M, N, K,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mm_merge_kernel(p_ws, p_y, M, N, stride_ym, stride_yn, N_SEG, BLOCK: tl.constexpr):
+def _mm_merge_kernel(p_ws, p_y, M, N, stride_ym, stride_yn, N_SEG, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_prior(PDL)  # PDL: first, before any global load or store
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = o < M * N
     b_total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -125,7 +129,7 @@ def _mm_merge_kernel(p_ws, p_y, M, N, stride_ym, stride_yn, N_SEG, BLOCK: tl.con
 def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
                               SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                              NUM_PROGS: tl.constexpr):
+                              NUM_PROGS: tl.constexpr, PDL: tl.constexpr = False):
     """Large-M schedule: persistent programs walk the tiles; operands arrive by
     TMA (out-of-bounds reads are zero).  Same per-element arithmetic as
     ``_segment_dot`` + the fused kernel: segment chains from zero, added left
@@ -143,6 +147,7 @@ def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
     quantisation).  Such tiles keep a k-loop per segment: one loop holding
     four accumulators ran 1.2-2.5x slower.  Each output element is still its
     own k16 chain: the column block it sits in does not touch its sum."""
+    wait_prior(PDL)  # PDL: first, before any global load or store
     BLOCK_W: tl.constexpr = BLOCK_N + BLOCK_N2
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_W)
@@ -322,6 +327,7 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     seg_k = SEG_K if n_seg > 1 else cdiv(K, BK) * BK
     ieee = x.dtype == torch.float32
     tiles = cdiv(M, BM) * cdiv(N, BN)
+    pdl = pdl_options(x.device)
     if schedule == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -335,19 +341,19 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
         _mm_tma_persistent_kernel[(progs,)](
             TensorDescriptor.from_tensor(x, [BM, BK]), d_w, d_w2, d_y, d_y2, M, N, K, n_seg,
             SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=bn, BLOCK_N2=bn2, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs,
-            num_warps=nw, num_stages=ns)
+            num_warps=nw, num_stages=ns, **pdl)
     elif schedule == "split" and n_seg > 1:
         ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
         _mm_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
             x, w, ws, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns)
+            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns, **pdl)
         BLOCK = 1024
-        _mm_merge_kernel[(cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK)
+        _mm_merge_kernel[(cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK, **pdl)
     else:  # fused, or split with a single K segment
         _mm_fused_kernel[(tiles,)](
             x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
             n_seg, SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, IEEE=ieee,
-            num_warps=nw, num_stages=ns)
+            num_warps=nw, num_stages=ns, **pdl)
     return y
 
 

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv
+from .._pdl import pdl_options, wait_prior
 from .cpu import DW_SLOTS2, DW_TILES, ROW_CHUNK, dw_slots, tree_width
 
 
@@ -98,7 +99,7 @@ def _rmsnorm_fwd_kernel(
     NC: tl.constexpr,
     BM: tl.constexpr,
     HAS_RES: tl.constexpr,
-    HAS_Z: tl.constexpr,
+    HAS_Z: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """The row's P = NC * CHUNK lanes: the chunks added element-wise in
     order, then one CHUNK-lane tree (the order of ``cpu.row_tree_sum``).
@@ -107,6 +108,7 @@ def _rmsnorm_fwd_kernel(
     between them would pin their order, as the pointers may alias); pass 2
     normalises the whole (BM, P) row tile element-wise, recomputing the fused
     sum and storing it as the new residual there."""
+    wait_prior(PDL)  # PDL: first, before any global load or store
     i_m = tl.program_id(0)
     o_m = i_m * BM + tl.arange(0, BM)  # (BM,)
     o_c = tl.arange(0, CHUNK)  # (CHUNK,)
@@ -325,7 +327,7 @@ def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warp
         HAS_RES=residual is not None,
         HAS_Z=z is not None,
         num_warps=nw,
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl_options(x.device),
     )
     return y, new_res, rstd
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._pdl import pdl_options, wait_prior
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -46,8 +47,9 @@ def rope_kernel(
     IN_INTERLEAVED: tl.constexpr,
     OUT_INTERLEAVED: tl.constexpr,
     NEGATE_SIN: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_prior(PDL)  # PDL: first, before any global load or store
     i_r = tl.program_id(0)
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)  # rows t*H + h
     m_r = o_r < N
@@ -139,6 +141,6 @@ def rope_rotate_cuda(
         NEGATE_SIN=negate_sin,
         BLOCK_R=block_r,
         num_warps=4,
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl_options(x.device),
     )
     return y

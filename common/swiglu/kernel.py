@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._pdl import pdl_options, wait_prior
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -40,8 +41,9 @@ def _swiglu_fwd_kernel(
     lim,
     HAS_LIMIT: tl.constexpr,
     BM: tl.constexpr,
-    BN: tl.constexpr,
+    BN: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_prior(PDL)  # PDL: first, before any global load or store
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)  # (BM,)
     o_n = i_n * BN + tl.arange(0, BN)  # (BN,)
@@ -116,7 +118,7 @@ def swiglu_fwd_cuda(gate, up, lim, block_rows=None, block_cols=None, num_warps=N
         gate, up, y, M, I, gate.stride(0), up.stride(0), y.stride(0),
         0.0 if lim is None else lim,
         HAS_LIMIT=lim is not None, BM=bm, BN=bn,
-        num_warps=num_warps or 4, enable_fp_fusion=False,
+        num_warps=num_warps or 4, enable_fp_fusion=False, **pdl_options(gate.device),
     )
     return y
 

@@ -1,0 +1,73 @@
+"""Programmatic dependent launch (``common/_pdl.py``): a PDL kernel may start
+while the kernel before it drains, so it must wait before touching memory."""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from alignzoo.common._pdl import pdl_options  # noqa: E402
+
+MODULES = ["attention", "kv_cache", "lm_head", "matmul", "rmsnorm", "rope", "swiglu"]
+
+
+def _pdl_kernels():
+    out = []
+    for name in MODULES:
+        mod = importlib.import_module(f"alignzoo.common.{name}.kernel")
+        for attr, obj in vars(mod).items():
+            if "PDL" in getattr(obj, "arg_names", ()) and attr != "wait_prior":
+                out.append(pytest.param(obj, id=f"{name}.{attr}"))
+    return out
+
+
+@pytest.mark.parametrize("fn", _pdl_kernels())
+def test_pdl_kernel_waits_first(fn):
+    """``wait_prior(PDL)`` is the body's first statement (after the docstring):
+    no load or store can run before the previous kernel has finished."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn.fn)))
+    body = tree.body[0].body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    assert ast.unparse(body[0]) == "wait_prior(PDL)", f"{fn.fn.__name__} starts with {ast.unparse(body[0])!r}"
+
+
+def test_pdl_kernels_are_found():
+    assert len(_pdl_kernels()) >= 12
+
+
+def test_every_pdl_launch_passes_both_options():
+    """Launchers spread ``pdl_options``: the PDL constexpr never travels
+    without Triton's launch_pdl (or the reverse)."""
+    for name in MODULES:
+        src = inspect.getsource(importlib.import_module(f"alignzoo.common.{name}.kernel"))
+        assert "launch_pdl" not in src and "PDL=" not in src, name
+
+
+def test_pdl_off_on_cpu(monkeypatch):
+    assert pdl_options(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv("ALIGNZOO_PDL", "0")
+    assert pdl_options(torch.device("cpu")) == {"PDL": False}
+
+
+def test_pdl_wait_precedes_memory_in_the_compiled_kernel():
+    """sm_90 TTGIR of the split-K merge with PDL on: the grid-dependency wait
+    comes before the first load and store."""
+    from sm90_layouts import can_compile_sm90, sm90_ttgir
+
+    from alignzoo.common.matmul import kernel as mm
+
+    if not can_compile_sm90():
+        pytest.skip("this triton build has no NVIDIA backend")
+    types = {"p_ws": "*fp32", "p_y": "*bf16", "M": "i32", "N": "i32", "stride_ym": "i32", "stride_yn": "i32",
+             "N_SEG": "i32"}
+    for level in (1, 2):
+        lines = sm90_ttgir(mm._mm_merge_kernel, types, {"BLOCK": 1024, "PDL": level}, {"p_ws", "p_y"}, 4).splitlines()
+        at = lambda op: next(i for i, ln in enumerate(lines) if op in ln)  # noqa: E731
+        assert at("tt.grid_dependency_wait") < min(at("tt.load"), at("tt.store"))
