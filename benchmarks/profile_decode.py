@@ -118,7 +118,9 @@ def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> 
     graphed = runner.sample_graphs is not None and bucket in runner.sample_graphs.buckets
 
     def sample():  # as the engine samples: its captured sampler for small buckets, else sample_fwd
-        tok, lp = runner.sample_graphs.run(bucket, host, head) if graphed else sample_fwd(logits, **params, head=head)
+        with torch.inference_mode():  # the sampler graphs' inputs are inference tensors
+            tok, lp = (runner.sample_graphs.run(bucket, host, head) if graphed else
+                       sample_fwd(logits, **params, head=head))
         tok.tolist()
 
     sample_ms = cuda_ms(sample)
