@@ -93,49 +93,58 @@ def capture_decode_graphs(model: ServeModel, kv_cache, batch_sizes: list[int], w
 
 class SampleGraphs:
     """``sample_fwd`` on a decode graph's logits, captured per (bucket, head
-    class) on first use and replayed after the decode graph.
+    class) on first use and replayed right after the decode graph.
 
-    The head class is the batch's ``head_width`` rounded up to a power of two
-    (or V): bit-neutral, since ``head`` only bounds the sorted positions
-    formed and every row reads positions < its own k' (the head path equals
-    the full sort, ``tests/test_sampling.py``).  Pad rows keep whatever
-    parameters a previous step left (valid ones: greedy at first); their
-    tokens are dropped.  One memory pool serves every sampler graph: they
-    replay one at a time, and their outputs are read before the next replay."""
+    ``stage`` copies a step's parameters in (pinned host buffers, async)
+    before the decode graph is launched, so that host work overlaps the
+    forward; ``replay`` then runs the sampler with no host work between the
+    two graphs.  The head class is the batch's ``head_width`` rounded up to a
+    power of two (or V): bit-neutral, since ``head`` only bounds the sorted
+    positions formed and every row reads positions < its own k' (the head
+    path equals the full sort, ``tests/test_sampling.py``).  Pad rows keep
+    whatever parameters a previous step left (valid ones: greedy at first);
+    their tokens are dropped.  One memory pool serves every sampler graph:
+    they replay one at a time, and their outputs are read before the next
+    replay."""
 
     def __init__(self, decode: DecodeGraphs, max_batch: int):
         self.decode = decode
         self.buckets = [b for b in decode.graphs if b <= max_batch]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.params: dict[int, dict[str, torch.Tensor]] = {}
+        self._staging: dict[int, dict[str, torch.Tensor]] = {}
         self._pool = None
 
     @staticmethod
     def head_class(head: int, V: int) -> int:
         return min(next_power_of_2(head), V) if head < V else V
 
-    def run(self, bs: int, host: dict, head: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """host: ``params_to_tensors`` of the batch's B <= bs rows (CPU);
-        -> (tokens, logprobs) of those rows, device tensors."""
-        B, V = host["temperature"].shape[0], self.decode.logits[bs].shape[1]
-        params = self.params.get(bs)
-        if params is None:
-            dev = self.decode.logits[bs].device
-            params = self.params[bs] = {
-                "temperature": torch.zeros(bs, dtype=torch.float32, device=dev),  # greedy pad rows
-                "top_k": torch.zeros(bs, dtype=torch.int64, device=dev),
-                "top_p": torch.ones(bs, dtype=torch.float32, device=dev),
-                "min_p": torch.zeros(bs, dtype=torch.float32, device=dev),
-                "seed": torch.zeros(bs, dtype=torch.int64, device=dev),
-                "step": torch.zeros(bs, dtype=torch.int64, device=dev)}
+    def stage(self, bs: int, host: dict, head: int) -> tuple[int, int]:
+        """Copy ``params_to_tensors`` of the step's B <= bs rows (CPU) into
+        bucket bs's sampler inputs; -> the key ``replay`` takes."""
+        logits = self.decode.logits[bs]
+        if bs not in self.params:
+            pad = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0, "step": 0}  # greedy
+            self.params[bs] = {k: torch.full((bs,), v, dtype=host[k].dtype, device=logits.device)
+                               for k, v in pad.items()}
+            self._staging[bs] = {k: torch.full((bs,), v, dtype=host[k].dtype, pin_memory=True)
+                                 for k, v in pad.items()}
+        B = host["temperature"].shape[0]
         for k in _SAMPLE_KEYS:
-            params[k][:B].copy_(host[k].to(params[k].dtype), non_blocking=True)
-        key = (bs, self.head_class(head, V))
+            self._staging[bs][k][:B].copy_(host[k])
+            self.params[bs][k].copy_(self._staging[bs][k], non_blocking=True)
+        return bs, self.head_class(head, logits.shape[1])
+
+    def replay(self, key: tuple[int, int], B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (tokens, logprobs) of the staged step's B rows, device tensors."""
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bs, key[1])
+            self.graphs[key] = self._capture(*key)
         graph, tok, lp = self.graphs[key]
         graph.replay()
         return tok[:B], lp[:B]
+
+    def run(self, bs: int, host: dict, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.replay(self.stage(bs, host, head), host["temperature"].shape[0])
 
     def _capture(self, bs: int, head: int):
         t0 = time.perf_counter()
@@ -184,7 +193,9 @@ class ModelRunner:
         tables = [block_manager.block_table(c.seq.id) for c in chunks]
         B = len(chunks)
         bucket = self.graphs.bucket(B) if self.graphs is not None and len(tokens) == len(rows) == B else None
+        staged = None
         if bucket is not None:
+            staged = self._stage_sampler(bucket, [c.seq for c in chunks])  # its host work overlaps the forward
             pad = bucket - B
             logits = self._replay(bucket, tokens + [0] * pad, positions + [0] * pad, seq_lens + [1] * pad,
                                   slots + [-1] * pad, adapters + [-1] * pad,
@@ -205,28 +216,36 @@ class ModelRunner:
             logits = self.model.forward(batch, self.kv_cache)  # (R, V) fp32
         results: list[list[tuple[int, float]]] = [[] for _ in chunks]
         if rows:
-            graphed = bucket if bucket in getattr(self.sample_graphs, "buckets", ()) else None
             for (i, _), tok, lp in zip(wanted, *self._sample(logits, [(chunks[i].seq, p) for i, p in wanted],
-                                                            graphed)):
+                                                            staged)):
                 results[i].append((tok, lp))
         return results
 
-    def _sample(self, logits: torch.Tensor, wanted: list, bucket: int | None = None) -> tuple[list[int], list[float]]:
+    def _stage_sampler(self, bucket: int, seqs: list) -> tuple[int, int] | None:
+        """A decode step whose rows are all drawn, in a bucket with a sampler
+        graph: stage its parameters (before the decode graph runs)."""
+        if self.sample_graphs is None or bucket not in self.sample_graphs.buckets or \
+                any(s.teacher_forced for s in seqs):
+            return None
+        params = params_to_tensors([s.sampling for s in seqs], [s.step for s in seqs])
+        return self.sample_graphs.stage(bucket, params, head_width(params["temperature"], params["top_k"],
+                                                                   self.graphs.logits[bucket].shape[1]))
+
+    def _sample(self, logits: torch.Tensor, wanted: list, staged: tuple | None = None) -> tuple[list[int], list[float]]:
         """Per logit row (its sequence, its position): draw a generated
         sequence's next token, or replay a teacher-forced one's given next
         token (the same program, so the same bits for the same row).
-        ``bucket``: the logits are that decode graph's, and its sampler may
-        be replayed (when every row is drawn)."""
+        ``staged``: the rows' sampler graph, parameters already in."""
         tokens, lps = [0] * len(wanted), [0.0] * len(wanted)
         gen = [r for r, (s, _) in enumerate(wanted) if not s.teacher_forced]
         forced = [r for r, (s, _) in enumerate(wanted) if s.teacher_forced]
         if gen:
-            seqs = [wanted[r][0] for r in gen]
-            params = params_to_tensors([s.sampling for s in seqs], [s.step for s in seqs])
-            head = head_width(params["temperature"], params["top_k"], logits.shape[1])  # host tensors: no sync
-            if bucket is not None and len(gen) == len(wanted):
-                tok, lp = self.sample_graphs.run(bucket, params, head)
+            if staged is not None:  # every row is drawn
+                tok, lp = self.sample_graphs.replay(staged, len(wanted))
             else:
+                seqs = [wanted[r][0] for r in gen]
+                params = params_to_tensors([s.sampling for s in seqs], [s.step for s in seqs])
+                head = head_width(params["temperature"], params["top_k"], logits.shape[1])  # host tensors: no sync
                 params = {k: v.to(self.device, non_blocking=True) for k, v in params.items()}
                 lg = logits if len(gen) == len(wanted) else logits[self._to_device(gen, torch.int64)]
                 tok, lp = sample_fwd(lg, **params, head=head)
