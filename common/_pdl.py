@@ -16,12 +16,17 @@ waiting programs take SM slots in this kernel's last wave at the earliest.
 Measured on the H200 (session 6, the qwen3-8b decode graph at batch 1):
 replay 5.75 ms without PDL, 5.66 ms waiting but never triggering (the next
 kernel then launched as this one's programs exited), 5.43 ms with the
-trigger; at batch 8: 6.24, 6.23 and 6.09 ms.
+trigger; at batch 8: 6.24, 6.23 and 6.09 ms; at batch 64 7.63 and 7.54 ms
+(off, on); but at batch 256 11.24 and 11.67 ms, so launches of more than
+``PDL_MAX_ROWS`` rows (tokens) go without it, prefill included (not measured
+side by side with it yet).
 
-``pdl_options(device)`` gives a launch's keyword arguments: the ``PDL``
+``pdl_options(device, rows)`` gives a launch's keyword arguments: the ``PDL``
 constexpr and Triton's ``launch_pdl`` together (never one without the other),
-on CUDA devices of compute capability >= 9 with a Triton that has both, unless
-``ALIGNZOO_PDL=0``.  Elsewhere (CPU, the interpreter) ``PDL`` is False and the
+on CUDA devices of compute capability >= 9 with a Triton that has both, for
+at most ``PDL_MAX_ROWS`` rows, unless ``ALIGNZOO_PDL=0``.  Any mix of PDL and
+plain launches in a stream is safe: a plain launch waits as always, and a PDL
+kernel after a plain one finds it finished at its wait.  Elsewhere (CPU, the interpreter) ``PDL`` is False and the
 wait is compiled out.
 """
 from __future__ import annotations
@@ -47,6 +52,7 @@ def wait_prior(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+PDL_MAX_ROWS = 64
 _OFF = {"PDL": False}
 _ON = {"PDL": True, "launch_pdl": True}
 _ENABLED: dict[int, bool] = {}
@@ -62,9 +68,11 @@ def _triton_has_pdl() -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
-def pdl_options(device: torch.device) -> dict:
-    """Keyword arguments that launch a PDL-ready kernel with PDL where it is available."""
-    if device.type != "cuda" or os.environ.get("ALIGNZOO_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET"):
+def pdl_options(device: torch.device, rows: int) -> dict:
+    """Keyword arguments that launch a PDL-ready kernel over ``rows`` rows
+    (tokens) with PDL where it is available and measured to help."""
+    if (device.type != "cuda" or rows > PDL_MAX_ROWS or os.environ.get("ALIGNZOO_PDL", "1") == "0"
+            or os.environ.get("TRITON_INTERPRET")):
         return _OFF
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _ENABLED:

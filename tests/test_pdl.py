@@ -50,10 +50,20 @@ def test_every_pdl_launch_passes_both_options():
         assert "launch_pdl" not in src and "PDL=" not in src, name
 
 
-def test_pdl_off_on_cpu(monkeypatch):
-    assert pdl_options(torch.device("cpu")) == {"PDL": False}
+def test_pdl_options(monkeypatch):
+    """Off on the CPU; on a PDL-capable GPU (faked here) on up to PDL_MAX_ROWS
+    rows unless ALIGNZOO_PDL=0."""
+    from alignzoo.common import _pdl
+
+    off, on = {"PDL": False}, {"PDL": True, "launch_pdl": True}
+    assert pdl_options(torch.device("cpu"), 1) == off
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(_pdl._ENABLED, 0, True)
+    gpu = torch.device("cuda", 0)
+    assert pdl_options(gpu, 1) == on and pdl_options(gpu, _pdl.PDL_MAX_ROWS) == on
+    assert pdl_options(gpu, _pdl.PDL_MAX_ROWS + 1) == off
     monkeypatch.setenv("ALIGNZOO_PDL", "0")
-    assert pdl_options(torch.device("cpu")) == {"PDL": False}
+    assert pdl_options(gpu, 1) == off
 
 
 def test_pdl_wait_precedes_memory_in_the_compiled_kernel():

@@ -686,7 +686,7 @@ def _fwd_launch(q, k, v, cu_q, seq_lens, block_table, max_q_len, window, scale, 
         G=G, HPT=hpt, N_HC=n_hc, TPT=tpt,
         WINDOW=window, PAGED=paged, MASK_ALL=mask_all, PRECISION=_precision(q.dtype),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, SEG_BLOCKS=SEG_BLOCKS,
-        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, **pdl_options(q.device),
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, **pdl_options(q.device, q.shape[0]),
     )
     return o, lse
 
@@ -720,7 +720,7 @@ def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mas
         D=d, BLOCK_D=block_d, G=G, HPT=hpt, N_HC=n_hc,
         WINDOW=window, MASK_ALL=mask_all, PRECISION=_precision(q.dtype),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, SEG_BLOCKS=seg_blocks, FINAL=final,
-        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, **pdl_options(q.device),
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, **pdl_options(q.device, q.shape[0]),
     )
     if not final:
         block_h = min(16, next_power_of_2(hq))
@@ -728,7 +728,7 @@ def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mas
             o, lse, ws_m, ws_l, ws_acc, cu_q, seq_lens,
             o.stride(0), o.stride(1), lse.stride(0), T, hq,
             D=d, BLOCK_D=block_d, BLOCK_H=block_h, WINDOW=window, BLOCK_N=BLOCK_N, SEG_BLOCKS=seg_blocks,
-            num_warps=4, enable_fp_fusion=False, **pdl_options(o.device),
+            num_warps=4, enable_fp_fusion=False, **pdl_options(o.device, o.shape[0]),
         )
     return o, lse
 

@@ -45,5 +45,5 @@ def write_kv_cuda(
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        D=d, BLOCK_D=next_power_of_2(d), **pdl_options(k.device),
+        D=d, BLOCK_D=next_power_of_2(d), **pdl_options(k.device, k.shape[0]),
     )

@@ -274,7 +274,7 @@ def _fwd_launch(h, w, targets, block_m, write_logits, want_stats):
         T, V, K, G,
         BM=BM, BV=VOCAB_GROUP, LOG2BV=_LOG2_GROUP, **_proj_consts(h.dtype, BM),
         WRITE_LOGITS=write_logits, WRITE_STATS=want_stats, HAS_TARGETS=has_t,
-        num_stages=_FWD_STAGES, enable_fp_fusion=False, **pdl_options(h.device),
+        num_stages=_FWD_STAGES, enable_fp_fusion=False, **pdl_options(h.device, T),
     )
     if want_stats:
         G2 = max(2, next_power_of_2(G))
@@ -282,7 +282,7 @@ def _fwd_launch(h, w, targets, block_m, write_logits, want_stats):
         _lm_head_merge_kernel[(cdiv(T, BR),)](
             m, l, zt, lp if has_t else dummy, lse, T, G,
             BR=BR, G2=G2, LOG2G2=G2.bit_length() - 1, HAS_TARGETS=has_t,
-            num_warps=4, enable_fp_fusion=False, **pdl_options(m.device),
+            num_warps=4, enable_fp_fusion=False, **pdl_options(h.device, T),
         )
     return lp, lse, logits
 

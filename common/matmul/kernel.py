@@ -327,7 +327,7 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     seg_k = SEG_K if n_seg > 1 else cdiv(K, BK) * BK
     ieee = x.dtype == torch.float32
     tiles = cdiv(M, BM) * cdiv(N, BN)
-    pdl = pdl_options(x.device)
+    pdl = pdl_options(x.device, M)
     if schedule == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -327,7 +327,7 @@ def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warp
         HAS_RES=residual is not None,
         HAS_Z=z is not None,
         num_warps=nw,
-        enable_fp_fusion=False, **pdl_options(x.device),
+        enable_fp_fusion=False, **pdl_options(x.device, M),
     )
     return y, new_res, rstd
 

@@ -141,6 +141,6 @@ def rope_rotate_cuda(
         NEGATE_SIN=negate_sin,
         BLOCK_R=block_r,
         num_warps=4,
-        enable_fp_fusion=False, **pdl_options(x.device),
+        enable_fp_fusion=False, **pdl_options(x.device, T),
     )
     return y

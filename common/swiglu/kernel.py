@@ -118,7 +118,7 @@ def swiglu_fwd_cuda(gate, up, lim, block_rows=None, block_cols=None, num_warps=N
         gate, up, y, M, I, gate.stride(0), up.stride(0), y.stride(0),
         0.0 if lim is None else lim,
         HAS_LIMIT=lim is not None, BM=bm, BN=bn,
-        num_warps=num_warps or 4, enable_fp_fusion=False, **pdl_options(gate.device),
+        num_warps=num_warps or 4, enable_fp_fusion=False, **pdl_options(gate.device, M),
     )
     return y
 
