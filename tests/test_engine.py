@@ -393,6 +393,28 @@ def test_cuda_graph_decode_matches_eager():
 
 
 @pytest.mark.gpu
+def test_cuda_graph_sampler_narrow_head_after_wide_rows():
+    """A wide row (top_k 0: k' = V) finishes first and leaves three narrow
+    ones in bucket 4, whose pad row last held the wide row: the sampler graph
+    of the narrow head class (64 < V) runs with that pad row reset to greedy
+    (before the reset it read past the head), and the tokens and bits equal
+    the eager engine's."""
+    model = ToyServeModel(device="cuda")
+    prompts = [prompt(40, 1), prompt(300, 2), prompt(9, 3), prompt(120, 4)]
+    params = [SamplingParams(max_new_tokens=4, seed=1),
+              SamplingParams(temperature=0.8, top_k=5, max_new_tokens=30, seed=2),
+              SamplingParams(temperature=0.0, max_new_tokens=30),
+              SamplingParams(temperature=1.1, top_k=3, top_p=0.9, max_new_tokens=30, seed=4)]
+    eager = Engine(model, num_pages=64, max_batch_size=4, cuda_graphs=False).generate(prompts, params)
+    graph_eng = Engine(model, num_pages=64, max_batch_size=4, cuda_graphs=True)
+    for g, e in zip(graph_eng.generate(prompts, params), eager):
+        assert_same(g, e)
+    V = graph_eng.runner.graphs.logits[1].shape[1]
+    classes = {h for _, h in graph_eng.runner.sample_graphs.graphs}
+    assert V in classes and min(classes) < V
+
+
+@pytest.mark.gpu
 def test_cuda_graph_decode_with_adapters():
     """Adapter ids are a static input of the captured graphs: graphed ==
     eager == alone for mixed adapters, pad rows included."""
@@ -409,3 +431,24 @@ def test_cuda_graph_decode_with_adapters():
     for i in (1, 5):
         assert_same(Engine(m, num_pages=64, max_batch_size=8).generate([prompts[i]], params[i], adapters=pick[i])[0],
                     eager[i])
+
+
+def test_sampler_graph_pad_rows_are_greedy_every_step():
+    """``SampleGraphs.stage`` (CPU tensors stand in for a decode graph's): pad
+    rows past the step's B are reset to greedy (k' = 1) every step, so a head
+    class computed from the real rows covers them.  A pad row left with an
+    earlier step's top_k = 0 (k' = V) read past a narrow head's key buffer."""
+    from alignzoo import SamplingParams
+    from alignzoo.common.engine.model_runner import DecodeGraphs, SampleGraphs
+    from alignzoo.common.sampling import head_width, params_to_tensors
+
+    V = 5000
+    graphs = SampleGraphs(DecodeGraphs(static=None, graphs={4: None}, logits={4: torch.zeros(4, V)}), 16)
+    wide = params_to_tensors([SamplingParams(seed=1)] * 3, [0, 1, 2])  # top_k 0: k' = V
+    assert graphs.stage(4, wide, head_width(wide["temperature"], wide["top_k"], V)) == (4, V)
+    narrow = params_to_tensors([SamplingParams(temperature=0.0)], [0])  # greedy: head 1
+    key = graphs.stage(4, narrow, head_width(narrow["temperature"], narrow["top_k"], V))
+    p = graphs.params[4]
+    k_eff = torch.where(p["temperature"] == 0, 1, torch.where(p["top_k"] > 0, p["top_k"], V))
+    assert int(k_eff.max()) <= key[1] < V
+    assert torch.equal(p["temperature"], torch.zeros(4)) and torch.equal(p["top_p"], torch.ones(4))

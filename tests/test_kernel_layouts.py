@@ -181,6 +181,13 @@ def test_layouts_ignore_batch_dependent_ints(name, arg, mode):
                          f"only {mode} {sorted(set(got) - set(base))}")
 
 
+@pytest.mark.parametrize("name", [n for n, (fn, *_) in KERNELS.items() if "PDL" in fn.arg_names])
+def test_layouts_ignore_pdl(name):
+    """PDL (programmatic dependent launch, on for launches of <= 64 rows only:
+    a batch-dependent constexpr) adds a wait and changes no layout."""
+    assert _compile(name, PDL=True) == _compile(name, PDL=False)
+
+
 def test_decode_single_segment_keeps_the_reduction_layouts():
     """FINAL (the block table holds one 16-block segment: a batch-dependent
     constexpr) changes only the stores, not the layout of any tt.reduce operand."""

@@ -58,6 +58,7 @@ def test_pdl_options(monkeypatch):
     off, on = {"PDL": False}, {"PDL": True, "launch_pdl": True}
     assert pdl_options(torch.device("cpu"), 1) == off
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("ALIGNZOO_PDL", raising=False)
     monkeypatch.setitem(_pdl._ENABLED, 0, True)
     gpu = torch.device("cuda", 0)
     assert pdl_options(gpu, 1) == on and pdl_options(gpu, _pdl.PDL_MAX_ROWS) == on

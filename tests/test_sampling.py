@@ -66,12 +66,12 @@ def _assert_same_support(got_lp, ref_lp, device):
 # --- rungs 1 and 2 -----------------------------------------------------------
 
 def test_head_hint_rounded_up_keeps_the_bits(device):
-    """The engine's sampler graphs round the batch's head width up to a power
-    of two (``SampleGraphs.head_class``): any head >= every row's k' gives the
-    same draws and replays, on either path (partial head or full sort)."""
+    """The engine's sampler graphs round the batch's head width up to 64,
+    1024 or V (``SampleGraphs.head_class``): any head >= every row's k' gives
+    the same draws and replays, on either path (partial head or full sort)."""
     from alignzoo.common.engine.model_runner import SampleGraphs
 
-    B, V = 6, 1000
+    B, V = 6, 3000
     g = torch.Generator().manual_seed(5)
     logits = (torch.randn(B, V, generator=g) * 3).to(device)
     t = torch.tensor([0.7, 1.0, 0.0, 1.3, 0.9, 1.0], device=device)
@@ -80,11 +80,15 @@ def test_head_hint_rounded_up_keeps_the_bits(device):
     m = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.0, 0.1], device=device)
     seed, step = torch.arange(B, device=device) * 7919, torch.arange(B, device=device)
     head = head_width(t.cpu(), k.cpu(), V)
-    assert head == 20 and SampleGraphs.head_class(head, V) == 32
-    assert SampleGraphs.head_class(1, V) == 1 and SampleGraphs.head_class(V, V) == V
-    assert SampleGraphs.head_class(1000, 1024) == 1024 and SampleGraphs.head_class(600, 700) == 700
+    hc = SampleGraphs.head_class
+    assert head == 20 and hc(head, V) == 64 and hc(1, V) == 64 and hc(65, V) == 1024 and hc(V, V) == V
+    assert hc(1000, 1024) == 1024 and hc(600, 700) == 700 and hc(30, 40) == 40
+    with pytest.raises(ValueError, match="head must be >= 1"):
+        hc(0, V)
+    with pytest.raises(ValueError, match="head must be >= 1"):
+        sample_fwd(logits, t, k, p, m, seed, step, head=0)
     ref = sample_fwd(logits, t, k, p, m, seed, step, head=head)
-    for h in (32, 1000, V):
+    for h in (64, 1024, 2999, V):
         got = sample_fwd(logits, t, k, p, m, seed, step, head=h)
         assert torch.equal(got[0], ref[0]) and bitwise_equal(got[1], ref[1]), h
         lp = sampling_logprobs_fwd(logits, ref[0], t, k, p, m, head=h)[0]
@@ -788,11 +792,13 @@ def test_support_kernel_layout_ignores_its_integer_arguments():
     fn = kernel._support_kernel
     ints = [n for n in fn.arg_names if not n.startswith("p_") and n not in ("BLOCK", "DRAW")]
     types = {**_SUPPORT_TYPES, **{n: "i32" for n in ints}}
-    consts = {"BLOCK": kernel.BLOCK_V, "DRAW": True}
+    def compiled(aligned_ints, draw=True, ones=()):
+        consts = {"BLOCK": kernel.BLOCK_V, "DRAW": draw, **{n: 1 for n in ones}}  # == 1: the JIT's constant 1
+        t = {n: v for n, v in types.items() if n not in ones}
+        return layouts(sm90_ttgir(fn, t, consts, set(_SUPPORT_TYPES) | set(aligned_ints), kernel.NUM_WARPS))
 
-    def compiled(aligned_ints):
-        return layouts(sm90_ttgir(fn, types, consts, set(_SUPPORT_TYPES) | set(aligned_ints), kernel.NUM_WARPS))
-
-    base = compiled(ints)
-    for n in ints:
-        assert compiled(set(ints) - {n}) == base, f"{n} % 16 changes the support kernel's layouts"
+    for draw in (True, False):  # the sampler and the replay
+        base = compiled(ints, draw)
+        for n in ints:
+            assert compiled(set(ints) - {n}, draw) == base, f"{n} % 16 changes the support kernel's layouts"
+            assert compiled(set(ints) - {n}, draw, ones=(n,)) == base, f"{n} == 1 changes the layouts"

@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .._host import next_power_of_2
 from ..kv_cache import PAGE_SIZE, BlockManager
 from ..sampling import head_width, params_to_tensors, sample_fwd, sampling_logprobs_fwd
 from .model_api import ForwardBatch, ServeModel
@@ -96,16 +95,18 @@ class SampleGraphs:
     class) on first use and replayed right after the decode graph.
 
     ``stage`` copies a step's parameters in (pinned host buffers, async)
-    before the decode graph is launched, so that host work overlaps the
-    forward; ``replay`` then runs the sampler with no host work between the
-    two graphs.  The head class is the batch's ``head_width`` rounded up to a
-    power of two (or V): bit-neutral, since ``head`` only bounds the sorted
-    positions formed and every row reads positions < its own k' (the head
-    path equals the full sort, ``tests/test_sampling.py``).  Pad rows keep
-    whatever parameters a previous step left (valid ones: greedy at first);
-    their tokens are dropped.  One memory pool serves every sampler graph:
-    they replay one at a time, and their outputs are read before the next
-    replay."""
+    before the decode graph is launched, and ``replay`` runs the sampler
+    right after it: no host work and no pageable copy (which would wait for
+    the forward) sits between the two graphs.  The head class is the batch's
+    ``head_width`` rounded up to 64, 1024 or V (``HEAD_CLASSES``: at most
+    three captures per bucket): bit-neutral, since ``head`` only bounds the
+    sorted positions formed and every row reads positions < its own k' (the
+    head path equals the full sort, ``tests/test_sampling.py``).  Pad rows
+    are reset to greedy (k' = 1) at every step, so the class computed from
+    the real rows covers them too (a pad row left with an earlier step's
+    top_k = 0 would read past a narrow head); their tokens are dropped.  One
+    memory pool serves every sampler graph: they replay one at a time, and
+    their outputs are read before the next replay."""
 
     def __init__(self, decode: DecodeGraphs, max_batch: int):
         self.decode = decode
@@ -115,23 +116,29 @@ class SampleGraphs:
         self._staging: dict[int, dict[str, torch.Tensor]] = {}
         self._pool = None
 
-    @staticmethod
-    def head_class(head: int, V: int) -> int:
-        return min(next_power_of_2(head), V) if head < V else V
+    HEAD_CLASSES = (64, 1024)  # then V
+    _PAD = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0, "step": 0}  # greedy: k' = 1
+
+    @classmethod
+    def head_class(cls, head: int, V: int) -> int:
+        """The sorted-head width a batch of head width ``head`` (>= 1) is sampled with."""
+        if head < 1:
+            raise ValueError(f"head must be >= 1, got {head}")
+        return min(next((c for c in cls.HEAD_CLASSES if head <= c), V), V)
 
     def stage(self, bs: int, host: dict, head: int) -> tuple[int, int]:
         """Copy ``params_to_tensors`` of the step's B <= bs rows (CPU) into
         bucket bs's sampler inputs; -> the key ``replay`` takes."""
         logits = self.decode.logits[bs]
         if bs not in self.params:
-            pad = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0, "step": 0}  # greedy
             self.params[bs] = {k: torch.full((bs,), v, dtype=host[k].dtype, device=logits.device)
-                               for k, v in pad.items()}
-            self._staging[bs] = {k: torch.full((bs,), v, dtype=host[k].dtype, pin_memory=True)
-                                 for k, v in pad.items()}
+                               for k, v in self._PAD.items()}
+            self._staging[bs] = {k: torch.full((bs,), v, dtype=host[k].dtype, pin_memory=logits.is_cuda)
+                                 for k, v in self._PAD.items()}
         B = host["temperature"].shape[0]
         for k in _SAMPLE_KEYS:
             self._staging[bs][k][:B].copy_(host[k])
+            self._staging[bs][k][B:].fill_(self._PAD[k])
             self.params[bs][k].copy_(self._staging[bs][k], non_blocking=True)
         return bs, self.head_class(head, logits.shape[1])
 
@@ -195,7 +202,7 @@ class ModelRunner:
         bucket = self.graphs.bucket(B) if self.graphs is not None and len(tokens) == len(rows) == B else None
         staged = None
         if bucket is not None:
-            staged = self._stage_sampler(bucket, [c.seq for c in chunks])  # its host work overlaps the forward
+            staged = self._stage_sampler(bucket, [c.seq for c in chunks])  # before the forward is launched
             pad = bucket - B
             logits = self._replay(bucket, tokens + [0] * pad, positions + [0] * pad, seq_lens + [1] * pad,
                                   slots + [-1] * pad, adapters + [-1] * pad,
@@ -223,7 +230,8 @@ class ModelRunner:
 
     def _stage_sampler(self, bucket: int, seqs: list) -> tuple[int, int] | None:
         """A decode step whose rows are all drawn, in a bucket with a sampler
-        graph: stage its parameters (before the decode graph runs)."""
+        graph: stage its parameters (before the decode graph is launched, so
+        nothing but the sampler graph follows it)."""
         if self.sample_graphs is None or bucket not in self.sample_graphs.buckets or \
                 any(s.teacher_forced for s in seqs):
             return None

@@ -7,11 +7,13 @@ rows read (``sorted_head_cuda``), then runs the support kernel:
     gives such heads or V):
     torch.topk          fp32 logits -> head + 1 candidates (value, id)   torch, no keys
     _head_keys_kernel   candidates (the row, on a tie at the cut) ->
-                        head + 1 int64 keys, the head's among them       Triton, one program per row
-    torch.sort          (B, head + 1) keys -> the sorted head            torch / CUB
+                        head + 1 int64 keys, the head's among them, in   Triton, one program per row
+                        rows of key_row_stride(head + 1) (INT64_MAX pad)
+    torch.sort          those rows -> the sorted head                    torch / CUB
     any other head (head == V, or a head past _HEAD_MAX given by hand):
-    _order_keys_kernel  logits, temperature -> (B, V) int64 sort keys    Triton, element-wise
-    torch.sort / topk   keys -> sorted keys (the first head of them)     torch / CUB
+    _order_keys_kernel  logits, temperature -> int64 sort keys in rows   Triton, element-wise
+                        of key_row_stride(V) (INT64_MAX pad)
+    torch.sort          keys -> sorted keys (the first head of them)     torch / CUB
     then
     _support_kernel     sorted keys -> token, lp, v0, log Z, last        Triton, one program per row
     _replay_bwd_kernel  d lp / d logits (the trainer's backward)         Triton, element-wise

@@ -60,13 +60,14 @@ from .rules import chosen_logprob, key_ids, key_values, order_keys, uniform01
 
 # Rows per launch by default: bounds the (rows, V) int64 key buffers of the
 # CPU path and of CUDA's full sort (keys, sorted keys, sort indices) to
-# ~1.5 GiB; CUDA's head path writes only (rows, head + 1) buffers besides
+# ~1.5 GiB; CUDA's head path writes only (rows, ~head + 1) buffers besides
 # torch.topk's own.  A launch-shape knob only: rows never interact.
 _ROW_ELEMS = 1 << 26
 # Largest top-k served by a partial selection (torch.topk) instead of a full
 # sort of the vocabulary.  Bit-neutral (the keys are distinct), but on CUDA it
 # also bounds the candidate tile one program of _head_keys_kernel holds
-# (next_power_of_2(head + 1) lanes; a 262144-wide one did not compile).
+# (next_power_of_2(kernel.key_row_stride(head + 1)) lanes; a 262144-wide one
+# did not compile).
 _HEAD_MAX = 1024
 
 
@@ -149,6 +150,8 @@ def _rows(logits, temperature, top_k, top_p, min_p, seed, step, tokens, row_chun
     R, V = logits.shape
     if head is None:
         head = head_width(temperature, top_k, V)
+    elif head < 1:
+        raise ValueError(f"head must be >= 1 (a width of sorted positions), got {head}")
     rc = _row_chunk(row_chunk, head + 1 if logits.is_cuda and partial_head(head, V) else V)  # buffer width
     if R <= rc:
         return fn(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head)
