@@ -452,3 +452,16 @@ def test_sampler_graph_pad_rows_are_greedy_every_step():
     k_eff = torch.where(p["temperature"] == 0, 1, torch.where(p["top_k"] > 0, p["top_k"], V))
     assert int(k_eff.max()) <= key[1] < V
     assert torch.equal(p["temperature"], torch.zeros(4)) and torch.equal(p["top_p"], torch.ones(4))
+
+
+def test_engine_freezes_the_gc_once_built():
+    """``freeze_gc`` (default): the objects alive once the engine is built go
+    to the permanent generation, out of the collector's full passes."""
+    import gc
+
+    model = ToyServeModel()
+    gc.unfreeze()
+    Engine(model, num_pages=8, freeze_gc=False)
+    assert gc.get_freeze_count() == 0
+    Engine(model, num_pages=8)
+    assert gc.get_freeze_count() > 0

@@ -6,6 +6,8 @@ records the weight version it was sampled under.
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
@@ -24,6 +26,19 @@ CPU_KV_CACHE_BYTES = 1 << 30
 CUDA_KV_CACHE_FRACTION = 0.3  # of free memory after the model loaded; the rest: the trainer (it shares the GPU), activations, logits, graphs
 
 
+_UNFREEZE_REGISTERED = []
+
+
+def _freeze_gc() -> None:
+    """``gc.freeze`` what the process holds now; unfrozen at exit, so the
+    shutdown collection still frees it (native bindings count leaks)."""
+    gc.collect()
+    gc.freeze()
+    if not _UNFREEZE_REGISTERED:
+        atexit.register(gc.unfreeze)
+        _UNFREEZE_REGISTERED.append(True)
+
+
 class Engine:
     def __init__(
         self,
@@ -36,11 +51,21 @@ class Engine:
         page_shuffle_seed: int | None = None,
         progress: bool = False,
         kv_cache_bytes: int | None = None,
+        freeze_gc: bool = True,
     ):
         """``num_pages`` None sizes the KV cache from ``kv_cache_bytes`` (default:
         30% of free GPU memory, 1 GiB on the CPU), capped at what
         ``max_batch_size`` sequences of ``model.max_position`` tokens can use.
-        ``cuda_graphs`` None captures decode graphs when the model is on CUDA."""
+        ``cuda_graphs`` None captures decode graphs when the model is on CUDA.
+
+        ``freeze_gc``: once built, move every object the process holds into
+        Python's permanent GC generation (``gc.freeze``), so the collector's
+        full passes stop walking the framework's ~170k objects.  Measured on
+        this CPU at batch 256 (a stub forward, the engine's host work alone):
+        a full pass every ~50 steps took ~63 ms, 1.3 of the 5.6 ms of host
+        work per step; frozen, 4.4 ms.  Process-wide: cyclic garbage among
+        objects alive now is never collected (reference counting still frees
+        the rest)."""
         if not isinstance(model, ServeModel):
             raise TypeError(f"model must implement ServeModel (vocab_size, max_position, device, kv_cache_spec, "
                             f"allocate_kv_cache, forward); got {type(model).__name__}")
@@ -67,6 +92,8 @@ class Engine:
         self._lock = threading.RLock()  # held through each step and score: weights never change inside one
         self._rejected: list[Completion] = []  # bad requests, handed out by the next step()
         self._unclaimed: list[Completion] = []  # finished inside generate() but added by add_request()
+        if freeze_gc:
+            _freeze_gc()
 
     # ------------------------------------------------------------ public
     @property

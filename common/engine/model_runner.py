@@ -185,19 +185,29 @@ class ModelRunner:
         """Forward the chunks as one batch; per chunk, the (token, log-prob)
         of each logit row: the sampled token of a generated sequence, or the
         given next token of a teacher-forced one."""
-        tokens, positions, slots, seq_lens, cu, rows, wanted, adapters = [], [], [], [], [0], [], [], []
-        for i, c in enumerate(chunks):
-            seq = c.seq
-            tokens += seq.token_ids(c.start, c.end)
-            positions += range(c.start, c.end)
-            slots += c.slots
-            adapters += [seq.adapter_id] * (c.end - c.start)
-            for p in seq.logit_positions(c.start, c.end):
-                rows.append(cu[-1] + p - c.start)
-                wanted.append((i, p))
-            cu.append(cu[-1] + c.end - c.start)
-            seq_lens.append(c.end)
-        tables = [block_manager.block_table(c.seq.id) for c in chunks]
+        if all(c.end - c.start == 1 for c in chunks):  # decode: the same lists, built column by column
+            positions = [c.start for c in chunks]
+            tokens = [c.seq.token_ids(p, p + 1)[0] for c, p in zip(chunks, positions)]
+            slots = [c.slots[0] for c in chunks]
+            adapters = [c.seq.adapter_id for c in chunks]
+            seq_lens = [p + 1 for p in positions]
+            cu = list(range(len(chunks) + 1))
+            wanted = [(i, p) for i, (c, p) in enumerate(zip(chunks, positions)) if c.seq.logit_positions(p, p + 1)]
+            rows = [i for i, _ in wanted]
+        else:
+            tokens, positions, slots, seq_lens, cu, rows, wanted, adapters = [], [], [], [], [0], [], [], []
+            for i, c in enumerate(chunks):
+                seq = c.seq
+                tokens += seq.token_ids(c.start, c.end)
+                positions += range(c.start, c.end)
+                slots += c.slots
+                adapters += [seq.adapter_id] * (c.end - c.start)
+                for p in seq.logit_positions(c.start, c.end):
+                    rows.append(cu[-1] + p - c.start)
+                    wanted.append((i, p))
+                cu.append(cu[-1] + c.end - c.start)
+                seq_lens.append(c.end)
+        tables = [block_manager.table_view(c.seq.id) for c in chunks]
         B = len(chunks)
         bucket = self.graphs.bucket(B) if self.graphs is not None and len(tokens) == len(rows) == B else None
         staged = None
@@ -275,11 +285,12 @@ class ModelRunner:
 
     def _block_table(self, tables: list[list[int]], rows: int, width: int) -> torch.Tensor:
         """(rows, width) int32 host tensor, zero past each table and in pad rows."""
-        out = torch.zeros(rows, width, dtype=torch.int32, pin_memory=self._pin)
-        lens = torch.tensor([len(t) for t in tables])
-        out[: len(tables)][torch.arange(width) < lens[:, None]] = torch.tensor(
-            [p for t in tables for p in t], dtype=torch.int32)
-        return out
+        flat, zeros = [], [0] * width
+        for t in tables:
+            flat += t
+            flat += zeros[len(t):]
+        flat += zeros * (rows - len(tables))
+        return torch.tensor(flat, dtype=torch.int32, pin_memory=self._pin).view(rows, width)
 
     def _replay(self, bs, tokens, positions, seq_lens, slots, adapters, block_table) -> torch.Tensor:
         s = first_rows(self.graphs.static, bs)

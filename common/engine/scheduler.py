@@ -60,10 +60,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_fed - seq.num_cached, budget, self.max_chunk)
-            while not bm.can_append(seq.id, n) and self.running[-1] is not seq:
+            fits = bm.can_append(seq.id, n)
+            while not fits and self.running[-1] is not seq:
                 self._preempt(self.running.pop())
                 preempted = True
-            if not bm.can_append(seq.id, n):  # seq is the newest: it waits itself
+                fits = bm.can_append(seq.id, n)
+            if not fits:  # seq is the newest: it waits itself
                 self._preempt(self.running.pop())
                 preempted = True
                 break

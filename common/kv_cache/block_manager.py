@@ -54,6 +54,10 @@ class BlockManager:
     def block_table(self, seq_id: Hashable) -> list[int]:
         return list(self._tables[self._known(seq_id)])
 
+    def table_view(self, seq_id: Hashable) -> list[int]:
+        """``block_table`` without the copy: the live list, to read before the next update."""
+        return self._tables[self._known(seq_id)]
+
     def pages_needed(self, seq_id: Hashable, n: int) -> int:
         """Pages that ``append(seq_id, n)`` would take from the free list."""
         cur = self._lens.get(seq_id, 0)
@@ -83,15 +87,14 @@ class BlockManager:
             raise ValueError(f"cannot append {n} tokens")
         if seq_id not in self._tables:
             self.add(seq_id)
-        need = self.pages_needed(seq_id, n)
+        table, start, ps = self._tables[seq_id], self._lens[seq_id], self.page_size
+        need = -(-(start + n) // ps) - len(table)  # pages_needed, inline: once per sequence per engine step
         if need > len(self._free):
             raise OutOfPages(f"sequence {seq_id!r} needs {need} more KV pages, {len(self._free)} are free")
-        table = self._tables[seq_id]
         for _ in range(need):
             table.append(self._free.popleft())
-        start = self._lens[seq_id]
         self._lens[seq_id] = start + n
-        return self.slots(seq_id, start, start + n)
+        return [table[p // ps] * ps + p % ps for p in range(start, start + n)]  # slots(seq_id, start, start + n)
 
     def free(self, seq_id: Hashable) -> None:
         """Return a finished sequence's pages to the free list."""
