@@ -7,6 +7,7 @@ records the weight version it was sampled under.
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import threading
 from collections import deque
@@ -26,7 +27,9 @@ CPU_KV_CACHE_BYTES = 1 << 30
 CUDA_KV_CACHE_FRACTION = 0.3  # of free memory after the model loaded; the rest: the trainer (it shares the GPU), activations, logits, graphs
 
 
-_UNFREEZE_REGISTERED = []
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    atexit.register(gc.unfreeze)
 
 
 def _freeze_gc() -> None:
@@ -34,9 +37,7 @@ def _freeze_gc() -> None:
     shutdown collection still frees it (native bindings count leaks)."""
     gc.collect()
     gc.freeze()
-    if not _UNFREEZE_REGISTERED:
-        atexit.register(gc.unfreeze)
-        _UNFREEZE_REGISTERED.append(True)
+    _unfreeze_at_exit()
 
 
 class Engine:

@@ -90,6 +90,13 @@ def capture_decode_graphs(model: ServeModel, kv_cache, batch_sizes: list[int], w
     return DecodeGraphs(static, dict(sorted(graphs.items())), logits)
 
 
+def _draw_params(seqs: list, V: int) -> tuple[dict, int]:
+    """Host tensors of the draw's parameters (``params_to_tensors``: each
+    sequence's sampling and step) and their ``head_width`` (host: no sync)."""
+    params = params_to_tensors([s.sampling for s in seqs], [s.step for s in seqs])
+    return params, head_width(params["temperature"], params["top_k"], V)
+
+
 class SampleGraphs:
     """``sample_fwd`` on a decode graph's logits, captured per (bucket, head
     class) on first use and replayed right after the decode graph.
@@ -185,28 +192,18 @@ class ModelRunner:
         """Forward the chunks as one batch; per chunk, the (token, log-prob)
         of each logit row: the sampled token of a generated sequence, or the
         given next token of a teacher-forced one."""
-        if all(c.end - c.start == 1 for c in chunks):  # decode: the same lists, built column by column
-            positions = [c.start for c in chunks]
-            tokens = [c.seq.token_ids(p, p + 1)[0] for c, p in zip(chunks, positions)]
-            slots = [c.slots[0] for c in chunks]
-            adapters = [c.seq.adapter_id for c in chunks]
-            seq_lens = [p + 1 for p in positions]
-            cu = list(range(len(chunks) + 1))
-            wanted = [(i, p) for i, (c, p) in enumerate(zip(chunks, positions)) if c.seq.logit_positions(p, p + 1)]
-            rows = [i for i, _ in wanted]
-        else:
-            tokens, positions, slots, seq_lens, cu, rows, wanted, adapters = [], [], [], [], [0], [], [], []
-            for i, c in enumerate(chunks):
-                seq = c.seq
-                tokens += seq.token_ids(c.start, c.end)
-                positions += range(c.start, c.end)
-                slots += c.slots
-                adapters += [seq.adapter_id] * (c.end - c.start)
-                for p in seq.logit_positions(c.start, c.end):
-                    rows.append(cu[-1] + p - c.start)
-                    wanted.append((i, p))
-                cu.append(cu[-1] + c.end - c.start)
-                seq_lens.append(c.end)
+        tokens, positions, slots, seq_lens, cu, rows, wanted, adapters = [], [], [], [], [0], [], [], []
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            tokens += seq.token_ids(c.start, c.end)
+            positions += range(c.start, c.end)
+            slots += c.slots
+            adapters += [seq.adapter_id] * (c.end - c.start)
+            for p in seq.logit_positions(c.start, c.end):
+                rows.append(cu[-1] + p - c.start)
+                wanted.append((i, p))
+            cu.append(cu[-1] + c.end - c.start)
+            seq_lens.append(c.end)
         tables = [block_manager.table_view(c.seq.id) for c in chunks]
         B = len(chunks)
         bucket = self.graphs.bucket(B) if self.graphs is not None and len(tokens) == len(rows) == B else None
@@ -245,9 +242,7 @@ class ModelRunner:
         if self.sample_graphs is None or bucket not in self.sample_graphs.buckets or \
                 any(s.teacher_forced for s in seqs):
             return None
-        params = params_to_tensors([s.sampling for s in seqs], [s.step for s in seqs])
-        return self.sample_graphs.stage(bucket, params, head_width(params["temperature"], params["top_k"],
-                                                                   self.graphs.logits[bucket].shape[1]))
+        return self.sample_graphs.stage(bucket, *_draw_params(seqs, self.graphs.logits[bucket].shape[1]))
 
     def _sample(self, logits: torch.Tensor, wanted: list, staged: tuple | None = None) -> tuple[list[int], list[float]]:
         """Per logit row (its sequence, its position): draw a generated
@@ -261,9 +256,7 @@ class ModelRunner:
             if staged is not None:  # every row is drawn
                 tok, lp = self.sample_graphs.replay(staged, len(wanted))
             else:
-                seqs = [wanted[r][0] for r in gen]
-                params = params_to_tensors([s.sampling for s in seqs], [s.step for s in seqs])
-                head = head_width(params["temperature"], params["top_k"], logits.shape[1])  # host tensors: no sync
+                params, head = _draw_params([wanted[r][0] for r in gen], logits.shape[1])
                 params = {k: v.to(self.device, non_blocking=True) for k, v in params.items()}
                 lg = logits if len(gen) == len(wanted) else logits[self._to_device(gen, torch.int64)]
                 tok, lp = sample_fwd(lg, **params, head=head)

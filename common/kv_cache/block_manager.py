@@ -60,8 +60,14 @@ class BlockManager:
 
     def pages_needed(self, seq_id: Hashable, n: int) -> int:
         """Pages that ``append(seq_id, n)`` would take from the free list."""
-        cur = self._lens.get(seq_id, 0)
-        return -(-(cur + n) // self.page_size) - len(self._tables.get(seq_id, ()))
+        return self._pages_needed(self._tables.get(seq_id, ()), self._lens.get(seq_id, 0) + n)
+
+    def _pages_needed(self, table, length: int) -> int:
+        return -(-length // self.page_size) - len(table)
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        ps = self.page_size
+        return [table[p // ps] * ps + p % ps for p in range(start, end)]
 
     def can_append(self, seq_id: Hashable, n: int) -> bool:
         return self.pages_needed(seq_id, n) <= len(self._free)
@@ -71,8 +77,7 @@ class BlockManager:
         table, n = self._tables[self._known(seq_id)], self._lens[seq_id]
         if not 0 <= start <= end <= n:
             raise ValueError(f"positions [{start}, {end}) are outside sequence {seq_id!r} of length {n}")
-        ps = self.page_size
-        return [table[p // ps] * ps + p % ps for p in range(start, end)]
+        return self._slots(table, start, end)
 
     # -- updates --------------------------------------------------------
     def add(self, seq_id: Hashable) -> None:
@@ -87,14 +92,14 @@ class BlockManager:
             raise ValueError(f"cannot append {n} tokens")
         if seq_id not in self._tables:
             self.add(seq_id)
-        table, start, ps = self._tables[seq_id], self._lens[seq_id], self.page_size
-        need = -(-(start + n) // ps) - len(table)  # pages_needed, inline: once per sequence per engine step
+        table, start = self._tables[seq_id], self._lens[seq_id]
+        need = self._pages_needed(table, start + n)
         if need > len(self._free):
             raise OutOfPages(f"sequence {seq_id!r} needs {need} more KV pages, {len(self._free)} are free")
         for _ in range(need):
             table.append(self._free.popleft())
         self._lens[seq_id] = start + n
-        return [table[p // ps] * ps + p % ps for p in range(start, start + n)]  # slots(seq_id, start, start + n)
+        return self._slots(table, start, start + n)  # slots() without its bounds check: [start, start + n) is new
 
     def free(self, seq_id: Hashable) -> None:
         """Return a finished sequence's pages to the free list."""
