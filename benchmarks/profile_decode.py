@@ -143,18 +143,24 @@ def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> 
             "host_ms": step_ms - replay_ms - sample_ms, "kernels": kernels}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def profile_parser(doc: str, batches: str) -> argparse.ArgumentParser:
+    """The options both profiles (decode and prefill) take."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="qwen3-8b")
-    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--batches", default=batches)
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kernels", default="aligned,vendor", help="server kernels to profile, comma-separated")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (use --config tiny)")
+    ap.add_argument("--out", default="gpu_out")
+    return ap
+
+
+def main() -> int:
+    ap = profile_parser(__doc__, "1,64")
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--max-position", type=int, default=None,
                     help="the model's max_position (default: prompt + steps + 16, page-rounded; 0: the preset's, "
                          "as bench_engine)")
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (use --config tiny)")
-    ap.add_argument("--out", default="gpu_out")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("profile_decode needs a CUDA device (or --device cpu for a smoke run)", file=sys.stderr)

@@ -14,7 +14,6 @@ Writes profile_prefill.json and profile_prefill.md.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import fit_max_position, sync_device, timed  # noqa: E402
-from profile_decode import each_server, kernel_table, run_header, write_report  # noqa: E402
+from profile_decode import each_server, kernel_table, profile_parser, run_header, write_report  # noqa: E402
 
 
 def profile_batch(pair, B: int, prompt: int, reps: int, g: torch.Generator) -> dict:
@@ -49,14 +48,8 @@ def profile_batch(pair, B: int, prompt: int, reps: int, g: torch.Generator) -> d
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="qwen3-8b")
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--prompt", type=int, default=512)
+    ap = profile_parser(__doc__, "1,8")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--kernels", default="aligned,vendor", help="server kernels to profile, comma-separated")
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (use --config tiny)")
-    ap.add_argument("--out", default="gpu_out")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("profile_prefill needs a CUDA device (or --device cpu for a smoke run)", file=sys.stderr)
