@@ -18,7 +18,8 @@ FEW_CONFIGS_ABOVE_K = 4096  # the CPU path costs K passes per call: fewer config
 def _launch_configs(device):
     if device.type == "cpu":
         return [{}, {"row_chunk": 4}, {"row_chunk": 1}]
-    return [{}, {"block_m": 64, "schedule": "split"}, {"block_m": 64, "block_n": 256, "schedule": "fused"},
+    return [{}, {"block_m": 64, "schedule": "split"}, {"block_m": 64, "schedule": "split2"},
+            {"block_m": 64, "block_n": 256, "schedule": "fused"},
             {"block_m": 128, "block_k": 128, "schedule": "split", "num_warps": 4},
             {"block_m": 128, "block_n": 64, "schedule": "fused", "num_stages": 2}, {"schedule": "tma"},
             {"block_m": 128, "block_n": 192, "schedule": "tma"}, {"block_m": 64, "block_n": 96, "schedule": "tma"}]
@@ -136,6 +137,10 @@ def test_launch_resolution_fits_the_h200_and_keeps_wgmma():
                         assert (BM + BN) * BK * elem * ns <= 224 << 10, (N, K, M, elem, kn, BM, BN, BK, ns)
                     if sched == "tma":
                         assert tma and elem == 2
+    # split2 (the two-kernel split) runs on split's tile, default or explicit, so the two compare side by side
+    for M, N, K in ((1, 4096, 4096), (64, 6144, 4096), (8, 24576, 4096), (256, 1024, 4096)):
+        split = resolve_launch(M, N, K, 2, 132, True, seg_k=1024, schedule="split")
+        assert resolve_launch(M, N, K, 2, 132, True, seg_k=1024, schedule="split2") == ("split2", *split[1:])
     # the sweep's decode picks: k/v streams through 64x32 tiles split over K segments
     assert launch_config(1, 1024, 4096)["schedule"] == "split"
     assert (launch_config(1, 1024, 4096)["BLOCK_N"], launch_config(1, 1024, 4096)["BLOCK_K"]) == (32, 128)
@@ -216,3 +221,197 @@ def test_tma_kernel_keeps_the_segment_order_interpreted():
     run = subprocess.run([sys.executable, "-c", _TMA_INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
+
+
+# ---------------------------------------------------------------- split schedule: the in-place merge
+_SPLIT_INTERPRETED = """
+import torch, triton
+from alignzoo.common.matmul import kernel as mm
+
+g = torch.Generator().manual_seed(0)
+cpu = torch.device("cpu")
+# (M, N, K, SEG_K, (BM, BN, BK), y dtype): odd N; K = 1000 / 12288 / 100 / 300 with a short last segment or
+# none; S = 8, 12, 4, 1, 5; 3 x 2 tiles in the last case (the counter index); bf16 y: the one rounding.
+# (The interpreter takes ~5 s a launch at K = 12288: that case runs once.)
+CASES = [(1, 33, 1000, 128, (64, 16, 64), torch.float32), (7, 65, 12288, 1024, (64, 64, 1024), torch.float32),
+         (64, 33, 100, 32, (64, 16, 16), torch.float32), (64, 100, 1000, 1024, (64, 64, 64), torch.float32),
+         (130, 40, 300, 64, (64, 32, 64), torch.bfloat16)]
+for M, N, K, seg, (BM, BN, BK), ydt in CASES:
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) / K**0.5  # fp32: the interpreter's bf16 dot is wrong
+    S = triton.cdiv(K, seg)
+    kw = dict(seg_k=seg, BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=1)
+    ref = torch.full((M, N), float("nan"), dtype=ydt)
+    mm.split_launch(x, w, ref, S, merge=False, **kw)  # the two-kernel path
+    for _ in range(1 if K > 4096 else 3):  # the counters come back to zero and serve the next launch
+        y = torch.full((M, N), float("nan"), dtype=ydt)
+        mm.split_launch(x, w, y, S, **kw)
+        assert torch.equal(y, ref), (M, N, K)
+        assert mm.split_counters(cpu, 1).count_nonzero() == 0, (M, N, K)
+    # the partials merged in torch: left to right is the kernels' order; reversed differs
+    ws = torch.full((S, M, N), float("nan"))
+    mm._mm_split_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), S)](
+        x, w, ws, y, ws, M, N, K, K, 1, K, 1, N, 1, S, SEG_K=seg, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=True,
+        MERGE=False)
+    fwd, rev = torch.zeros(M, N), torch.zeros(M, N)
+    for s in range(S):
+        fwd += ws[s]
+        rev += ws[S - 1 - s]
+    if ydt == torch.float32:  # (the interpreter truncates fp32 -> bf16; the GPU and torch round to nearest)
+        assert torch.equal(fwd, ref), (M, N, K)
+        assert S < 3 or not torch.equal(rev, ref), (M, N, K)
+    assert (fwd - x.double() @ w.double().T).abs().max() < 1e-5
+print("ok")
+"""
+
+
+def test_split_merge_in_place_equals_two_kernels_interpreted():
+    """The one-launch split (the last program of a tile merges) against the
+    two-kernel split (``_mm_merge_kernel``), run by Triton's interpreter on
+    fp32 CPU tensors: the same bits at M = 1, 7, 64, 130, odd N, K = 1000,
+    12288, 100 and 300 (a short last segment, or a single segment), three
+    calls in a row (one at K = 12288), the counters back at zero after each.  The
+    check can fail: the same partials merged right to left give other bits
+    (a kernel that merged in any other order than left to right fails here)."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _SPLIT_INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def _split_ptx(merge: bool = True) -> list[str]:
+    """sm_90 PTX of ``_mm_split_kernel`` with PDL at the decode tile (compiled here, no GPU)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from alignzoo.common.matmul import kernel as mm
+
+    fn = mm._mm_split_kernel
+    types = {"p_x": "*bf16", "p_w": "*bf16", "p_ws": "*fp32", "p_y": "*bf16", "p_cnt": "*i32", "M": "i32",
+             "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "N_SEG": "i32"}
+    consts = {"SEG_K": 1024, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False, "MERGE": merge,
+              "PDL": True, "stride_xk": 1, "stride_wk": 1, "stride_yn": 1}
+    names = fn.arg_names
+    src = ASTSource(fn, {n: types.get(n, "constexpr") for n in names},
+                    {(names.index(n),): v for n, v in consts.items()},
+                    {(names.index(n),): [["tt.divisibility", 16]] for n in types if n not in ("M", "N_SEG")})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    return [ln.strip() for ln in k.asm["ptx"].splitlines()]
+
+
+def test_split_merge_orders_memory_in_the_compiled_kernel():
+    """The ordering argument of ``_mm_split_kernel``'s docstring, read off its
+    sm_90 PTX: the grid-dependency wait before any global access; the
+    partial's stores, a CTA barrier, then the one acq_rel gpu-scope arrival
+    atomic; a barrier before the merge's loads, which all bypass L1 (.cg);
+    y's stores, then the counter's reset."""
+    import re
+
+    from sm90_layouts import can_compile_sm90
+
+    if not can_compile_sm90():
+        pytest.skip("this triton build has no NVIDIA backend")
+    lines = _split_ptx()
+    at = lambda pat: [i for i, ln in enumerate(lines) if re.search(pat, ln)]  # noqa: E731
+    glob = at(r"^(@%p\d+ )?(ld|st|atom|red)\.global|cp\.async\.\w+\.shared\.global")
+    wait, = at(r"griddepcontrol\.wait")
+    assert wait < min(glob)
+    arrive, = at(r"atom\.global\.gpu\.acq_rel\.add")
+    reset, = at(r"atom\.global\.gpu\.relaxed\.exch")
+    bars = at(r"^(bar|barrier)\.sync")
+    stores = at(r"st\.global")
+    partial = [i for i in stores if i < arrive]
+    merged = [i for i in stores if arrive < i < reset]
+    loads = [i for i in at(r"ld\.global|cp\.async\.\w+\.shared\.global") if i > arrive]
+    assert partial and merged and loads and max(merged) < reset
+    assert any(max(partial) < b < arrive for b in bars), "no CTA barrier between the partial's stores and the release"
+    assert any(arrive < b < min(loads) for b in bars), "no CTA barrier between the acquire and the merge's loads"
+    assert all(".cg" in lines[i] for i in loads), [lines[i] for i in loads if ".cg" not in lines[i]]
+    assert len(at(r"atom\.global")) == 2  # the arrival and the reset, nothing else
+    assert not any("atom.global" in ln for ln in _split_ptx(merge=False))  # the two-kernel split: no counter
+
+
+DECODE_SHAPES = [  # Qwen3-8B (N, K): qkv, o, down, gate_up
+    pytest.param(6144, 4096, id="N6144-K4096"), pytest.param(4096, 4096, id="N4096-K4096"),
+    pytest.param(4096, 12288, id="N4096-K12288"), pytest.param(24576, 4096, id="N24576-K4096")]
+
+
+def _counters_all_zero() -> bool:
+    from alignzoo.common.matmul import kernel as mm
+
+    torch.cuda.synchronize()
+    return all(int(b.count_nonzero()) == 0 for b in (*mm._COUNTERS.values(), *mm._SPARE.values()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", DECODE_SHAPES)
+def test_gpu_split_merge_in_place_equals_two_kernels(N, K):
+    """One-launch split == two-kernel split (``split2``) at Qwen3-8B decode
+    shapes, 50 calls back to back (PDL on at M <= 64) at each M and tile,
+    three inputs in turn: a merge that read a stale partial (the previous
+    call's workspace has the same address) or a stale y would give the
+    previous input's bits.  Also == the default schedule."""
+    from alignzoo.common.matmul.kernel import matmul_fwd_triton
+
+    dev = torch.device("cuda")
+    w = (torch.randn(N, K, device=dev) / K**0.5).bfloat16()
+    for M in (1, 8, 64):
+        xs = [torch.randn(M, K, device=dev).bfloat16() for _ in range(3)]
+        for knobs in ({}, {"block_n": 32, "block_k": 128}, {"block_n": 128}):
+            refs = [matmul_fwd_triton(x, w, schedule="split2", **knobs) for x in xs]
+            outs = [matmul_fwd_triton(xs[i % 3], w, schedule="split", **knobs) for i in range(50)]
+            bad = [i for i, y in enumerate(outs) if not torch.equal(y, refs[i % 3])]
+            assert not bad, (M, knobs, bad)
+            assert all(torch.equal(r, matmul_fwd_triton(x, w)) for r, x in zip(refs, xs)), (M, knobs)
+        assert _counters_all_zero(), M
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 64])
+def test_gpu_split_merge_in_place_in_a_cuda_graph_with_pdl(monkeypatch, M):
+    """Four layers of Qwen3-8B's decode matmuls (qkv -> o -> gate_up -> down,
+    all on the split schedule: 16 split launches a replay, each one's input
+    the previous one's output, PDL edges between them) captured once and
+    replayed 100 times, a new input each replay and every output set to NaN
+    before it: each replay equals the eager two-kernel chain, and the
+    counters are back at zero."""
+    from alignzoo.common._pdl import pdl_options
+    from alignzoo.common.matmul.kernel import matmul_fwd_triton
+
+    monkeypatch.setenv("ALIGNZOO_PDL", "1")
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev)[0] >= 9:
+        assert pdl_options(dev, M)["PDL"], "PDL is off: this test would not exercise it"
+    H, I = 4096, 12288
+    ws = [(torch.randn(n, k, device=dev) / k**0.5).bfloat16() for n, k in ((6144, H), (H, H), (2 * I, H), (H, I))]
+
+    def chain(x, schedule):
+        outs, h = [], x
+        for _ in range(4):
+            qkv = matmul_fwd_triton(h, ws[0], schedule=schedule)
+            o = matmul_fwd_triton(qkv[:, :H], ws[1], schedule=schedule)
+            gu = matmul_fwd_triton(o, ws[2], schedule=schedule)
+            h = matmul_fwd_triton(gu[:, :I], ws[3], schedule=schedule)
+            outs += [qkv, o, gu, h]
+        return outs
+
+    xs = [torch.randn(M, H, device=dev).bfloat16() for _ in range(3)]
+    refs = [chain(x, "split2") for x in xs]
+    static = xs[0].clone()
+    eager = chain(static, "split")  # also the warm-up: compiles outside the capture
+    assert all(torch.equal(a, b) for a, b in zip(eager, refs[0]))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain(static, "split")
+    for r in range(100):
+        static.copy_(xs[r % 3])
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        bad = [i for i, (a, b) in enumerate(zip(outs, refs[r % 3])) if not torch.equal(a, b)]
+        assert not bad, (r, bad)
+    assert _counters_all_zero()
