@@ -217,6 +217,37 @@ def bench_rope(dev):
                    vendor="eager rotate_half fp32", vendor_ms=_time(lambda: vendor(qm, pm)))
 
 
+def bench_qk_norm_rope(dev):
+    """The server's fused q/k RMSNorm + RoPE + KV write against the unfused
+    launchers it replaced (rmsnorm_fwd and rope_fwd of q and k, write_kv_fwd,
+    the .contiguous() copies): the "vendor" column is our own unfused path."""
+    from alignzoo.common.kv_cache import PAGE_SIZE, allocate_kv_cache
+    from alignzoo.common.qk_norm_rope import qk_norm_rope_kv_fwd
+    from alignzoo.common.qk_norm_rope.checks import unfused
+    from alignzoo.common.rope import RopeSpec, rope_table
+
+    spec = RopeSpec(rotary_dim=HEAD_DIM, base=1_000_000.0, max_position=MAX_POSITION, pairing="half")
+    rope_table(spec, dev)
+    qkv = torch.randn(max(MS), (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev).bfloat16()
+    q_w, k_w = ((torch.rand(HEAD_DIM, device=dev) + 0.5).bfloat16() for _ in range(2))
+    pos = torch.randint(0, MAX_POSITION, (max(MS),), device=dev)
+    kc, vc = allocate_kv_cache(-(-max(MS) // PAGE_SIZE), KV_HEADS, HEAD_DIM, device=dev)
+    slots = torch.arange(max(MS), device=dev)
+
+    def call(fn, m):
+        return fn(qkv[:m], q_w, k_w, 1e-6, pos[:m], spec, kc, vc, slots[:m], HEADS, KV_HEADS)
+
+    def rows(m):  # q and the k, v rows the call wrote (slot i = token i)
+        q = call(qk_norm_rope_kv_fwd, m)
+        return q, kc.view(-1, KV_HEADS, HEAD_DIM)[:m].clone(), vc.view(-1, KV_HEADS, HEAD_DIM)[:m].clone()
+
+    for M in MS:
+        exact = _rows_match(rows, max(MS), M)
+        yield dict(op="qk_norm_rope", shape=f"Hq={HEADS} Hkv={KV_HEADS} D={HEAD_DIM}", M=M, exact=exact,
+                   aligned_ms=_time(lambda: call(qk_norm_rope_kv_fwd, M)) if exact else None,
+                   vendor="our unfused launchers", vendor_ms=_time(lambda: call(unfused, M)))
+
+
 def bench_lm_head(dev):
     from alignzoo.common.lm_head import lm_head_fwd
 
@@ -265,7 +296,8 @@ def bench_sampling(dev):
 
 
 BENCHES = {"matmul": bench_matmul, "tree": bench_tree, "rmsnorm": bench_rmsnorm, "swiglu": bench_swiglu,
-           "rope": bench_rope, "lm_head": bench_lm_head, "sampling": bench_sampling}
+           "rope": bench_rope, "qk_norm_rope": bench_qk_norm_rope, "lm_head": bench_lm_head,
+           "sampling": bench_sampling}
 
 
 def _extra_benches():

@@ -15,6 +15,7 @@ PRIMITIVES: dict[str, str] = {
     "matmul": "alignzoo.common.matmul.checks",
     "rmsnorm": "alignzoo.common.rmsnorm.checks",
     "rope": "alignzoo.common.rope.checks",
+    "qk_norm_rope": "alignzoo.common.qk_norm_rope.checks",
     "swiglu": "alignzoo.common.swiglu.checks",
     "lm_head": "alignzoo.common.lm_head.checks",
     "sampling": "alignzoo.common.sampling.checks",

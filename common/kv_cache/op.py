@@ -50,6 +50,40 @@ def write_kv_fwd(
         write_kv_cpu(k, v, k_cache, v_cache, slot_mapping)
 
 
+def check_cache_write(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, n_tokens: int, rows: tuple,
+    k_dtype: torch.dtype, v_dtype: torch.dtype, name: str = "k/v", **inputs: torch.Tensor,
+) -> None:
+    """The checks of a cache write of ``n_tokens`` k and v rows of shape
+    ``rows`` = (Hkv, D) (named ``name`` in errors) at ``slot_mapping``; the
+    writer's other ``inputs`` (already checked) must share the cache's device.
+    Syncs with the host on CUDA."""
+    for cname, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(cname, t, dtypes=FLOAT_DTYPES, ndim=4)
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int32, torch.int64), ndim=1)
+    check_same_device(**inputs, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)}, k_cache has {tuple(k_cache.shape)}; they must match")
+    if k_cache.shape[1] != PAGE_SIZE:
+        raise ValueError(f"k_cache pages hold {k_cache.shape[1]} tokens; expected PAGE_SIZE = {PAGE_SIZE}")
+    if tuple(rows) != tuple(k_cache.shape[2:]):
+        raise ValueError(f"{name} rows are (Hkv, D) = {tuple(rows)} but the cache holds {tuple(k_cache.shape[2:])}")
+    if k_dtype != k_cache.dtype or v_dtype != v_cache.dtype:
+        raise TypeError(f"{name} dtype {k_dtype} does not match the cache dtype {k_cache.dtype}: the writer copies bytes, it never casts")
+    if slot_mapping.shape[0] != n_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {n_tokens} tokens")
+    n_slots = k_cache.shape[0] * PAGE_SIZE
+    used = slot_mapping[slot_mapping >= 0]
+    if used.numel():
+        hi = int(used.max())
+        if hi >= n_slots:
+            raise ValueError(f"slot_mapping has slot {hi}, past the cache ({k_cache.shape[0]} pages = {n_slots} slots)")
+        if torch.unique(used).numel() != used.numel():
+            raise ValueError("slot_mapping names the same slot twice")
+    if bool((slot_mapping < -1).any()):
+        raise ValueError("slot_mapping entries must be >= 0, or -1 to skip a token")
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -61,30 +95,7 @@ def write_kv(
     """
     for name, t in (("k", k), ("v", v)):
         check_tensor(name, t, dtypes=FLOAT_DTYPES, ndim=3)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(name, t, dtypes=FLOAT_DTYPES, ndim=4)
-    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int32, torch.int64), ndim=1)
-    check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if v.shape != k.shape:
         raise ValueError(f"v has shape {tuple(v.shape)}, k has {tuple(k.shape)}; they must match")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)}, k_cache has {tuple(k_cache.shape)}; they must match")
-    if k_cache.shape[1] != PAGE_SIZE:
-        raise ValueError(f"k_cache pages hold {k_cache.shape[1]} tokens; expected PAGE_SIZE = {PAGE_SIZE}")
-    if k.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(f"k rows are (Hkv, D) = {tuple(k.shape[1:])} but the cache holds {tuple(k_cache.shape[2:])}")
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
-        raise TypeError(f"k/v dtype {k.dtype} does not match the cache dtype {k_cache.dtype}: the writer copies bytes, it never casts")
-    if slot_mapping.shape[0] != k.shape[0]:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} tokens")
-    n_slots = k_cache.shape[0] * PAGE_SIZE
-    used = slot_mapping[slot_mapping >= 0]
-    if used.numel():
-        hi = int(used.max())
-        if hi >= n_slots:
-            raise ValueError(f"slot_mapping has slot {hi}, past the cache ({k_cache.shape[0]} pages = {n_slots} slots)")
-        if torch.unique(used).numel() != used.numel():
-            raise ValueError("slot_mapping names the same slot twice")
-    if bool((slot_mapping < -1).any()):
-        raise ValueError("slot_mapping entries must be >= 0, or -1 to skip a token")
+    check_cache_write(k_cache, v_cache, slot_mapping, k.shape[0], k.shape[1:], k.dtype, v.dtype, k=k, v=v)
     write_kv_fwd(k, v, k_cache, v_cache, slot_mapping)

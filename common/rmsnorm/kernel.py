@@ -36,7 +36,9 @@ Rounding points (transformers' Qwen3RMSNorm / Qwen3_5MoeRMSNormGated):
 Every kernel is launched with ``enable_fp_fusion=False``: no mul+add is
 contracted into an FMA, so each op rounds where the source says, as on the
 CPU.  (``/`` and ``tl.exp`` are approximate but deterministic; the plain and
-fused paths avoid both.)
+fused paths avoid both.)  ``_row_tree_sum``, ``_rstd`` and ``_normalize`` are
+also the server's fused q/k norm's (``qk_norm_rope/kernel.py``): one
+definition of the order and the rounding points for both.
 """
 from __future__ import annotations
 
@@ -72,10 +74,23 @@ def _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES: tl.constexp
 
 
 @triton.jit
+def _rstd(b_ss, H, eps, BM: tl.constexpr):
+    """(BM,) fp32 rstd = div_rn(1, sqrt_rn(div_rn(sum(x^2), H) + eps)) from the row sums."""
+    b_var = tl.math.div_rn(b_ss, tl.full((BM,), H, tl.float32))
+    return tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), tl.math.sqrt_rn(b_var + eps))
+
+
+@triton.jit
+def _normalize(b_x, b_rstd, b_w, dtype):
+    """y = dtype(dtype(x * rstd) * w) of an fp32 (BM, lanes) tile; w: fp32 (lanes,)."""
+    b_n = (b_x * b_rstd[:, None]).to(dtype).to(tl.float32)
+    return (b_n * b_w[None, :]).to(dtype)
+
+
+@triton.jit
 def _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_h, m_h, o_x, m_x, dtype, HAS_Z: tl.constexpr):
     b_w = tl.load(p_w + o_h, mask=m_h, other=0.0).to(tl.float32)
-    b_n = (b_x * b_rstd[:, None]).to(dtype).to(tl.float32)
-    b_y = (b_n * b_w[None, :]).to(dtype)
+    b_y = _normalize(b_x, b_rstd, b_w, dtype)
     if HAS_Z:
         b_z = tl.load(p_z + o_x, mask=m_x, other=0.0).to(tl.float32)
         b_y = (b_y.to(tl.float32) * (b_z / (1.0 + tl.exp(-b_z)))).to(dtype)
@@ -129,8 +144,7 @@ def _rmsnorm_fwd_kernel(
             b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, False)
             b_acc = b_acc + b_x * b_x  # lane j += x[i_c * CHUNK + j]^2
         b_ss = _row_tree_sum(b_acc, BM, LOG2_CHUNK)
-    b_var = tl.math.div_rn(b_ss, tl.full((BM,), H, tl.float32))
-    b_rstd = tl.math.div_rn(tl.full((BM,), 1.0, tl.float32), tl.math.sqrt_rn(b_var + eps))
+    b_rstd = _rstd(b_ss, H, eps, BM)
     tl.store(p_rstd + o_m, b_rstd, mask=m_m)
     if NC == 1:
         _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_c, m_h, o_x, m_x, dtype, HAS_Z)

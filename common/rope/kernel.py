@@ -15,7 +15,8 @@ points: the two fp32 products, the fp32 add/sub, one cast to the output dtype
 (round to nearest even).  The kernel is launched with ``enable_fp_fusion=False``
 so the compiler never contracts a product and the add into an FMA (which would
 drop one rounding); with that, the bits equal the CPU path's.  Channels outside
-the rotary slice are copied as raw values (no conversion).
+the rotary slice are copied as raw values (no conversion).  ``_rotate`` is
+also the server's fused q/k norm + RoPE's (``qk_norm_rope/kernel.py``).
 """
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
 from .._pdl import pdl_options, wait_prior
+
+
+@triton.jit
+def _rotate(b_a, b_b, b_cos, b_sin):
+    """The pair (a, b) rotated in fp32: (a c - b s, b c + a s), each a product
+    pair and one add, every op rounded (launch with ``enable_fp_fusion=False``)."""
+    return b_a * b_cos - b_b * b_sin, b_b * b_cos + b_a * b_sin
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -76,8 +84,7 @@ def rope_kernel(
     b_a = tl.load(p_x + o_row[:, None] + o_a[None, :], mask=m, other=0.0).to(tl.float32)
     b_b = tl.load(p_x + o_row[:, None] + o_b[None, :], mask=m, other=0.0).to(tl.float32)
 
-    b_ya = b_a * b_cos - b_b * b_sin
-    b_yb = b_b * b_cos + b_a * b_sin
+    b_ya, b_yb = _rotate(b_a, b_b, b_cos, b_sin)
 
     if OUT_INTERLEAVED:
         o_ya = ROT_OFF + 2 * o_i

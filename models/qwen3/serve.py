@@ -2,10 +2,13 @@
 
 Layer for layer the trainer's computation (``train.py``), through the same
 kernels' ``_fwd`` launchers: no autograd, no input checks, no host syncs (decode
-is replayed from CUDA graphs).  Attention reads the paged cache after the new
-tokens' k/v are written to it, so prefill, chunked prefill and decode all go
-through ``paged_attention_fwd``, whose rows equal the trainer's packed
-``attention`` bitwise.
+is replayed from CUDA graphs).  One launcher is the server's own:
+``qk_norm_rope_kv_fwd`` fuses the trainer's q/k ``rmsnorm`` and ``rope`` with
+the cache write into one launch, built from the same ``@triton.jit`` helpers
+(CPU: the same functions), so it has their bits.  Attention reads the paged
+cache after the new tokens' k/v are written to it, so prefill, chunked prefill
+and decode all go through ``paged_attention_fwd``, whose rows equal the
+trainer's packed ``attention`` bitwise.
 
 LoRA: merged adapters need nothing here (the trainer ships W' as the layer's
 ``weight``); separate ones arrive as ``layers.{i}.<layer>.lora_A.<projection>``
@@ -25,12 +28,13 @@ import torch
 from ...common.attention import paged_attention_fwd
 from ...common.fp8 import fp8_matmul_fwd
 from ...common.engine.model_api import ForwardBatch, KVCacheSpec
-from ...common.kv_cache import allocate_kv_cache, write_kv_fwd
+from ...common.kv_cache import allocate_kv_cache
 from ...common.lm_head import lm_head_logits_fwd
 from ...common.lora import lora_add_fwd, lora_add_multi_fwd
 from ...common.matmul import matmul_fwd
 from ...common.rmsnorm import rmsnorm_fwd
-from ...common.rope import rope_fwd, rope_table
+from ...common.qk_norm_rope import qk_norm_rope_kv_fwd
+from ...common.rope import rope_table
 from ...common.swiglu import swiglu_fwd
 from .config import Qwen3Config
 from .weights import lora_slices
@@ -65,7 +69,8 @@ class Qwen3Server:
         self.dtype = weights["embed.weight"].dtype
         self.vocab_size = cfg.vocab_size
         self.max_position = cfg.max_position
-        rope_table(cfg.rope, self.device)  # built and copied before any CUDA-graph capture
+        self.rope = cfg.rope
+        rope_table(self.rope, self.device)  # built and copied before any CUDA-graph capture
 
     def _branch(self, prefix: str, p: str):
         """Projection p's adapter tensors in layer ``prefix``: separate (A, B);
@@ -120,7 +125,14 @@ class Qwen3Server:
         return y, new_residual
 
     def forward(self, batch: ForwardBatch, kv_cache) -> torch.Tensor:
-        """-> FP32 logits (R, V) of ``batch.logit_rows``."""
+        """-> FP32 logits (R, V) of ``batch.logit_rows``.
+
+        Per layer: attn_norm (fused residual add after the first), the qkv
+        projection, ``qk_norm_rope_kv_fwd`` (q/k RMSNorm, RoPE at
+        ``positions`` and the k/v cache write in one launch, reading the
+        qkv rows in place; the bits of the trainer's ``rope(rmsnorm(.))``),
+        paged attention over the cache, the o projection, mlp_norm (fused
+        residual add), gate_up, SwiGLU, down."""
         cfg = self.cfg
         T, Hq, Hkv, D = batch.tokens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x, residual = self.w("embed.weight")[batch.tokens], None
@@ -130,12 +142,9 @@ class Qwen3Server:
                 h, residual = self._norm(x, p + "attn_norm.weight")[0], x
             else:
                 h, residual = self._norm(x, p + "attn_norm.weight", residual)
-            q, k, v = self._linear(h, p + "qkv.", batch.adapter_ids).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-            q = self._norm(q.reshape(T, Hq, D).contiguous(), p + "q_norm.weight")[0]
-            k = self._norm(k.reshape(T, Hkv, D).contiguous(), p + "k_norm.weight")[0]
-            q = rope_fwd(q, batch.positions, cfg.rope, check=False)
-            k = rope_fwd(k, batch.positions, cfg.rope, check=False)
-            write_kv_fwd(k, v.reshape(T, Hkv, D).contiguous(), k_cache, v_cache, batch.slot_mapping)
+            qkv = self._linear(h, p + "qkv.", batch.adapter_ids)  # (T, (Hq + 2 Hkv) D)
+            q = qk_norm_rope_kv_fwd(qkv, self.w(p + "q_norm.weight"), self.w(p + "k_norm.weight"), cfg.rms_norm_eps,
+                                    batch.positions, self.rope, k_cache, v_cache, batch.slot_mapping, Hq, Hkv)
             o = paged_attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
                                     max_seqlen_q=batch.max_seqlen_q)[0]
             x = self._linear(o.reshape(T, Hq * D), p + "o.", batch.adapter_ids)

@@ -3,8 +3,10 @@ log-probabilities under the sampler's transforms, autograd through every kernel.
 
 It calls the public (differentiable) functions of the same kernels whose
 ``_fwd`` launchers ``serve.py`` calls, layer for layer, so a token's
-log-probability has the server's bits.  Shapes: T packed tokens, H hidden,
-Hq / Hkv heads of D channels, I intermediate, V vocabulary, R scored rows.
+log-probability has the server's bits (the server fuses the q/k ``rmsnorm``
+and ``rope`` with its cache write, ``qk_norm_rope_kv_fwd``: the same jit
+helpers, the same bits).  Shapes: T packed tokens, H hidden, Hq / Hkv heads
+of D channels, I intermediate, V vocabulary, R scored rows.
 """
 from __future__ import annotations
 
