@@ -34,9 +34,11 @@ from alignzoo.common.attention import kernel as attn  # noqa: E402
 from alignzoo.common.fp8 import kernel as fp8  # noqa: E402
 from alignzoo.common.lm_head import kernel as lmh  # noqa: E402
 from alignzoo.common.matmul import kernel as mm  # noqa: E402
+from alignzoo.common.qk_norm_rope import kernel as qkr  # noqa: E402
 from alignzoo.common.rmsnorm import cpu as rms_cpu  # noqa: E402
 from alignzoo.common.rmsnorm import kernel as rms  # noqa: E402
 from alignzoo.common.rope import kernel as rope  # noqa: E402
+from alignzoo.common.sampling import kernel as smp  # noqa: E402
 from alignzoo.common.swiglu import kernel as swiglu  # noqa: E402
 from alignzoo.common.tree import kernel as tree  # noqa: E402
 
@@ -67,8 +69,15 @@ _ATT_C = {"D": HEAD_DIM, "BLOCK_D": HEAD_DIM, "G": G, "N_HC": _NHC, "WINDOW": 0,
           "BLOCK_N": attn.BLOCK_N}
 _RMS_BLOCK = min(128, rms_cpu.tree_width(HIDDEN))
 _TREE_N = 8  # contributors: top-k experts of a Qwen3 MoE combine
+_QKR_BH = qkr.default_heads_per_program(HKV, 1)  # decode's heads per program
 _TREE_P2 = _TREE_N
 _TREE_BLOCK = max(16, min(1024, 4096 // _TREE_P2))
+
+_SMP_SUPPORT_TYPES = {
+    "p_skeys": "*i64", "p_svals": "*fp32", "p_sids": "*i64", "p_csum": "*fp32", "p_cmax": "*fp32", "p_cfirst": "*i32",
+    "p_logits": "*fp32", "p_temp": "*fp32", "p_topk": "*i64", "p_topp": "*fp32", "p_minp": "*fp32", "p_seed": "*i64",
+    "p_step": "*i64", "p_tok_in": "*i64", "p_tok": "*i64", "p_lp": "*fp32", "p_v0": "*fp32", "p_logz": "*fp32",
+    "p_last": "*i64", "V": "i32", "SV16": "i32", "SV2": "i32", "SI": "i32", "NC": "i32"}
 
 KERNELS = {
     # paged prefill / chunked prefill: block_table.stride(0) = the batch's most blocks per sequence
@@ -130,6 +139,44 @@ KERNELS = {
         {"p_part": "*fp32", "p_dw": "*bf16", "NB": "i32", "H": "i32"},
         {"S2": rms_cpu.DW_SLOTS2, "LOG2_S2": rms_cpu.DW_SLOTS2.bit_length() - 1, "BLOCK": _RMS_BLOCK},
         4, 3, ("NB",)),
+    # split-K matmul at decode, merging in place: M is do_not_specialize'd and every other int is
+    # model-fixed (x may be a column slice: stride_xm is then the wider row, fixed too); listed for PDL
+    "matmul_split_merge": (
+        mm._mm_split_kernel,
+        {"p_x": "*bf16", "p_w": "*bf16", "p_ws": "*fp32", "p_y": "*bf16", "p_cnt": "*i32", "M": "i32", "N": "i32",
+         "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "N_SEG": "i32"},
+        {"stride_xk": 1, "stride_wk": 1, "stride_yn": 1, "SEG_K": 1024, "BLOCK_M": 64, "BLOCK_N": 64,
+         "BLOCK_K": 64, "IEEE": False, "MERGE": True},
+        4, 4, ()),
+    # q/k RMSNorm + RoPE + KV write: the token count is the grid's, no argument follows the batch
+    # (test_qk_norm_rope_kv_reads_no_batch_integer); its row sum is reshape/split adds; listed for PDL
+    "qk_norm_rope_kv": (
+        qkr._qk_norm_rope_kv_kernel,
+        {"p_qkv": "*bf16", "p_qw": "*bf16", "p_kw": "*bf16", "p_pos": "*i64", "p_cos": "*fp32", "p_sin": "*fp32",
+         "p_slot": "*i32", "p_q": "*bf16", "p_kc": "*bf16", "p_vc": "*bf16", "stride_t": "i32", "eps": "fp32",
+         "P": "i32"},
+        {"HQ": HQ, "HKV": HKV, "NQB": HQ // _QKR_BH, "D": HEAD_DIM, "CHUNK": HEAD_DIM,
+         "LOG2_CHUNK": HEAD_DIM.bit_length() - 1, "HALF": HEAD_DIM // 2, "HALF_PAD": HEAD_DIM // 2, "BH": _QKR_BH},
+        1, 3, ()),
+    # sampling support kernel, full sort: sorted values (row stride 2 * SV2, do_not_specialize'd) and
+    # ids (stride SI) with chunk partials (rows of NC); SV16, SI and NC follow the batch's head width
+    "sampling_support": (
+        smp._support_kernel, _SMP_SUPPORT_TYPES,
+        {"BLOCK": smp.BLOCK_V, "DRAW": True, "VALUES": True, "PRE": True, "FOLD": smp.FOLD},
+        smp.NUM_WARPS, 3, ("SV16", "SI", "NC")),
+    # ... and on int64 keys of row stride 16 * SV16 (the head path: SV16 = key_row_stride(head + 1) / 16)
+    "sampling_support_keys": (
+        smp._support_kernel, _SMP_SUPPORT_TYPES,
+        {"BLOCK": smp.BLOCK_V, "DRAW": True, "VALUES": False, "PRE": False, "FOLD": smp.FOLD},
+        smp.NUM_WARPS, 3, ("SV16", "SI", "NC")),
+    # the support kernel's pass 1 per (row, chunk): the same _chunk scan
+    "sampling_chunk_partials": (
+        smp._chunk_partials_kernel,
+        {"p_skeys": "*i64", "p_svals": "*fp32", "p_temp": "*fp32", "p_topk": "*i64", "p_minp": "*fp32",
+         "p_csum": "*fp32", "p_cmax": "*fp32", "p_cfirst": "*i32", "V": "i32", "SV16": "i32", "SV2": "i32",
+         "NC": "i32"},
+        {"BLOCK": smp.BLOCK_V, "VALUES": True},
+        smp.NUM_WARPS, 3, ("SV16", "NC")),
     # MoE combine of (N, T, H) parts: numel = T * H (always % 16 at H = 4096)
     "tree": (
         tree._tree_kernel,
@@ -213,6 +260,19 @@ def test_tree_kernel_has_no_layout_ordered_reduction():
         assert "tt.dot" not in ttgir and not _reduce_operand_layouts(ttgir) and '"tt.reduce"' not in ttgir
 
 
+def test_qk_norm_rope_kv_reads_no_batch_integer():
+    """The fused q/k norm kernel takes its token count from the grid: its only
+    integer arguments are the qkv row stride and the RoPE table's rows (both
+    fixed by the model), and its per-head row sum is ``_row_tree_sum``
+    (reshape/split adds), no tt.reduce or tt.scan whose order a layout could set."""
+    fn, types, consts, nw, ns, _ = KERNELS["qk_norm_rope_kv"]
+    assert {n for n, t in types.items() if t.startswith("i")} == {"stride_t", "P"}
+    assert set(types) | set(consts) | {"PDL"} == set(fn.arg_names)
+    aligned = frozenset(n for n, t in types.items() if not t.startswith("fp"))
+    ttgir = _cached_ttgir(fn, tuple(sorted(types.items())), tuple(sorted(consts.items(), key=str)), aligned, nw, ns)
+    assert "tt.dot" not in ttgir and not _reduce_operand_layouts(ttgir) and '"tt.reduce"' not in ttgir
+
+
 # Row counts that follow the batch in kernels with a float reduction (or pointer-load dots),
 # kept out of specialization by do_not_specialize: % 16 and == 1 never reach the compile.
 _DNS = [
@@ -224,6 +284,9 @@ _DNS = [
     (mm._mm_fused_kernel, "M"), (mm._mm_split_kernel, "M"), (mm._mm_merge_kernel, "M"),
     (mm._mm_tma_persistent_kernel, "M"),
     (swiglu._swiglu_fwd_kernel, "M"), (swiglu._swiglu_bwd_kernel, "M"), (rope.rope_kernel, "N"),
+    # not a row count: the sorted values' row stride / 2, never specialized so the value loads keep
+    # the keys' layout (tests/test_sampling.py::test_value_row_stride_is_never_specialized)
+    (smp._support_kernel, "SV2"), (smp._chunk_partials_kernel, "SV2"),
 ]
 
 

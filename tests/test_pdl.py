@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from alignzoo.common._pdl import pdl_options  # noqa: E402
 
-MODULES = ["attention", "kv_cache", "lm_head", "matmul", "rmsnorm", "rope", "swiglu"]
+MODULES = ["attention", "kv_cache", "lm_head", "matmul", "qk_norm_rope", "rmsnorm", "rope", "swiglu"]
 
 
 def _pdl_kernels():
@@ -67,20 +67,54 @@ def test_pdl_options(monkeypatch):
     assert pdl_options(gpu, 1) == off
 
 
-def test_pdl_wait_precedes_memory_in_the_compiled_kernel():
-    """sm_90 TTGIR of the split-K merge with PDL on: the grid-dependency wait
-    comes before the first load and store."""
+_SPLIT_TYPES = {"p_x": "*bf16", "p_w": "*bf16", "p_ws": "*fp32", "p_y": "*bf16", "p_cnt": "*i32", "M": "i32",
+                "N": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32",
+                "stride_wk": "i32", "stride_ym": "i32", "stride_yn": "i32", "N_SEG": "i32"}
+_SPLIT_CONSTS = {"SEG_K": 1024, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False, "PDL": True}
+
+
+@pytest.mark.parametrize("name, types, consts, aligned", [
+    pytest.param("_mm_merge_kernel", {"p_ws": "*fp32", "p_y": "*bf16", "M": "i32", "N": "i32", "stride_ym": "i32",
+                                      "stride_yn": "i32", "N_SEG": "i32"},
+                 {"BLOCK": 1024, "PDL": True}, {"p_ws", "p_y"}, id="matmul-merge"),
+    pytest.param("_mm_split_kernel", _SPLIT_TYPES, {**_SPLIT_CONSTS, "MERGE": True},
+                 {"p_x", "p_w", "p_ws", "p_y", "p_cnt"}, id="matmul-split-merging-in-place"),
+])
+def test_pdl_wait_precedes_memory_in_the_compiled_kernel(name, types, consts, aligned):
+    """sm_90 TTGIR with PDL on: the grid-dependency wait comes before the
+    first load, store and atomic (the split kernel's arrival counter too)."""
     from sm90_layouts import can_compile_sm90, sm90_ttgir
 
     from alignzoo.common.matmul import kernel as mm
 
     if not can_compile_sm90():
         pytest.skip("this triton build has no NVIDIA backend")
-    types = {"p_ws": "*fp32", "p_y": "*bf16", "M": "i32", "N": "i32", "stride_ym": "i32", "stride_yn": "i32",
-             "N_SEG": "i32"}
-    lines = sm90_ttgir(mm._mm_merge_kernel, types, {"BLOCK": 1024, "PDL": True}, {"p_ws", "p_y"}, 4).splitlines()
-    at = lambda op: next(i for i, ln in enumerate(lines) if op in ln)  # noqa: E731
-    assert at("tt.grid_dependency_wait") < min(at("tt.load"), at("tt.store"))
+    lines = sm90_ttgir(getattr(mm, name), types, consts, aligned, 4).splitlines()
+    at = lambda op: [i for i, ln in enumerate(lines) if op in ln]  # noqa: E731
+    memory = at("tt.load") + at("tt.store") + at("tt.atomic_rmw") + at("async_copy_global_to_local")
+    wait, = at("tt.grid_dependency_wait")
+    assert memory and wait < min(memory)
+
+
+def test_pdl_wait_precedes_memory_in_the_fused_qk_norm_rope_kernel():
+    """sm_90 TTGIR of the fused q/k norm + RoPE + KV write with PDL on: the
+    wait comes before every load and store of both branches (q heads, k/v heads)."""
+    from sm90_layouts import can_compile_sm90, sm90_ttgir
+
+    from alignzoo.common.qk_norm_rope import kernel as qkr
+
+    if not can_compile_sm90():
+        pytest.skip("this triton build has no NVIDIA backend")
+    types = {"p_qkv": "*bf16", "p_qw": "*bf16", "p_kw": "*bf16", "p_pos": "*i64", "p_cos": "*fp32", "p_sin": "*fp32",
+             "p_slot": "*i32", "p_q": "*bf16", "p_kc": "*bf16", "p_vc": "*bf16", "stride_t": "i32", "eps": "fp32",
+             "P": "i32"}
+    consts = {"HQ": 32, "HKV": 8, "NQB": 8, "D": 128, "CHUNK": 128, "LOG2_CHUNK": 7, "HALF": 64, "HALF_PAD": 64,
+              "BH": 4, "PDL": True}
+    lines = sm90_ttgir(qkr._qk_norm_rope_kv_kernel, types, consts, set(types) - {"eps"}, 1).splitlines()
+    at = lambda op: [i for i, ln in enumerate(lines) if op in ln]  # noqa: E731
+    wait, = at("tt.grid_dependency_wait")
+    memory = at("tt.load") + at("tt.store")
+    assert len(memory) == 20 and wait < min(memory)
 
 
 @pytest.mark.gpu

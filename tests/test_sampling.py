@@ -1,6 +1,7 @@
 """sampling: seeded draws, batch invariance (bitwise), replay == sampler
 (bitwise), ties, greedy, distribution, accuracy and gradients vs float64,
 checks that can fail, bad input."""
+import functools
 import math
 
 import numpy as np
@@ -124,6 +125,14 @@ def test_sorted_head_gives_the_full_sorts_bits(device, monkeypatch):
         return out
 
     monkeypatch.setattr(owner, name, record)
+    if device.type == "cuda":  # its full sort sorts the values (kernel.FULL_SORT): all V positions
+        real_values = owner.sorted_values_cuda
+
+        def record_values(*args):
+            widths.append(V)
+            return real_values(*args)
+
+        monkeypatch.setattr(owner, "sorted_values_cuda", record_values)
 
     def run():
         tok, lp = sample_fwd(logits, t, k, p, m, seed, step)
@@ -296,6 +305,112 @@ def _check_support_against_reference(V: int, seed: int) -> None:
         assert bitwise_equal(a, b) if a.is_floating_point() else torch.equal(a, b), (V, seed, name)
 
 
+PATH_KINDS = ("flat", "tail", "ties", "-inf", "+-0", "plateau", "greedy", "denormal", "random", "half -inf")
+
+
+def _path_rows(B: int, V: int, seed: int) -> dict[str, torch.Tensor]:
+    """(B, V) logits and per-row parameters, rows of ``PATH_KINDS`` in turn,
+    that send every pass of the support kernel past chunk 0 of the sorted
+    row: a flat row (top-p 0.95 cuts ~95% in), a peak over a long tail of
+    tiny weights (Z near 1: a changed association of its sum shows in log Z),
+    ties everywhere, five finite logits among -inf, +-0.0, a plateau of
+    ~1.5 chunks that min-p near 1 cuts after, greedy rows, denormal logits,
+    plain random rows, half the row -inf.  top_k cycles through off, 1, V, >V
+    and widths at and around the 4096-position chunk; top_p through tiny,
+    0.95, 1.0, 0.5; min_p through 0, near 1 and small."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, V, generator=g)
+    temp = torch.rand(B, generator=g) * 1.4 + 0.3
+    top_k = torch.tensor([0, 0, 1, V, V + 5, 4096, 4097, 0, 8193, 0, 5000, 0, 0])[torch.arange(B) % 13]
+    top_p = torch.tensor([0.95, 1.0, 0.95, 1e-6, 0.5, 0.95, 1.0])[torch.arange(B) % 7]
+    min_p = torch.tensor([0.0, 0.0, 0.999, 0.0, 0.05, 0.0, 0.9999, 0.0, 0.0, 0.001, 0.0])[torch.arange(B) % 11]
+    for r in range(B):
+        kind, row = PATH_KINDS[r % len(PATH_KINDS)], logits[r]
+        if kind == "flat":
+            row.mul_(0.01)
+        elif kind == "tail":
+            row.mul_(0.5).sub_(12.0)
+            row[int(torch.randint(0, V, (1,), generator=g))] = 0.0
+            temp[r] = 1.0
+        elif kind == "ties":
+            row.mul_(4).round_().div_(4)
+        elif kind == "-inf":
+            row[torch.randperm(V, generator=g)[5:]] = float("-inf")
+        elif kind == "+-0":
+            zero = torch.where(torch.rand(V, generator=g) < 0.5, -0.0, 0.0)
+            row.copy_(torch.where(row > -1, zero, row))
+            row[torch.randperm(V, generator=g)[:3]] = 1.0 + torch.rand(3, generator=g)
+        elif kind == "plateau":
+            row.sub_(8.0)
+            row[torch.randperm(V, generator=g)[:min(V, 6000)]] = 5.0 + torch.rand(min(V, 6000), generator=g) * 1e-5
+            min_p[r], top_p[r] = 0.9999, 1.0
+        elif kind == "greedy":
+            temp[r] = 0.0
+        elif kind == "denormal":
+            row.copy_(torch.where(row > 0, 1e-40, -1e-40) * row.abs().round())
+            row[: min(V, 3)] = torch.tensor([1e-45, -1e-45, 0.0])[: min(V, 3)]
+        elif kind == "half -inf":
+            row[torch.randperm(V, generator=g)[: V // 2]] = float("-inf")
+    return {"logits": logits, "temperature": temp, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+            "seed": torch.randint(-(2**62), 2**62, (B,), generator=g), "step": torch.randint(0, 5000, (B,), generator=g),
+            "others": torch.randint(0, V, (B,), generator=g)}
+
+
+def _check_full_sort_paths(device, V: int, B: int, seed: int, variants=(("values", True),)) -> None:
+    """The full sort's paths (``kernel.rows_cuda``'s ``sort`` "keys" or
+    "values", ``prepass`` off or on) against today's (int64 keys, chunks
+    walked from chunk 0): the same token, lp, v0, log Z and last key bits,
+    for the draw and for replays of the drawn tokens and of random ones, on
+    ``_path_rows``.  Also ``sorted_values_cuda`` == the sorted keys' values
+    and ids.  On CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
+    from alignzoo.common.sampling import kernel
+
+    c = {n: x.to(device) for n, x in _path_rows(B, V, seed).items()}
+    args = [c[n] for n in ("logits", "temperature", "top_k", "top_p", "min_p")]
+    keys = kernel.sorted_head_cuda(c["logits"], c["temperature"], V)  # (B, V): today's sorted keys
+    vals, ids = kernel.sorted_values_cuda(c["logits"], c["temperature"])
+    assert vals.shape[1] == ids.shape[1] == kernel.key_row_stride(V)
+    assert torch.equal(ids[:, :V], key_ids(keys)), f"V={V} B={B}: the value sort's permutation"
+    assert bitwise_equal(vals[:, :V], key_values(keys)), f"V={V} B={B}"
+    assert bool((ids[:, V:] >= V).all()) and bool((vals[:, V:] == float("-inf")).all())
+
+    def run(sort, prepass):
+        draw = kernel.rows_cuda(*args, c["seed"], c["step"], None, V, sort=sort, prepass=prepass)
+        return [draw] + [kernel.rows_cuda(*args, None, None, tok, V, sort=sort, prepass=prepass)
+                         for tok in (draw[0], c["others"])]
+
+    ref = run("keys", False)
+    for sort, prepass in variants:
+        for got, want, what in zip(run(sort, prepass), ref, ("draw", "replay", "replay of others")):
+            for name, a, b in zip(("token", "lp", "v0", "logz", "last"), got, want):
+                assert bitwise_equal(a, b), f"V={V} B={B} sort={sort} prepass={prepass} {what}: {name}"
+    assert bitwise_equal(ref[1][1], ref[0][1])  # the replay is the sampler
+
+
+def _fold_is_visible(V: int, B: int, seed: int) -> bool:
+    """Whether ``_path_rows`` has rows whose log Z (numpy fp32, the
+    interpreter's arithmetic) changes when the chunks' carry chain is
+    re-associated, both ways tried: last chunk's partial first, and pairs of
+    partials summed before they reach the carry.  Then a prepass that folded
+    its partials in such an order would fail ``_check_full_sort_paths``."""
+    from alignzoo.common.sampling.op import _prepare
+
+    c = _path_rows(B, V, seed)
+    greedy, tau, k, p, m = _prepare(c["temperature"], c["top_k"], c["top_p"], c["min_p"], V)
+    v = key_values(torch.sort(order_keys(c["logits"] / tau[:, None]), dim=-1).values).numpy()
+    seen = set()
+    for b in range(B):
+        n_k = int(k[b])
+        e = np.exp(v[b, :n_k] - v[b, 0]).astype(np.float32)
+        parts = [np.cumsum(e[i:i + 4096], dtype=np.float32)[-1] for i in range(0, n_k, 4096)]
+        pairs = [np.float32(sum(parts[i:i + 2], np.float32(0))) for i in range(0, len(parts), 2)]
+        fold = lambda xs: functools.reduce(lambda a, x: np.float32(a + x), xs, np.float32(0))  # noqa: E731
+        for name, other in (("reversed", parts[::-1]), ("pairs", pairs)):
+            if np.log(fold(other)) != np.log(fold(parts)):
+                seen.add(name)
+    return seen == {"reversed", "pairs"}
+
+
 _INTERPRETED_HEAD = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -341,6 +456,53 @@ def test_support_kernel_passes_equal_a_plain_reference_interpreted():
     run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+ALL_PATHS = (("values", True), ("keys", True), ("values", False))
+
+
+def _run_interpreted(calls: list[str]) -> None:
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = _INTERPRETED_HEAD.format(tests=os.path.dirname(__file__), calls="\n".join(calls)).replace(
+        "import _check_cuda_head", "import _check_full_sort_paths, ALL_PATHS")
+    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_full_sort_paths_are_todays_bits_interpreted():
+    """The full sort as fp32 values (stable descending torch.sort) and pass 1
+    as per-chunk partials folded by the support kernel, each alone and
+    together, against today's int64 key sort with the chunks walked from
+    chunk 0, under Triton's interpreter: every output bit, for draws and
+    replays, at V = 97 (one chunk, partials forced), 4099 (a 3-position last
+    chunk), 9000 and 20011 (3 and 5 chunks), batch 1, 2, 7 and 64, rows of
+    ``_path_rows`` (ties, -inf, +-0.0, denormals, greedy, cuts past chunk 0,
+    top_k at chunk borders).  At V = 20011 a fold of the partials in another
+    order changes some row's log Z (``_fold_is_visible``), so a changed fold
+    fails here (checked: folding each group's sum into the carry fails it,
+    at V = 20011; with groups of 16, a fold reversed within groups failed it
+    at V = 9000 and the V = 151936 test).  The interpreter folds
+    FOLD_INTERPRETED = 2 partials a step, the GPU 16 (same bits)."""
+    assert _fold_is_visible(20011, 2, 1)
+    _run_interpreted(["_check_full_sort_paths('cpu', 97, 7, 0, ALL_PATHS)",
+                      "_check_full_sort_paths('cpu', 20011, 2, 1, ALL_PATHS)",
+                      "_check_full_sort_paths('cpu', 9000, 7, 4)",
+                      "_check_full_sort_paths('cpu', 4099, 1, 3)",
+                      "_check_full_sort_paths('cpu', 97, 64, 5, ((None, True),))"])
+
+
+@pytest.mark.slow
+def test_full_sort_paths_are_todays_bits_at_qwen_vocab_interpreted():
+    """As above at V = 151936 (38 chunks): a flat row with top-p 0.95 (the
+    engine benchmark's sampling; the cut and the draw ~36 chunks in) and a
+    peak over a long tail whose log Z shows a re-associated fold."""
+    assert _fold_is_visible(151936, 2, 2)
+    _run_interpreted(["_check_full_sort_paths('cpu', 151936, 2, 2)"])
 
 
 @pytest.mark.parametrize("B,V", [pytest.param(13, 1000, id="B13-V1000"), pytest.param(3, QWEN_VOCAB, id="B3-V151936")])
@@ -770,35 +932,236 @@ def test_gpu_every_batch_size_gives_the_same_rows():
             assert torch.equal(got[0], ref[0][sl]) and bitwise_equal(got[1], ref[1][sl]), f"M={M}"
 
 
-_SUPPORT_TYPES = {"p_skeys": "*i64", "p_logits": "*fp32", "p_temp": "*fp32", "p_topk": "*i64", "p_topp": "*fp32",
-                  "p_minp": "*fp32", "p_seed": "*i64", "p_step": "*i64", "p_tok_in": "*i64", "p_tok": "*i64",
-                  "p_lp": "*fp32", "p_v0": "*fp32", "p_logz": "*fp32", "p_last": "*i64"}
+@pytest.mark.gpu
+@pytest.mark.parametrize("V,B", [pytest.param(QWEN_VOCAB, b, id=f"V151936-B{b}") for b in (1, 7, 64, 130)]
+                         + [pytest.param(4099, b, id=f"V4099-B{b}") for b in (1, 7, 130)]
+                         + [pytest.param(V, 7, id=f"V{V}-B7") for V in (97, 1000)])
+def test_gpu_full_sort_paths_are_todays_bits(V, B):
+    """The fp32 value sort and the chunk partials (each alone and together)
+    against today's int64 key sort with chunks walked from chunk 0, on the
+    GPU: every output bit of draws and replays on ``_path_rows``.  Rows wider
+    than 4096: B = 1, 2..127 and >= 128 take torch's three stable-sort routes
+    (one radix sort; a global sort then a sort by row; CUB's segmented sort;
+    V = 4099 pads each row with 13 -inf); narrower: a warp merge sort (V =
+    97) and a block radix sort (V = 1000), partials forced on."""
+    _check_full_sort_paths(torch.device("cuda"), V, B, seed=V + B, variants=ALL_PATHS)
 
 
-def test_support_kernel_layout_ignores_its_integer_arguments():
+def _compiled_ttgirs(fn) -> list[str]:
+    """TTGIR of every specialization of ``fn`` the JIT has compiled on this
+    device (Triton's cache layout differs across versions: searched)."""
+    out = []
+    for entry in getattr(fn, "device_caches", {}).values():
+        for part in entry if isinstance(entry, tuple) else (entry,):
+            if isinstance(part, dict):
+                out += [k.asm["ttgir"] for k in part.values() if "ttgir" in getattr(k, "asm", {})]
+    return list(dict.fromkeys(out))
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_scans_have_one_layout():
+    """The layouts Triton on the GPU machine really compiled (not the sm_90
+    compile of this Triton in CI): every specialization of the support and
+    partials kernels that ran in this process -- keys / values, walked /
+    partials, draw / replay, PDL off / on, batches 1 to 130 -- has one scan
+    and reduction operand layout, sizePerThread 2."""
+    from alignzoo.common.sampling import kernel
+
+    for B in (1, 7, 70):
+        _check_full_sort_paths(torch.device("cuda"), 9000, B, seed=B, variants=ALL_PATHS)
+    found = {name: _compiled_ttgirs(getattr(kernel, name)) for name in ("_support_kernel", "_chunk_partials_kernel")}
+    if not all(found.values()):
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    scans = {tuple(_scan_operands(t)) for ts in found.values() for t in ts}
+    assert len(scans) == 1, scans
+    (ops,) = scans
+    assert any(op == "scan" for op, _, _ in ops) and all("sizePerThread = [2]" in lay for _, _, lay in ops), ops
+    assert len(found["_support_kernel"]) >= 8, len(found["_support_kernel"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_gpu_full_sort_in_a_cuda_graph_is_todays_bits(B):
+    """The default full sort (values, partials, PDL at <= 64 rows) captured in
+    a CUDA graph and replayed, as the engine's sampler graphs run it: today's
+    bits (eager int64 keys, chunks walked), on rows of ``_path_rows``."""
+    from alignzoo.common.sampling import kernel
+
+    dev = torch.device("cuda")
+    c = {n: x.to(dev) for n, x in _path_rows(B, QWEN_VOCAB, seed=B).items()}
+    args = [c[n] for n in ("logits", "temperature", "top_k", "top_p", "min_p", "seed", "step")]
+    ref = kernel.rows_cuda(*args, None, QWEN_VOCAB, sort="keys", prepass=False)
+    kernel.rows_cuda(*args, None, QWEN_VOCAB)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel.rows_cuda(*args, None, QWEN_VOCAB)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, a, b in zip(("token", "lp", "v0", "logz", "last"), out, ref):
+            assert bitwise_equal(a, b), name
+
+
+_SAMPLING_TYPES = {"p_skeys": "*i64", "p_svals": "*fp32", "p_sids": "*i64", "p_csum": "*fp32", "p_cmax": "*fp32",
+                   "p_cfirst": "*i32", "p_logits": "*fp32", "p_temp": "*fp32", "p_topk": "*i64", "p_topp": "*fp32",
+                   "p_minp": "*fp32", "p_seed": "*i64", "p_step": "*i64", "p_tok_in": "*i64", "p_tok": "*i64",
+                   "p_lp": "*fp32", "p_v0": "*fp32", "p_logz": "*fp32", "p_last": "*i64"}
+
+
+def _sampling_kernel(name):
+    from alignzoo.common.sampling import kernel
+
+    return getattr(kernel, name)
+
+
+def _sampling_consts(name, **kw):
+    from alignzoo.common.sampling import kernel
+
+    base = {"BLOCK": kernel.BLOCK_V, "VALUES": False, "PDL": False}
+    if name == "_support_kernel":
+        base.update(DRAW=True, PRE=False, FOLD=kernel.FOLD)
+    return {**base, **kw}
+
+
+def _sampling_ints(name):
+    """The kernel's integer arguments the JIT specializes (all but do_not_specialize'd ones)."""
+    fn = _sampling_kernel(name)
+    dns = {p.name for p in fn.params if p.do_not_specialize}
+    return [n for n in fn.arg_names if not n.startswith("p_") and n not in _sampling_consts(name) and n not in dns]
+
+
+@functools.lru_cache(maxsize=None)
+def _sampling_ttgir(name, consts, unaligned=(), ones=(), aligned_extra=()):
+    """sm_90 TTGIR of a sampling kernel: pointers and ints aligned as the JIT
+    sees them (do_not_specialize'd ints: neither), ``unaligned`` ints % 16 != 0,
+    ``ones`` == 1 (a constexpr 1), ``aligned_extra`` aligned although
+    do_not_specialize'd (what the JIT would see without it)."""
+    from sm90_layouts import sm90_ttgir
+
+    from alignzoo.common.sampling import kernel
+
+    fn = _sampling_kernel(name)
+    consts = dict(consts)
+    ints = [n for n in fn.arg_names if not n.startswith("p_") and n not in consts]
+    types = {**{n: _SAMPLING_TYPES[n] for n in fn.arg_names if n.startswith("p_")}, **{n: "i32" for n in ints}}
+    for n in ones:
+        del types[n]
+        consts[n] = 1
+    aligned = {n for n in types if n.startswith("p_")} | set(_sampling_ints(name)) | set(aligned_extra)
+    return sm90_ttgir(fn, types, consts, (aligned & set(types)) - set(unaligned), kernel.NUM_WARPS)
+
+
+def _needs_sm90():
+    pytest.importorskip("triton")
+    from sm90_layouts import can_compile_sm90
+
+    if not can_compile_sm90():
+        pytest.skip("this triton build has no NVIDIA backend")
+
+
+_SUPPORT_VARIANTS = [  # (VALUES, PRE): today's keys walked from chunk 0, and the default full sort
+    pytest.param(False, False, id="keys-walk"), pytest.param(True, True, id="values-partials")]
+
+
+@pytest.mark.parametrize("values, pre", _SUPPORT_VARIANTS)
+def test_support_kernel_layout_ignores_its_integer_arguments(values, pre):
     """The support kernel's sm_90 layouts (and so its scan's association
     order) are the same whatever the divisibility of its integer arguments:
     the JIT specializes them by % 16, and the sorted keys' row stride follows
     the batch (head + 1 on the head path, V on the full sort).  With the
     stride reaching the key loads, strides 1025 and 1040 gave different log Z
     bits on the H200 (session 6).  Compiled here, no GPU needed."""
-    pytest.importorskip("triton")
-    from sm90_layouts import can_compile_sm90, layouts, sm90_ttgir
+    from sm90_layouts import layouts
+
+    _needs_sm90()
+    name = "_support_kernel"
+    for draw in (True, False):  # the sampler and the replay
+        consts = tuple(_sampling_consts(name, DRAW=draw, VALUES=values, PRE=pre).items())
+        base = layouts(_sampling_ttgir(name, consts))
+        for n in _sampling_ints(name):
+            assert layouts(_sampling_ttgir(name, consts, unaligned=(n,))) == base, f"{n} % 16 changes the layouts"
+            assert layouts(_sampling_ttgir(name, consts, ones=(n,))) == base, f"{n} == 1 changes the layouts"
+
+
+@pytest.mark.parametrize("values", [False, True], ids=["keys", "values"])
+def test_chunk_partials_layout_ignores_its_integer_arguments(values):
+    from sm90_layouts import layouts
+
+    _needs_sm90()
+    name = "_chunk_partials_kernel"
+    consts = tuple(_sampling_consts(name, VALUES=values).items())
+    base = layouts(_sampling_ttgir(name, consts))
+    for n in _sampling_ints(name):
+        assert layouts(_sampling_ttgir(name, consts, unaligned=(n,))) == base, f"{n} % 16 changes the layouts"
+        assert layouts(_sampling_ttgir(name, consts, ones=(n,))) == base, f"{n} == 1 changes the layouts"
+
+
+def _scan_operands(ttgir: str) -> list[tuple[str, str, str]]:
+    """(op, tensor type, layout) of every tt.scan / tt.reduce operand."""
+    import re
+
+    defs = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, flags=re.M))
+    ops = re.findall(r'"tt\.(reduce|scan)"\(.*?\}\)\s*:\s*\(([^)]*)\)', ttgir, flags=re.S)
+    return sorted({(op, shape, defs.get(enc, enc))
+                   for op, operands in ops for shape, enc in re.findall(r"tensor<([^,>]*)(?:, (#\w+))?>", operands)})
+
+
+def test_every_full_sort_path_scans_in_todays_layout():
+    """Bit-exactness of the partials and of the value loads rests on this:
+    every variant of the support kernel (keys / values, chunks walked /
+    partials, draw / replay, PDL off / on) and the partials kernel (keys /
+    values) compile to the layouts of today's support kernel (keys, walked),
+    the 4096-wide loads and the tl.cumsum operand included: the same scan
+    tree, so the same cs bits for a chunk (session 6: a load layout of
+    sizePerThread 1 instead of 2 changed tl.cumsum's association and log Z
+    bits on the H200)."""
+    from sm90_layouts import layouts
+
+    _needs_sm90()
+    today = _sampling_ttgir("_support_kernel", tuple(_sampling_consts("_support_kernel").items()))
+    scans = _scan_operands(today)
+    assert ("scan", "4096xf32", scans[-1][2]) in scans and "sizePerThread = [2]" in scans[-1][2], scans
+    variants = [("_support_kernel", dict(DRAW=d, VALUES=v, PRE=p, PDL=pdl))
+                for d in (True, False) for v in (False, True) for p in (False, True) for pdl in (False, True)]
+    variants += [("_chunk_partials_kernel", dict(VALUES=v, PDL=pdl)) for v in (False, True) for pdl in (False, True)]
+    for name, kw in variants:
+        got = _sampling_ttgir(name, tuple(_sampling_consts(name, **kw).items()))
+        assert _scan_operands(got) == scans, (name, kw)
+        assert layouts(got) == layouts(today), (name, kw)
+
+
+def test_value_row_stride_is_never_specialized():
+    """The sorted values' row stride (2 * SV2) must not be specialized: with
+    SV2 % 16 known, the JIT would see 128-byte rows and load 4 values per
+    thread (16-byte vectors), a layout other than the keys', so another scan
+    tree and other bits than the key path and the head path."""
+    from sm90_layouts import layouts
+
+    _needs_sm90()
+    for name in ("_support_kernel", "_chunk_partials_kernel"):
+        fn = _sampling_kernel(name)
+        assert "SV2" in {p.name for p in fn.params if p.do_not_specialize}, name
+        consts = tuple(_sampling_consts(name, VALUES=True).items())
+        assert layouts(_sampling_ttgir(name, consts, aligned_extra=("SV2",))) != layouts(_sampling_ttgir(name, consts))
+
+
+def test_sampling_pdl_kernels_wait_first():
+    """Every sampling kernel with a PDL constexpr calls ``wait_prior(PDL)``
+    first, and launchers pass it only through ``pdl_options`` (as
+    tests/test_pdl.py checks for the other ops)."""
+    import ast
+    import inspect
+    import textwrap
 
     from alignzoo.common.sampling import kernel
 
-    if not can_compile_sm90():
-        pytest.skip("this triton build has no NVIDIA backend")
-    fn = kernel._support_kernel
-    ints = [n for n in fn.arg_names if not n.startswith("p_") and n not in ("BLOCK", "DRAW")]
-    types = {**_SUPPORT_TYPES, **{n: "i32" for n in ints}}
-    def compiled(aligned_ints, draw=True, ones=()):
-        consts = {"BLOCK": kernel.BLOCK_V, "DRAW": draw, **{n: 1 for n in ones}}  # == 1: the JIT's constant 1
-        t = {n: v for n, v in types.items() if n not in ones}
-        return layouts(sm90_ttgir(fn, t, consts, set(_SUPPORT_TYPES) | set(aligned_ints), kernel.NUM_WARPS))
-
-    for draw in (True, False):  # the sampler and the replay
-        base = compiled(ints, draw)
-        for n in ints:
-            assert compiled(set(ints) - {n}, draw) == base, f"{n} % 16 changes the support kernel's layouts"
-            assert compiled(set(ints) - {n}, draw, ones=(n,)) == base, f"{n} == 1 changes the layouts"
+    pdl = [obj for attr, obj in vars(kernel).items() if "PDL" in getattr(obj, "arg_names", ()) and attr != "wait_prior"]
+    assert {f.fn.__name__ for f in pdl} >= {"_support_kernel", "_chunk_partials_kernel", "_scaled_kernel"}
+    for fn in pdl:
+        body = ast.parse(textwrap.dedent(inspect.getsource(fn.fn))).body[0].body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]
+        assert ast.unparse(body[0]) == "wait_prior(PDL)", fn.fn.__name__
+    src = inspect.getsource(kernel)
+    assert "launch_pdl" not in src and "PDL=" not in src

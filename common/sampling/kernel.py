@@ -1,7 +1,7 @@
 """Triton kernels of the sampling transforms, and their CUDA launchers.
 
 The GPU path of one block of rows (``rows_cuda``) forms the sorted head the
-rows read (``sorted_head_cuda``), then runs the support kernel:
+rows read, then runs the support kernel:
 
     head < V and head <= ``op._HEAD_MAX`` (``op.partial_head``; ``op.head_width``
     gives such heads or V):
@@ -10,19 +10,43 @@ rows read (``sorted_head_cuda``), then runs the support kernel:
                         head + 1 int64 keys, the head's among them, in   Triton, one program per row
                         rows of key_row_stride(head + 1) (INT64_MAX pad)
     torch.sort          those rows -> the sorted head                    torch / CUB
-    any other head (head == V, or a head past _HEAD_MAX given by hand):
+    any other head (head == V, or a head past _HEAD_MAX given by hand), FULL_SORT "values":
+    _scaled_kernel      logits, temperature -> s = fl(l / tau), -0.0 as  Triton, element-wise
+                        +0.0, rows of key_row_stride(V) (-inf pad)
+    torch.sort          s, descending, stable -> sorted values and ids   torch / CUB (fp32 keys)
+    or FULL_SORT "keys" (today's reference, kept):
     _order_keys_kernel  logits, temperature -> int64 sort keys in rows   Triton, element-wise
                         of key_row_stride(V) (INT64_MAX pad)
-    torch.sort          keys -> sorted keys (the first head of them)     torch / CUB
-    then
-    _support_kernel     sorted keys -> token, lp, v0, log Z, last        Triton, one program per row
+    torch.sort          keys -> sorted keys (the first head of them)     torch / CUB (int64 keys)
+    then, where a row's k' can span several chunks (a full sort wider than
+    BLOCK_V; ``PREPASS``):
+    _chunk_partials_kernel  sorted positions -> per (row, chunk): cs at  Triton, one program per
+                        the chunk's end, its largest cs, its min-p cut   (row, chunk)
+    and
+    _support_kernel     sorted keys, or values and ids (and partials) -> Triton, one program per row
+                        token, lp, v0, log Z, last key
     _replay_bwd_kernel  d lp / d logits (the trainer's backward)         Triton, element-wise
 
 Why the sorts are torch's: a 151936-wide per-row sort is a multi-pass radix
-sort that Triton does not express well, and it needs no care here: the keys
-of a row are distinct (``rules.order_keys``), so every correct sort returns
-the one sorted permutation of the row, whatever algorithm, stability or batch
-segmentation torch/CUB picks.
+sort that Triton does not express well.  The keys of a row are distinct
+(``rules.order_keys``), so every correct sort of them returns the one sorted
+permutation of the row, whatever algorithm, stability or batch segmentation
+torch/CUB picks.  The value sort reaches the same permutation with half the
+key bits (4 radix passes over fp32 instead of 8 over int64; ~6.5 ms of a
+23 ms batch-256 decode step was the sampler, mostly the int64 sort): the key
+is -ord(s) * 2**32 + id with ord monotone in s (-0.0 folded onto +0.0), so
+ascending keys are "s descending, equal s by ascending id", which is a
+stable descending sort of s -- torch.sort(stable=True) keeps equal values in
+input (id) order on every route it takes (one CUB radix sort, a global sort
+then a stable sort by row, CUB's segmented sort; stable CUB radix sorts all).
+s is stored with the keys' exact bits (``_scaled_bits``, shared with
+``_order_key``), -0.0 already +0.0 so no sort sees a signed zero, and -inf
+tokens tie among themselves in id order as their keys do.  The padding past
+V is -inf at ids >= V: it ties only the row's -inf tokens and stays after
+them, so the first V sorted positions are the keys'.  NaN is outside the
+contract (``rules.order_keys``).  The support kernel reads the values (4
+bytes a position, not 8) and builds the key of a position it reports (the
+last kept, the drawn) from the value's bits and id, the same int64.
 
 Why the head path has the full sort's bits (``op.sorted_head`` of every
 key): s = fl(l / tau) is non-decreasing in l (tau > 0, 1 for greedy rows;
@@ -41,16 +65,22 @@ path writes no (B, V) key buffer at all.  NaN logits are outside the
 contract (``rules.order_keys``): topk ranks every NaN first while the keys
 rank a negative-signed NaN last, so the two paths may differ on them.
 
-Everything that rounds is in the Triton kernels, one program per row, with a
-layout fixed by the constants below and by the sorted keys' row stride being
-a multiple of ``KEY_ROW_ALIGN`` (16): both launchers pad to it, INT64_MAX in
-the padding, which sorts last.  The JIT specializes integer arguments by
-% 16 and Triton lays a loaded block out by what it knows of the addresses,
-so a stride that reached the key loads as it was (head + 1 on the head
-path, V on the full sort) gave the scan a batch-dependent layout: strides
-1025 and 1040 gave different log Z bits on the H200.  The support kernel
-takes the stride in units of 16, so its addresses are 16-key aligned for
-every batch (``tests/test_sampling.py`` compiles it for sm_90 both ways).
+Everything that rounds is in the Triton kernels, with a layout fixed by the
+constants below and by the addresses of the sorted rows.  The JIT
+specializes integer arguments by % 16 and Triton lays a loaded block out by
+what it knows of the addresses, so a stride that reached the key loads as
+it was (head + 1 on the head path, V on the full sort) gave the scan a
+batch-dependent layout: strides 1025 and 1040 gave different log Z bits on
+the H200.  So sorted rows have a stride that is a multiple of
+``KEY_ROW_ALIGN`` (16; both key launchers pad to it with INT64_MAX, which
+sorts last), and the kernels take it in units of 16 (keys: 16-key, 128-byte
+aligned rows, 16-byte loads, sizePerThread 2 for every batch).  Sorted
+values take it in units of 2 with that argument never specialized
+(do_not_specialize): 8-byte aligned rows for every batch, 8-byte loads,
+sizePerThread 2 -- the keys' layout, so the same scan tree and the same bits
+on both (specialized, 64-byte rows would give 16-byte loads, sizePerThread
+4).  ``tests/test_sampling.py`` compiles every variant for sm_90 with each
+integer aligned, not and == 1 and holds them all to today's layouts.
 ``_support_kernel`` also folds the greedy / "off" parameters, hashes
 (seed, step) into the uniform with the same int64 operations as
 ``rules.uniform01`` (same bits), and computes the token's log-prob with the
@@ -77,6 +107,25 @@ That is also why the top-p and draw passes may stop at the first chunk with
 their "first i" (no later chunk can hold a smaller i), and why Z is taken
 from the pass that already read S[n - 1] (Z_k when nothing was cut, the
 top-p pass otherwise), with a pass of its own only after a min-p cut alone.
+
+The partials (PRE) give the same S without the walk from chunk 0.  A
+chunk's cs does not depend on the carry, so ``_chunk_partials_kernel`` runs
+the same ``_chunk`` (same loads, e, scan, num_warps) with carry 0
+(fl(0 + x) = x) for every chunk in parallel and stores per chunk c:
+csum[c] = cs[min(last position, n_k - 1)], cmax[c] = max cs over its
+positions < n_k, cfirst[c] = its first i >= 1 with e[i] < min_p.  The
+support kernel folds them with the walk's scalar adds in the walk's order,
+carry_c = fl(carry_{c-1} + csum[c]): the walk's carries bit for bit, and
+Z_k is the last of them; the min-p cut is the min of cfirst (exact).  A pass
+testing S[i] >= t (top-p) or > t (draw) over chunks c < C starts at the
+first chunk c that is C - 1 or has fl(carry_{c-1} + cmax[c]) >= t (or > t),
+with that carry (``_seek``): fl(carry + .) is monotone, so the largest S of
+an earlier chunk (all of whose positions are below the pass's bound) is
+fl(carry + cmax) < t and that chunk holds no hit, which is all the walk did
+there (S[n - 1] lies in the pass's last chunk).  The min-p-alone Z pass runs
+chunk (n - 1) // BLOCK_V only, with its folded carry.  So a row reads its
+sorted positions once in parallel and then at most three chunks, instead of
+up to three walks of ceil(n_k / 4096) chunks (38 at V = 151936).
 Scaling uses ``tl.div_rn`` (IEEE division, as torch's CPU and CUDA division),
 and no kernel has an add that FP fusion could contract into an FMA
 (``enable_fp_fusion=False`` anyway).
@@ -88,23 +137,39 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._pdl import pdl_options, wait_prior
 
 BLOCK_V = 4096  # sorted positions per chunk in _support_kernel: shapes the scan
 NUM_WARPS = 8  # shapes tl.cumsum's tree: fixed
 ELEM_BLOCK = 1024  # element-wise kernels: no reduction, any value gives the same bits
 TIE_BLOCK = 1024  # tokens per chunk of _head_keys_kernel's tie scan: integer ranks, any value gives the same bits
 KEY_ROW_ALIGN = 16  # sorted keys' row stride is a multiple of this: one layout for the support kernel's loads
+FOLD = 16  # chunk partials the support kernel's scalar loops load at once (latency only: each is added in turn)
+FOLD_INTERPRETED = 2  # ... on CPU tensors (Triton's interpreter): 16 cost ~15 masked Python steps a group
+FULL_SORT = "values"  # what a full sort sorts: "values" (fp32 scaled logits) or "keys" (int64); the same bits
+PREPASS = True  # pass 1 of full-sort rows by _chunk_partials_kernel (parallel over chunks); the same bits
 INT64_MAX = tl.constexpr(2**63 - 1)  # sorts after every non-NaN key: the largest, -inf's at id 2**31 - 1, is below 2**63 - 2**54
+
+
+@triton.jit
+def _scaled_bits(b_l, b_tau):
+    """fp32 bits of s = fl(l / tau), -0.0 folded onto +0.0 (rules.order_keys)."""
+    b_s = tl.div_rn(b_l, b_tau)
+    b_bits = b_s.to(tl.int32, bitcast=True)
+    return tl.where(b_s == 0.0, 0, b_bits)  # -0.0 -> +0.0
+
+
+@triton.jit
+def _bits_key(b_bits, o_v):
+    """int64 key of a scaled value's bits (no -0.0) and its id."""
+    b_ord = tl.where(b_bits >= 0, b_bits, b_bits ^ 0x7FFFFFFF)
+    return (-(b_ord.to(tl.int64))) * 4294967296 + o_v.to(tl.int64)
 
 
 @triton.jit
 def _order_key(b_l, b_tau, o_v):
     """rules.order_keys on a block: scaled value and id -> int64 key."""
-    b_s = tl.div_rn(b_l, b_tau)
-    b_bits = b_s.to(tl.int32, bitcast=True)
-    b_bits = tl.where(b_s == 0.0, 0, b_bits)  # -0.0 -> +0.0
-    b_ord = tl.where(b_bits >= 0, b_bits, b_bits ^ 0x7FFFFFFF)
-    return (-(b_ord.to(tl.int64))) * 4294967296 + o_v.to(tl.int64)
+    return _bits_key(_scaled_bits(b_l, b_tau), o_v)
 
 
 @triton.jit
@@ -116,8 +181,9 @@ def _key_value(b_key):
 
 
 @triton.jit
-def _order_keys_kernel(p_logits, p_temp, p_keys, V, W, BLOCK: tl.constexpr):
+def _order_keys_kernel(p_logits, p_temp, p_keys, V, W, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Keys of rows of W >= V columns: INT64_MAX past V (padding sorts last)."""
+    wait_prior(PDL)
     i_b, i_c = tl.program_id(0), tl.program_id(1)
     o_v = i_c * BLOCK + tl.arange(0, BLOCK)
     m_v = o_v < V
@@ -128,8 +194,23 @@ def _order_keys_kernel(p_logits, p_temp, p_keys, V, W, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _scaled_kernel(p_logits, p_temp, p_s, V, W, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Scaled logits of rows of W >= V columns, the keys' values exactly
+    (``_scaled_bits``: -0.0 stored as +0.0); -inf past V (padding: it ties
+    only real -inf tokens, and a stable sort keeps it after them)."""
+    wait_prior(PDL)
+    i_b, i_c = tl.program_id(0), tl.program_id(1)
+    o_v = i_c * BLOCK + tl.arange(0, BLOCK)
+    m_v = o_v < V
+    b_l = tl.load(p_logits + i_b.to(tl.int64) * V + o_v, mask=m_v, other=0.0)
+    b_temp = tl.load(p_temp + i_b)
+    b_s = _scaled_bits(b_l, tl.where(b_temp == 0.0, 1.0, b_temp)).to(tl.float32, bitcast=True)
+    tl.store(p_s + i_b.to(tl.int64) * W + o_v, tl.where(m_v, b_s, float("-inf")), mask=o_v < W)
+
+
+@triton.jit
 def _head_keys_kernel(p_logits, p_temp, p_vals, p_ids, p_cand, V, H, CS, BLOCK_H: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per row: H + 1 keys whose H smallest are the keys of the
     row's first H sorted positions (rules.order_keys), from torch.topk's H + 1
     largest logits p_vals / ids p_ids (descending; rows of H + 1); p_cand rows
@@ -143,6 +224,7 @@ def _head_keys_kernel(p_logits, p_temp, p_vals, p_ids, p_cand, V, H, CS, BLOCK_H
     of BLOCK tokens in id order, ranks by an integer tl.cumsum: exact; the
     scan stops once it has them), then INT64_MAX.  == and > treat -0.0 as
     +0.0, as the keys do."""
+    wait_prior(PDL)
     i_b = tl.program_id(0)
     o_row = i_b.to(tl.int64) * V
     o_crow = i_b.to(tl.int64) * (H + 1)
@@ -175,15 +257,116 @@ def _head_keys_kernel(p_logits, p_temp, p_vals, p_ids, p_cand, V, H, CS, BLOCK_H
 
 
 @triton.jit
-def _chunk(p_row, i_c, n_lim, b_v0, b_carry, BLOCK: tl.constexpr):
+def _row_k(p_temp, p_topk, i_b, V):
+    """A row's temperature, greedy flag and k' (op._effective_k)."""
+    b_temp = tl.load(p_temp + i_b)
+    greedy = b_temp == 0.0
+    b_k = tl.load(p_topk + i_b).to(tl.int64)
+    n_k = tl.where(greedy, 1, tl.where((b_k > 0) & (b_k < V), b_k, V)).to(tl.int32)
+    return b_temp, greedy, n_k
+
+
+@triton.jit
+def _row_start(p_skeys, p_svals, i_b, SV16, SV2, VALUES: tl.constexpr):
+    """A row's sorted positions (keys, or values when VALUES) and v0.
+    Keys: row stride 16 * SV16.  Values: row stride 2 * SV2 with SV2 never
+    specialized, so the JIT knows the row start to 2 values (8 bytes) for
+    every batch: 8-byte vector loads, sizePerThread 2, the layout the keys'
+    16-byte loads have (with SV2 specialized % 16 it would be 4)."""
+    if VALUES:
+        p_row = p_svals + i_b.to(tl.int64) * (SV2 * 2)
+        b_v0 = tl.load(p_row)
+    else:
+        p_row = p_skeys + i_b.to(tl.int64) * (SV16 * 16)
+        b_v0 = _key_value(tl.load(p_row))
+    return p_row, b_v0
+
+
+@triton.jit
+def _chunk(p_row, i_c, n_lim, b_v0, b_carry, BLOCK: tl.constexpr, VALUES: tl.constexpr):
     """One chunk of sorted positions: (positions, mask, e, S, next carry)."""
     o = i_c * BLOCK + tl.arange(0, BLOCK)
     m = o < n_lim
-    b_key = tl.load(p_row + o, mask=m, other=0)
-    b_e = tl.where(m, tl.exp(_key_value(b_key) - b_v0), 0.0)
+    if VALUES:
+        b_v = tl.load(p_row + o, mask=m, other=0.0)
+    else:
+        b_v = _key_value(tl.load(p_row + o, mask=m, other=0))
+    b_e = tl.where(m, tl.exp(b_v - b_v0), 0.0)
     b_S = b_carry + tl.cumsum(b_e, 0)
     b_next = tl.sum(tl.where(o == i_c * BLOCK + BLOCK - 1, b_S, 0.0), 0)
     return o, m, b_e, b_S, b_next
+
+
+@triton.jit
+def _fold(p_csum, p_cfirst, n_c, n_init, G: tl.constexpr):
+    """(carry after chunks 0..n_c-1, min(n_init, their min-p firsts)): the
+    carry chain carry <- fl(carry + csum[c]), chunk 0 first, one scalar add
+    per chunk as the chunk walk does.  G partials per step, loaded together."""
+    b_carry = tl.zeros([], dtype=tl.float32)
+    n = n_init
+    i_g = 0
+    while i_g < n_c:
+        for j in tl.static_range(G):
+            ok = i_g + j < n_c
+            b_x = tl.load(p_csum + i_g + j, mask=ok, other=0.0)
+            b_carry = tl.where(ok, b_carry + b_x, b_carry)
+            n = tl.minimum(n, tl.load(p_cfirst + i_g + j, mask=ok, other=n_init))
+        i_g += G
+    return b_carry, n
+
+
+@triton.jit
+def _seek(p_csum, p_cmax, n_c, b_bound, STRICT: tl.constexpr, G: tl.constexpr):
+    """(c, carry before chunk c) for the first chunk c < n_c that is the last
+    one (n_c - 1) or whose largest S, fl(carry + cmax[c]), is > b_bound
+    (STRICT) or >= b_bound: the first chunk a walk testing S[i] against
+    b_bound would stop in (kernel docstring).  Same carry chain as _fold."""
+    b_carry = tl.zeros([], dtype=tl.float32)
+    b_carry_hit = tl.zeros([], dtype=tl.float32)
+    i_hit = tl.maximum(n_c - 1, 0)  # n_c == 0: chunk 0, which a walk over no chunks never reads
+    found = tl.zeros([], dtype=tl.int32)
+    i_g = 0
+    while (i_g < n_c) & (found == 0):
+        for j in tl.static_range(G):
+            i_c = i_g + j
+            ok = i_c < n_c
+            b_top = b_carry + tl.load(p_cmax + i_c, mask=ok, other=0.0)
+            if STRICT:
+                over = b_top > b_bound
+            else:
+                over = b_top >= b_bound
+            hit = ok & (found == 0) & ((i_c == n_c - 1) | over)
+            i_hit = tl.where(hit, i_c, i_hit)
+            b_carry_hit = tl.where(hit, b_carry, b_carry_hit)
+            found = found | hit.to(tl.int32)
+            b_carry = b_carry + tl.load(p_csum + i_c, mask=ok, other=0.0)
+        i_g += G
+    return i_hit, b_carry_hit
+
+
+@triton.jit(do_not_specialize=["SV2"])
+def _chunk_partials_kernel(p_skeys, p_svals, p_temp, p_topk, p_minp, p_csum, p_cmax, p_cfirst, V, SV16, SV2, NC,
+                           BLOCK: tl.constexpr, VALUES: tl.constexpr, PDL: tl.constexpr):
+    """One program per (row, chunk c < cdiv(k', BLOCK)): the chunk's part of
+    the support kernel's pass 1, which does not depend on the carry.  With
+    carry 0 (fl(0 + x) = x), the same _chunk (same loads, e, scan layout)
+    gives cs = tl.cumsum(e over the chunk); stored per (row, c) in rows of NC:
+    csum = cs at min(chunk's last position, k' - 1) (the carry's increment;
+    Z_k's in the last chunk), cmax = max of cs over the chunk's positions
+    < k', cfirst = first i >= 1 of the chunk with e[i] < min_p (else k').
+    The sum, max and min each pick one value: exact in any order."""
+    wait_prior(PDL)
+    i_b, i_c = tl.program_id(0), tl.program_id(1)
+    b_temp, greedy, n_k = _row_k(p_temp, p_topk, i_b, V)
+    if i_c * BLOCK < n_k:
+        b_m = tl.where(greedy, 0.0, tl.load(p_minp + i_b))
+        p_row, b_v0 = _row_start(p_skeys, p_svals, i_b, SV16, SV2, VALUES)
+        o, m, b_e, b_S, b_next = _chunk(p_row, i_c, n_k, b_v0, tl.zeros([], dtype=tl.float32), BLOCK, VALUES)
+        o_p = i_b.to(tl.int64) * NC + i_c
+        o_end = tl.minimum(i_c * BLOCK + BLOCK - 1, n_k - 1)
+        tl.store(p_csum + o_p, tl.sum(tl.where(o == o_end, b_S, 0.0), 0))
+        tl.store(p_cmax + o_p, tl.max(tl.where(m, b_S, 0.0), 0))
+        tl.store(p_cfirst + o_p, tl.min(tl.where(m & (o >= 1) & (b_e < b_m), o, n_k), 0))
 
 
 @triton.jit
@@ -215,33 +398,52 @@ def _uniform01(b_seed, b_step):
 
 
 @triton.jit
-def _support_kernel(p_skeys, p_logits, p_temp, p_topk, p_topp, p_minp, p_seed, p_step, p_tok_in,
-                    p_tok, p_lp, p_v0, p_logz, p_last, V, SV16, BLOCK: tl.constexpr, DRAW: tl.constexpr):
+def _key_at(p_row, p_irow, i, VALUES: tl.constexpr):
+    """The int64 key at sorted position i: loaded, or built from the sorted
+    value's bits (no -0.0: _scaled_kernel) and its id."""
+    if VALUES:
+        return _bits_key(tl.load(p_row + i).to(tl.int32, bitcast=True), tl.load(p_irow + i))
+    else:
+        return tl.load(p_row + i)
+
+
+@triton.jit(do_not_specialize=["SV2"])
+def _support_kernel(p_skeys, p_svals, p_sids, p_csum, p_cmax, p_cfirst, p_logits, p_temp, p_topk, p_topp, p_minp,
+                    p_seed, p_step, p_tok_in, p_tok, p_lp, p_v0, p_logz, p_last, V, SV16, SV2, SI, NC,
+                    BLOCK: tl.constexpr, DRAW: tl.constexpr, VALUES: tl.constexpr, PRE: tl.constexpr,
+                    FOLD: tl.constexpr, PDL: tl.constexpr):
     """One program per row: the per-row program of op.py after the sort.
     DRAW: draw a token from (seed, step); else score p_tok_in (the replay).
-    p_skeys rows (row stride 16 * SV16: a multiple of 16 whatever the batch,
-    so the key loads have one layout) start with the first k' sorted keys
-    (the passes below read positions < k' only); the replay's token key is
-    _order_key of its logit, the bits of the full keys'."""
+    The row's first k' sorted positions (the passes read positions < k'
+    only): VALUES=False, p_skeys rows of stride 16 * SV16 (a multiple of 16
+    whatever the batch, so the key loads have one layout); VALUES=True, the
+    sorted scaled values p_svals (row stride 2 * SV2, _row_start) and their
+    ids p_sids (row stride SI), the same keys.  PRE: pass 1 and every walk
+    up to the chunk a pass stops in come from _chunk_partials_kernel's
+    partials p_csum / p_cmax / p_cfirst (rows of NC); else the chunks are
+    walked from chunk 0.  The replay's token key is _order_key of its
+    logit, the bits of the full keys'."""
+    wait_prior(PDL)
     i_b = tl.program_id(0)
     o_row = i_b.to(tl.int64) * V
-    p_row = p_skeys + i_b.to(tl.int64) * (SV16 * 16)
-    b_temp = tl.load(p_temp + i_b)
-    greedy = b_temp == 0.0
-    b_k = tl.load(p_topk + i_b).to(tl.int64)
-    n_k = tl.where(greedy, 1, tl.where((b_k > 0) & (b_k < V), b_k, V)).to(tl.int32)
+    p_row, b_v0 = _row_start(p_skeys, p_svals, i_b, SV16, SV2, VALUES)
+    p_irow = p_sids + i_b.to(tl.int64) * SI
+    p_crow = i_b.to(tl.int64) * NC
+    b_temp, greedy, n_k = _row_k(p_temp, p_topk, i_b, V)
     b_p = tl.where(greedy, 1.0, tl.load(p_topp + i_b))
     b_m = tl.where(greedy, 0.0, tl.load(p_minp + i_b))
-    b_v0 = _key_value(tl.load(p_row))
 
     # pass 1: Z_k = S[n_k - 1]; min-p cut n = first i >= 1 with e[i] < min_p
     b_carry = tl.zeros([], dtype=tl.float32)
     b_zk = tl.zeros([], dtype=tl.float32)
     n = n_k
-    for i_c in range(0, tl.cdiv(n_k, BLOCK)):
-        o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK)
-        b_zk += tl.sum(tl.where(o == n_k - 1, b_S, 0.0), 0)
-        n = tl.minimum(n, tl.min(tl.where(m & (o >= 1) & (b_e < b_m), o, n_k), 0))
+    if PRE:
+        b_zk, n = _fold(p_csum + p_crow, p_cfirst + p_crow, tl.cdiv(n_k, BLOCK), n_k, FOLD)
+    else:
+        for i_c in range(0, tl.cdiv(n_k, BLOCK)):
+            o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK, VALUES)
+            b_zk += tl.sum(tl.where(o == n_k - 1, b_S, 0.0), 0)
+            n = tl.minimum(n, tl.min(tl.where(m & (o >= 1) & (b_e < b_m), o, n_k), 0))
 
     # pass 2 (top_p < 1 only): n = min(n, 1 + first i < n with S[i] >= top_p * Z_k); it stops at
     # the first chunk with such an i, and keeps S[n - 1] (that S[i], or S[n_mk - 1] with no cut)
@@ -251,8 +453,10 @@ def _support_kernel(p_skeys, p_logits, p_temp, p_topk, p_topp, p_minp, p_seed, p
     b_z = tl.zeros([], dtype=tl.float32)
     n_c = tl.where(b_p < 1.0, tl.cdiv(n_mk, BLOCK), 0)
     i_c = 0
+    if PRE:  # straight to the chunk the walk stops in, with its carry
+        i_c, b_carry = _seek(p_csum + p_crow, p_cmax + p_crow, n_c, b_t, False, FOLD)
     while i_c < n_c:
-        o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK)
+        o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK, VALUES)
         first = tl.min(tl.where((o < n_mk) & (b_S >= b_t), o, n_mk), 0)
         n = tl.minimum(n, first + 1)
         b_z += tl.sum(tl.where(o == n - 1, b_S, 0.0), 0)  # S[n - 1] once it is in this chunk
@@ -262,11 +466,17 @@ def _support_kernel(p_skeys, p_logits, p_temp, p_topk, p_topp, p_minp, p_seed, p
     # was cut (n == n_k: Z = Z_k); else (a min-p cut alone) one more pass
     b_z = tl.where(n == n_k, b_zk, b_z)
     b_carry = tl.zeros([], dtype=tl.float32)
-    for i_c in range(0, tl.where((n_c == 0) & (n < n_k), tl.cdiv(n, BLOCK), 0)):
-        o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK)
+    n_c3 = tl.where((n_c == 0) & (n < n_k), tl.cdiv(n, BLOCK), 0)
+    i_c = 0
+    if PRE:  # only chunk (n - 1) // BLOCK adds to b_z
+        i_c = tl.maximum(n_c3 - 1, 0)
+        b_carry, _ = _fold(p_csum + p_crow, p_cfirst + p_crow, i_c, n_k, FOLD)
+    while i_c < n_c3:
+        o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK, VALUES)
         b_z += tl.sum(tl.where(o == n - 1, b_S, 0.0), 0)
+        i_c += 1
     b_logz = tl.log(b_z)
-    b_last = tl.load(p_row + n - 1)
+    b_last = _key_at(p_row, p_irow, n - 1, VALUES)
 
     if DRAW:
         # pass 4: inverse CDF, first i < n with S[i] > u * Z (n - 1 if none)
@@ -274,12 +484,14 @@ def _support_kernel(p_skeys, p_logits, p_temp, p_topk, p_topp, p_minp, p_seed, p
         pick = n - 1
         b_carry = tl.zeros([], dtype=tl.float32)
         i_c = 0
+        if PRE:
+            i_c, b_carry = _seek(p_csum + p_crow, p_cmax + p_crow, tl.cdiv(n, BLOCK), b_target, True, FOLD)
         while i_c < tl.cdiv(n, BLOCK):  # stops at the first chunk with such an i
-            o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK)
+            o, m, b_e, b_S, b_carry = _chunk(p_row, i_c, n_k, b_v0, b_carry, BLOCK, VALUES)
             first = tl.min(tl.where((o < n) & (b_S > b_target), o, n), 0)
             pick = tl.minimum(pick, first)
             i_c = tl.where(first < n, tl.cdiv(n, BLOCK), i_c + 1)
-        b_key_tok = tl.load(p_row + pick)
+        b_key_tok = _key_at(p_row, p_irow, pick, VALUES)
     else:
         o_tok = tl.load(p_tok_in + i_b)
         b_key_tok = _order_key(tl.load(p_logits + o_row + o_tok), tl.where(greedy, 1.0, b_temp), o_tok)
@@ -334,7 +546,7 @@ def order_keys_cuda(logits: torch.Tensor, temperature: torch.Tensor, *, padded: 
     if B:
         grid = (B, cdiv(W, ELEM_BLOCK))
         _order_keys_kernel[grid](logits, temperature, keys, V, W, BLOCK=ELEM_BLOCK, num_warps=4,
-                                 enable_fp_fusion=False)
+                                 enable_fp_fusion=False, **pdl_options(logits.device, B))
     return keys
 
 
@@ -359,23 +571,53 @@ def sorted_head_cuda(logits: torch.Tensor, temperature: torch.Tensor, head: int)
     if B:
         _head_keys_kernel[(B,)](logits, temperature.contiguous(), vals, ids, cand, V, head, cs,
                                 BLOCK_H=next_power_of_2(cs), BLOCK=TIE_BLOCK, num_warps=4,
-                                enable_fp_fusion=False)
+                                enable_fp_fusion=False, **pdl_options(logits.device, B))
     return torch.sort(cand, dim=-1).values[:, :head]
 
 
-def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head):
-    """The per-row program on CUDA rows: the sorted head (``sorted_head_cuda``), support kernel.
+def sorted_values_cuda(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, V) fp32, temperature (B,) fp32 (0 = greedy) -> (values
+    (B, W) fp32, ids (B, W) int64), W = key_row_stride(V): the rows' full
+    sort as the sorted keys' values and ids (``key_values`` / ``key_ids`` of
+    ``op.sorted_head(keys, V)`` in the first V columns), from a stable
+    descending torch.sort of the scaled logits (``_scaled_kernel``; -inf
+    padding, which sorts after the row's own -inf tokens).  Why it is the
+    keys' permutation: the module docstring."""
+    B, V = logits.shape
+    W = key_row_stride(V)
+    s = torch.empty(B, W, dtype=torch.float32, device=logits.device)
+    if B:
+        _scaled_kernel[(B, cdiv(W, ELEM_BLOCK))](logits.contiguous(), temperature.contiguous(), s, V, W,
+                                                 BLOCK=ELEM_BLOCK, num_warps=4, enable_fp_fusion=False,
+                                                 **pdl_options(logits.device, B))
+    vals, ids = torch.sort(s, dim=-1, descending=True, stable=True)
+    return vals, ids
+
+
+def _check_rows(t: torch.Tensor, what: str) -> None:
+    if t.stride(0) % KEY_ROW_ALIGN or t.stride(1) != 1 or t.data_ptr() % 16:
+        raise AssertionError(f"sorted {what} of row stride {t.stride(0)}: the support kernel needs a multiple of "
+                             f"{KEY_ROW_ALIGN} and 16-byte rows (its layout, and so its bits, would change)")
+
+
+def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head, *, sort: str | None = None,
+              prepass: bool | None = None):
+    """The per-row program on CUDA rows: the sorted head, (partials), support kernel.
 
     tokens None: draw (needs seed, step); else score the given tokens.  ``head``
-    (``op.head_width``) bounds the sorted positions formed.
+    (``op.head_width``) bounds the sorted positions formed: a partial head
+    (``op.partial_head``) is ``sorted_head_cuda``'s keys; a full sort is
+    ``sorted_values_cuda`` (``sort`` "values", the default ``FULL_SORT``) or
+    ``sorted_head_cuda``'s int64 keys ("keys").  ``prepass``: pass 1 by
+    ``_chunk_partials_kernel``; default (None) where a row's k' can span
+    several chunks (more than BLOCK_V sorted positions).  Every choice gives
+    the same bits (module docstring); the arguments are there to compare them.
     Returns (tokens int64, lp fp32, v0 fp32, logz fp32, last_key int64), all (B,)."""
+    from .op import partial_head
+
     B, V = logits.shape
     dev = logits.device
     logits = logits.contiguous()
-    skeys = sorted_head_cuda(logits, temperature, head)  # (B, min(head, V)): the sorted positions any row reads
-    if skeys.stride(0) % KEY_ROW_ALIGN or skeys.stride(1) != 1 or skeys.data_ptr() % 16:
-        raise AssertionError(f"sorted keys of row stride {skeys.stride(0)}: the support kernel needs a "
-                             f"multiple of {KEY_ROW_ALIGN} (its layout, and so its bits, would change)")
     draw = tokens is None
     if draw:
         tokens = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -385,9 +627,33 @@ def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head
     tok = torch.empty(B, dtype=torch.int64, device=dev)
     lp, v0, logz = (torch.empty(B, dtype=torch.float32, device=dev) for _ in range(3))
     last = torch.empty(B, dtype=torch.int64, device=dev)
-    if B:
-        _support_kernel[(B,)](skeys, logits, *ins, tok, lp, v0, logz, last, V, skeys.stride(0) // KEY_ROW_ALIGN,
-                              BLOCK=BLOCK_V, DRAW=draw, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    values = not partial_head(head, V) and (sort or FULL_SORT) == "values"
+    if values:
+        svals, sids = sorted_values_cuda(logits, temperature)  # (B, key_row_stride(V)) each
+        _check_rows(svals, "values")
+        skeys, width = tok, svals.shape[1]  # skeys: unused
+    else:
+        skeys = sorted_head_cuda(logits, temperature, head)  # (B, min(head, V)): the sorted positions any row reads
+        _check_rows(skeys, "keys")
+        svals, sids, width = lp, tok, skeys.shape[1]  # svals, sids: unused
+    pre = PREPASS and width > BLOCK_V if prepass is None else prepass
+    if not B:
+        return (tok if draw else tokens), lp, v0, logz, last
+    pdl = pdl_options(dev, B)
+    sv16, sv2 = skeys.stride(0) // KEY_ROW_ALIGN, svals.stride(0) // 2
+    nc = cdiv(width, BLOCK_V)
+    if pre:
+        parts = torch.empty(2, B, nc, dtype=torch.float32, device=dev)  # csum, cmax
+        cfirst = torch.empty(B, nc, dtype=torch.int32, device=dev)
+        _chunk_partials_kernel[(B, nc)](skeys, svals, ins[0], ins[1], ins[3], parts[0], parts[1], cfirst, V, sv16,
+                                        sv2, nc, BLOCK=BLOCK_V, VALUES=values, num_warps=NUM_WARPS,
+                                        enable_fp_fusion=False, **pdl)
+    else:
+        parts, cfirst = v0.expand(2, B), tok.view(torch.int32)  # unused
+    _support_kernel[(B,)](skeys, svals, sids, parts[0], parts[1], cfirst, logits, *ins, tok, lp, v0, logz, last, V,
+                          sv16, sv2, sids.stride(0), nc, BLOCK=BLOCK_V, DRAW=draw, VALUES=values, PRE=pre,
+                          FOLD=FOLD if logits.is_cuda else FOLD_INTERPRETED, num_warps=NUM_WARPS,
+                          enable_fp_fusion=False, **pdl)
     return (tok if draw else tokens), lp, v0, logz, last
 
 

@@ -14,7 +14,9 @@ The per-row program (each row reads only its own logits and parameters):
    row are distinct (any correct selection agrees): on the CPU by
    ``torch.topk`` of the keys, on CUDA from ``torch.topk`` of the raw logits
    with an id-order scan where a tie straddles the cut, without keys for the
-   whole row (``kernel.sorted_head_cuda``).
+   whole row (``kernel.sorted_head_cuda``).  CUDA's full sort is a stable
+   descending sort of s itself, the keys' permutation with half their bits
+   (``kernel.sorted_values_cuda``).
 3. weights e[i] = exp(v[i] - v[0]) and fixed-order inclusive prefix sums S[i]
    over sorted positions (order: cpu.py / kernel.py docstrings).
 4. top-k: k' = top_k if 0 < top_k < V else V (0 or >= V is off); the first k'
@@ -59,9 +61,10 @@ from .cpu import support_cpu
 from .rules import chosen_logprob, key_ids, key_values, order_keys, uniform01
 
 # Rows per launch by default: bounds the (rows, V) int64 key buffers of the
-# CPU path and of CUDA's full sort (keys, sorted keys, sort indices) to
-# ~1.5 GiB; CUDA's head path writes only (rows, ~head + 1) buffers besides
-# torch.topk's own.  A launch-shape knob only: rows never interact.
+# CPU path and of CUDA's full sort (keys, sorted keys, sort indices; the value
+# sort's fp32 values and int64 ids are smaller) to ~1.5 GiB; CUDA's head path
+# writes only (rows, ~head + 1) buffers besides torch.topk's own.  A
+# launch-shape knob only: rows never interact.
 _ROW_ELEMS = 1 << 26
 # Largest top-k served by a partial selection (torch.topk) instead of a full
 # sort of the vocabulary.  Bit-neutral (the keys are distinct), but on CUDA it
