@@ -3,18 +3,10 @@ order's SEG_K: time (CUDA-graph replay, L2 flushed: ``bench_primitives._time_gra
 against cuBLAS, and whether the bits equal the default configuration's.
 
     python benchmarks/sweep_matmul.py [--ms 1,8,64,256] [--shapes 4096x4096,1024x4096] [--budget-s 200]
-    python benchmarks/sweep_matmul.py --merge-ab [--ms 1,8,64] [--layers 36]
 
 Prints, per (N, K, M): cuBLAS and default times, the fastest candidates, and
 any candidate whose bits differ from the default (there should be none: every
 knob here is documented bit-neutral in ``common/matmul/kernel.py``).
-
-``--merge-ab``: the split schedule merging in place (one launch, ``split``)
-against the two-kernel split (``split2``), side by side on the same tile:
-per decode (N, K, M) the time of one call (``_time_graph``), whether the bits
-are equal, then a decode-like chain (``--layers`` x qkv -> o -> down, the
-Qwen3-8B matmuls that split at M <= 64, distinct weights) captured in one
-CUDA graph with PDL as served, median replay time of each.
 """
 import argparse
 import os
@@ -33,7 +25,6 @@ SMALL_M = [  # decode, M <= 64
     ("fused", 64, 256, 64, 4, 4), ("fused", 64, 32, 128, 4, 4),
     ("split", 64, 32, 128, 4, 4), ("split", 64, 64, 64, 4, 4), ("split", 64, 64, 128, 4, 4),
     ("split", 64, 128, 64, 4, 4), ("split", 64, 256, 64, 4, 4),
-    ("split2", 64, 32, 128, 4, 4), ("split2", 64, 64, 64, 4, 4),  # the two-kernel split, for comparison
     ("tma", 64, 128, 128, 4, 4), ("tma", 64, 64, 128, 4, 4),
 ]
 LARGE_M = [  # M > 64
@@ -53,14 +44,8 @@ def main():
                     help="NxK list")
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--top", type=int, default=5, help="fastest candidates printed per (N, K, M)")
-    ap.add_argument("--schedules", default="fused,split,split2,tma", help="schedules swept")
-    ap.add_argument("--merge-ab", action="store_true", help="split (in-place merge) vs split2 (two kernels) only")
-    ap.add_argument("--layers", type=int, default=36, help="--merge-ab: layers in the graphed decode chain")
+    ap.add_argument("--schedules", default="fused,split,tma", help="schedules swept")
     args = ap.parse_args()
-    if args.merge_ab:
-        merge_ab([int(m) for m in (args.ms if args.ms != ap.get_default("ms") else "1,8,64").split(",")],
-                 args.layers)
-        return
     t_end = time.time() + args.budget_s
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -96,64 +81,6 @@ def main():
             bad = [r[1:7] for r in res if r[7] is False]
             if bad:
                 print("   BITS DIFFER:", bad)
-
-
-def _replay_ms(graph, reps: int = 20) -> float:
-    """Median wall time of one replay of ``graph`` (CUDA events)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    ts = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        ts.append(start.elapsed_time(end))
-    return sorted(ts)[len(ts) // 2]
-
-
-def merge_ab(ms: list[int], layers: int) -> None:
-    """``--merge-ab``: see the module docstring."""
-    from alignzoo.common._pdl import pdl_options
-
-    torch.manual_seed(0)
-    dev = torch.device("cuda")
-    H, I = 4096, 12288
-    for N, K in ((6144, H), (H, H), (H, I), (1024, H)):
-        w = (torch.randn(N, K, device=dev) / K**0.5).bfloat16()
-        for M in ms:
-            x = torch.randn(M, K, device=dev).bfloat16()
-            one = lambda: matmul_fwd_triton(x, w, schedule="split")
-            two = lambda: matmul_fwd_triton(x, w, schedule="split2")
-            same = torch.equal(one(), two())
-            t1, t2 = _time_graph(one), _time_graph(two)
-            print(f"N={N} K={K} M={M} split={t1 * 1e3:.1f}us split2={t2 * 1e3:.1f}us ({t2 / t1:.2f}x) "
-                  f"same_bits={same}", flush=True)
-    ws = [[(torch.randn(n, k, device=dev) / k**0.5).bfloat16() for n, k in ((6144, H), (H, H), (H, I))]
-          for _ in range(layers)]
-    for M in ms:
-        x, h2 = torch.randn(M, H, device=dev).bfloat16(), torch.randn(M, I, device=dev).bfloat16()
-
-        def chain(schedule):  # matmuls only: every launch PDL-launched, as between serving's kernels
-            h, outs = x, []
-            for w_qkv, w_o, w_d in ws:
-                h = matmul_fwd_triton(matmul_fwd_triton(h, w_qkv, schedule=schedule)[:, :H], w_o, schedule=schedule)
-                outs += [h, matmul_fwd_triton(h2, w_d, schedule=schedule)]
-            return outs
-
-        res, outs = {}, {}
-        for schedule in ("split", "split2"):
-            outs[schedule] = chain(schedule)  # warm-up, outside the capture
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = chain(schedule)
-            res[schedule] = _replay_ms(g)
-            outs[schedule] = (outs[schedule], out)
-        same = all(torch.equal(a, b) for i in (0, 1) for a, b in zip(outs["split"][i], outs["split2"][i]))
-        print(f"chain M={M} layers={layers} x (qkv, o, down) pdl={pdl_options(dev, M)['PDL']}: "
-              f"split={res['split']:.3f}ms split2={res['split2']:.3f}ms "
-              f"saved={res['split2'] - res['split']:.3f}ms ({3 * layers} merge launches) same_bits={same}", flush=True)
 
 
 if __name__ == "__main__":

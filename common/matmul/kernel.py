@@ -13,15 +13,9 @@ Three schedules compute exactly that arithmetic:
 
 * ``_mm_fused_kernel`` — one program per (BLOCK_M × BLOCK_N) tile walks all S
   segments and keeps ``total`` in registers;
-* ``_mm_split_kernel`` — one program per (tile, segment) writes ``p_s`` in
-  fp32 to a workspace, and the program that arrives last at its tile (an
-  acq_rel atomic counter per tile, reset by that program) adds the S
-  partials left to right and stores y (small M: S× more programs to fill
-  132 SMs; the memory-ordering argument is in its docstring).  Schedule
-  ``split2`` runs the same kernel without the in-place merge, then
-  ``_mm_merge_kernel`` adds the partials in a second launch, the same adds:
-  the reference the tests hold the one-launch merge to (which saves a launch
-  a split matmul, three a layer at Qwen3-8B decode);
+* ``_mm_split_kernel`` + ``_mm_merge_kernel`` — one program per (tile,
+  segment) writes ``p_s`` in fp32 to a workspace, and the merge adds the S
+  partials left to right (small M: S× more programs to fill 132 SMs);
 * ``_mm_tma_persistent_kernel`` — the fused arithmetic with TMA loads and
   persistent programs (bf16 at M ≥ 128 by default), in one k-loop that
   restarts the chain after each segment's last step; tiles may be 1.5 powers
@@ -29,11 +23,10 @@ Three schedules compute exactly that arithmetic:
   those keep a k-loop per segment (four accumulators in one loop spill).
 
 The fused and split kernels call the same ``_segment_dot``; the schedule is
-picked for speed alone and cannot change a bit (nor can which program of a
-split tile merges: the merge reads p_0 ... p_{S-1} in order).  Every output
-element is the same chain of k16 wgmma steps whatever the tile around it, so
-BLOCK_M, BLOCK_N, BLOCK_K (any divisor of SEG_K), num_warps and num_stages
-are free launch knobs too.  Measured on the H200: every combination of BM ∈ {64, 128},
+picked for speed alone and cannot change a bit.  Every output element is the
+same chain of k16 wgmma steps whatever the tile around it, so BLOCK_M,
+BLOCK_N, BLOCK_K (any divisor of SEG_K), num_warps and num_stages are free
+launch knobs too.  Measured on the H200: every combination of BM ∈ {64, 128},
 BN ∈ {64, 128, 256}, BK ∈ {64, 128}, 4/8 warps, 3/4 stages and the two
 pointer-load schedules gave identical bits at SEG_K = 1024, while SEG_K =
 2048 changed them (benchmarks/results/2026-11-30-h200-matmul-sweep.txt); in
@@ -105,43 +98,10 @@ def _mm_fused_kernel(p_x, p_w, p_y, M, N, K,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mm_split_kernel(p_x, p_w, p_ws, p_y, p_cnt, M, N, K,
-                     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, N_SEG,
+def _mm_split_kernel(p_x, p_w, p_ws, M, N, K,
+                     stride_xm, stride_xk, stride_wn, stride_wk,
                      SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (i_m, i_n, s) stores the fp32 partial p_s of tile (i_m, i_n) to
-    ``p_ws[s]``.  MERGE=False stops there (``_mm_merge_kernel`` adds them in a
-    second launch).  MERGE=True: the program that arrives last at its tile
-    merges in place: it loads p_0 ... p_{S-1} and adds them exactly as
-    ``_mm_merge_kernel`` does (fp32 zeros, += p_0, += p_1, ... left to right,
-    one rounding to y's dtype), whichever segment it computed itself.  No
-    program ever waits for another, so no grid size can deadlock.
-
-    Memory ordering (PTX memory model; CUTLASS's split-K semaphore and
-    stream-K fixup do the same):
-      1. every thread of the program stores its part of p_s (weak stores);
-      2. ``tl.debug_barrier()`` (bar.sync): those stores precede, in causality
-         order, everything thread 0 does after the barrier;
-      3. thread 0 alone (Triton issues a scalar atomic from one thread and
-         broadcasts the old value through shared memory) runs
-         ``atomic_add(counter[tile], 1, sem="acq_rel", scope="gpu")``.  Its
-         release half is cumulative: it publishes at gpu scope every store
-         before it in causality order, the whole CTA's of step 1.  Every
-         increment is acq_rel, so each synchronizes with the one it read:
-         the program that reads S - 1 has all S - 1 other programs' partial
-         stores before it in causality order;
-      4. that last program runs a second barrier, so its other threads'
-         loads follow thread 0's acquire, then loads the S partials with
-         ``cache_modifier=".cg"`` (from L2: never a stale L1 line; its own
-         p_s, written by other threads of the CTA, included) and stores y;
-      5. it resets the counter to 0 (relaxed exchange): no program of this
-         launch touches it again, and the next launch that reads it starts
-         after this grid has finished (stream order; or, PDL-launched, only
-         once its ``wait_prior`` has seen this whole grid complete).
-    PDL: a consumer of y launched with PDL passes its ``wait_prior`` only
-    once every program of this grid has exited, the merging ones included,
-    so y is complete before anyone reads it.
-    """
+                     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     wait_prior(PDL)  # PDL: first, before any global load or store
     i_m, i_n, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b_p = _segment_dot(p_x, p_w, i_m, i_n, M, N, K, s * SEG_K,
@@ -149,20 +109,8 @@ def _mm_split_kernel(p_x, p_w, p_ws, p_y, p_cnt, M, N, K,
                        SEG_K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_y = (o_m[:, None] < M) & (o_n[None, :] < N)
-    p_tile = p_ws + o_m[:, None] * N + o_n[None, :]  # (BM, BN) of p_0; p_s is s * M * N further
-    tl.store(p_tile + s * M * N, b_p, mask=m_y)
-    if MERGE:
-        tl.debug_barrier()  # 2: the CTA's partial stores before thread 0's release
-        p_c = p_cnt + i_m * tl.num_programs(1) + i_n
-        if tl.atomic_add(p_c, 1, sem="acq_rel", scope="gpu") == N_SEG - 1:  # 3: the last arrival
-            tl.debug_barrier()  # 4: every thread's loads after the acquire
-            b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for t in range(0, N_SEG):  # left to right, the adds of _mm_merge_kernel
-                b_total += tl.load(p_tile + t * M * N, mask=m_y, other=0.0, cache_modifier=".cg")
-            tl.store(p_y + o_m[:, None] * stride_ym + o_n[None, :] * stride_yn,
-                     b_total.to(p_y.dtype.element_ty), mask=m_y)
-            tl.atomic_xchg(p_c, 0, sem="relaxed", scope="gpu")  # 5: ready for the next launch
+    tl.store(p_ws + s * M * N + o_m[:, None] * N + o_n[None, :], b_p,
+             mask=(o_m[:, None] < M) & (o_n[None, :] < N))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -314,7 +262,7 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True) -> d
     return {"schedule": "split" if split else "fused", **cfg}
 
 
-SCHEDULES = ("fused", "split", "split2", "tma")  # split2: the two-kernel split (reference, sweeps)
+SCHEDULES = ("fused", "split", "tma")
 
 
 def column_blocks(BN: int) -> tuple[int, int]:
@@ -337,8 +285,7 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
     lc = launch_config(M, N, K, sms, tma_ok)
     if schedule is None:
         schedule = lc["schedule"]
-    elif schedule != lc["schedule"] and (schedule, lc["schedule"]) != ("split2", "split"):
-        # an explicit schedule takes that schedule's default tile (split2 where split is the default: split's)
+    elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
         lc = _tma_config(*_TMA_TILES[0]) if schedule == "tma" else _split_config(M, N, cdiv(K, seg_k), sms)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -361,8 +308,7 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
                       num_stages: int | None = None, _reduction: dict | None = None) -> torch.Tensor:
     """x (M, K) · w (N, K)ᵀ -> (M, N) in x.dtype.  Strided inputs are fine.
 
-    ``block_m``/``block_n``/``block_k``, ``schedule`` (``SCHEDULES``;
-    ``split2``: the split schedule's two-kernel reference, on split's tile),
+    ``block_m``/``block_n``/``block_k``, ``schedule`` (``SCHEDULES``),
     ``num_warps`` and ``num_stages`` are free launch knobs (defaults from
     ``launch_config``); none changes a bit.  ``_reduction`` overrides
     ``reduction_config`` (for sweeps only: it does change bits).
@@ -396,96 +342,19 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
             TensorDescriptor.from_tensor(x, [BM, BK]), d_w, d_w2, d_y, d_y2, M, N, K, n_seg,
             SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=bn, BLOCK_N2=bn2, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs,
             num_warps=nw, num_stages=ns, **pdl)
-    elif schedule in ("split", "split2") and n_seg > 1:
-        split_launch(x, w, y, n_seg, seg_k=seg_k, BM=BM, BN=BN, BK=BK, num_warps=nw, num_stages=ns,
-                     merge=schedule == "split", pdl=pdl)
+    elif schedule == "split" and n_seg > 1:
+        ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
+        _mm_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
+            x, w, ws, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns, **pdl)
+        BLOCK = 1024
+        _mm_merge_kernel[(cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK, **pdl)
     else:  # fused, or split with a single K segment
         _mm_fused_kernel[(tiles,)](
             x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
             n_seg, SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, IEEE=ieee,
             num_warps=nw, num_stages=ns, **pdl)
     return y
-
-
-def split_launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, n_seg: int, *, seg_k: int, BM: int, BN: int,
-                 BK: int, num_warps: int, num_stages: int, merge: bool = True, pdl: dict | None = None) -> None:
-    """y = x · wᵀ by the split schedule over ``n_seg`` K segments of ``seg_k``:
-    one launch of ``_mm_split_kernel`` that merges in place (``merge``, the
-    default), or the two-kernel reference (split, then ``_mm_merge_kernel``).
-    Same partials, same adds in the same order: the same bits.  CPU tensors
-    run under ``TRITON_INTERPRET=1`` (the tests)."""
-    M, K = x.shape
-    N = w.shape[0]
-    grid = (cdiv(M, BM), cdiv(N, BN), n_seg)
-    pdl = pdl or {"PDL": False}
-    ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
-    cnt = split_counters(x.device, grid[0] * grid[1]) if merge else ws
-    _mm_split_kernel[grid](
-        x, w, ws, y, cnt, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-        n_seg, SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=x.dtype == torch.float32, MERGE=merge,
-        num_warps=num_warps, num_stages=num_stages, **pdl)
-    if not merge:
-        BLOCK = 1024
-        _mm_merge_kernel[(cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK, **pdl)
-
-
-# Arrival counters of the in-place split merge: one int32 per tile, zero between launches (the
-# last program of a tile resets its own).  One buffer per (device, stream): launches on one stream
-# run one after another (or, PDL-launched, touch memory only after the previous grid has ended),
-# so two launches can never use one buffer at once.  Buffers are never freed: a captured CUDA
-# graph keeps the address of the buffer of the stream it was captured on.
-COUNTERS_MIN = 1 << 16  # tiles per buffer (256 KiB); launch_config splits grids of < 2 x 132 tiles only
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-_SPARE: dict = {}  # device -> one zeroed buffer, >= every buffer of the device: a capture's first one
-_RETIRED: list[torch.Tensor] = []
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The zeroed int32 arrival counters (at least ``tiles``) of the current
-    stream of ``device`` (CPU: the interpreter's one buffer).
-
-    Zeroed memory cannot be allocated during a CUDA-graph capture (the zero
-    fill would be captured and replayed), so buffers are allocated, or grown
-    (new zeros, the old buffer kept alive), by eager launches only, at least
-    ``COUNTERS_MIN`` long; an eager launch also keeps one zeroed spare per
-    device, as long as the longest buffer.  A capture on a stream whose
-    buffer is missing or too short (``torch.cuda.graph`` captures on a side
-    stream of its own) takes the spare: its zero fill was queued before the
-    capture began, and ``torch.cuda.graph`` synchronizes the device first.
-    With no spare long enough the launch raises: run the matmul once eagerly
-    on the device before capturing (the warm-up every capture has anyway).
-
-    A graph replays with its capture stream's buffer, whatever stream it is
-    replayed on: graphs captured on one stream must not replay concurrently
-    with each other (the engine replays one at a time)."""
-    dev = device.index if device.type == "cuda" else device.type
-    key = (dev, _current_stream(dev) if device.type == "cuda" else None)
-    buf = _COUNTERS.get(key)
-    if buf is not None and buf.numel() >= tiles and dev in _SPARE:
-        return buf
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if buf is None or buf.numel() < tiles:
-        if capturing:
-            if _SPARE.get(dev) is None or _SPARE[dev].numel() < tiles:
-                raise RuntimeError(
-                    f"the split matmul needs {tiles} zeroed arrival counters on this capturing stream, and "
-                    "zeroed memory cannot be allocated during a capture: run the matmul once eagerly on this "
-                    "device before capturing it")
-            new = _SPARE.pop(dev)
-        else:
-            new = torch.zeros(max(tiles, COUNTERS_MIN), dtype=torch.int32, device=device)
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = _COUNTERS[key] = new
-    if not capturing and (dev not in _SPARE or _SPARE[dev].numel() < buf.numel()):
-        _SPARE[dev] = torch.zeros(buf.numel(), dtype=torch.int32, device=device)
-    return buf
-
-
-def _current_stream(dev: int) -> int:
-    """The raw handle of the stream a Triton launch on device ``dev`` goes to
-    (Triton's own lookup)."""
-    return triton.runtime.driver.active.get_current_stream(dev)
 
 
 def _tma_ok(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> bool:
