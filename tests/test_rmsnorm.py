@@ -325,3 +325,96 @@ def test_bad_input():
         rmsnorm(torch.zeros(1, 40000, dtype=BF), torch.zeros(40000, dtype=BF))
     with pytest.raises(ValueError, match="H >= 1"):
         rmsnorm(torch.zeros(3, 0, dtype=BF), torch.zeros(0, dtype=BF))
+
+
+# ---------------------------------------------------------------- a split matmul's merge inside the norm
+
+_MERGE_INTERPRETED = """
+import torch
+from alignzoo.common.matmul.kernel import _mm_merge_kernel
+from alignzoo.common.rmsnorm.kernel import rmsnorm_fwd_cuda, rmsnorm_merge_fwd_cuda
+
+
+def merge(ws, reverse=False):
+    S, M, N = ws.shape
+    if reverse:
+        ws = ws.flip(0).contiguous()
+    y = torch.empty(M, N)
+    _mm_merge_kernel[((M * N + 1023) // 1024,)](ws, y, M, N, N, 1, S, BLOCK=1024)
+    return y
+
+
+g = torch.Generator().manual_seed(0)
+caught = 0
+for S, M, H in ((2, 1, 72), (4, 7, 1000), (12, 3, 4096), (5, 64, 300)):
+    ws = torch.randn(S, M, H, generator=g) * torch.logspace(-3, 3, S)[:, None, None]
+    ws[0, 0, :5] = -0.0  # 0 + (-0.0) is +0.0: the merge starts from zeros, so must the norm
+    w = 1 + 0.1 * torch.randn(H, generator=g)
+    res = torch.randn(M, H, generator=g)
+    for r in (None, res):
+        want = rmsnorm_fwd_cuda(merge(ws), w, 1e-6, r)
+        for bm in (None, 1, 2):
+            got = rmsnorm_merge_fwd_cuda(ws, torch.float32, w, 1e-6, r, block_rows=bm)
+            for a, b in zip(got, want):
+                assert (a is None and b is None) or torch.equal(a, b), (S, M, H, bm)
+        worse = rmsnorm_fwd_cuda(merge(ws, reverse=True), w, 1e-6, r)
+        caught += not torch.equal(worse[0], want[0])
+assert caught, "merging right to left never changed a bit: the test could not fail"
+print("ok")
+"""
+
+
+def test_norm_merges_split_partials_as_the_merge_kernel_does_interpreted():
+    """``rmsnorm_merge_fwd_cuda`` run by Triton's interpreter on the CPU (fp32:
+    the interpreter's bf16 casts are not the GPU's) gives the bits of the
+    matmul's merge kernel followed by the norm, plain and with the fused
+    residual, at 2-12 segments, one and several chunks per row, -0.0 in the
+    first partial, several rows per program; the same partials merged right
+    to left give other bits (the check can fail)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    run = subprocess.run([sys.executable, "-c", _MERGE_INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
+def test_matmul_partials_are_cuda_only():
+    """The CPU matmul has no K segments: no partials, the server norms the merged output."""
+    from alignzoo.common.matmul import matmul_partials_fwd
+
+    x, w = torch.randn(3, 2048).bfloat16(), torch.randn(64, 2048).bfloat16()
+    assert matmul_partials_fwd(x, w) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, K", [(4096, 4096), (4096, 12288), (1000, 3000)])
+def test_gpu_norm_of_split_partials_equals_norm_of_matmul(N, K):
+    """On the H200: at decode-sized M the matmul splits K; the norm that
+    merges its partials gives ``rmsnorm_fwd(matmul_fwd(x, w), ...)``'s bits
+    (y, new residual, rstd), eager and replayed from a CUDA graph, PDL on;
+    past the split sizes there are no partials."""
+    from alignzoo.common.matmul import matmul_fwd, matmul_partials_fwd
+    from alignzoo.common.rmsnorm import rmsnorm_merge_fwd
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).bfloat16()
+    nw = (1 + 0.1 * torch.randn(N, device="cuda", generator=g)).bfloat16()
+    for M in (1, 7, 64):
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        res = torch.randn(M, N, device="cuda", generator=g).bfloat16()
+        want = rmsnorm_fwd(matmul_fwd(x, w), nw, EPS, res)
+        ws = matmul_partials_fwd(x, w)
+        assert ws is not None and ws.shape[1:] == (M, N), (M, N, K)
+        got = rmsnorm_merge_fwd(ws, torch.bfloat16, nw, EPS, res)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (M, N, K)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = rmsnorm_merge_fwd(matmul_partials_fwd(x, w), torch.bfloat16, nw, EPS, res)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(out, want)), (M, N, K, "graph")
+    assert matmul_partials_fwd(torch.randn(4096, K, device="cuda").bfloat16(), w) is None
