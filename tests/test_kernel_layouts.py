@@ -273,22 +273,6 @@ def test_qk_norm_rope_kv_reads_no_batch_integer():
     assert "tt.dot" not in ttgir and not _reduce_operand_layouts(ttgir) and '"tt.reduce"' not in ttgir
 
 
-def test_rmsnorm_merging_split_partials_has_no_layout_ordered_reduction():
-    """The norm that merges a split matmul's partials (SPLIT, the server at
-    decode) reads them at s * M * H + m * H + j: M follows the batch, but it is
-    never specialized and the merge is element-wise adds; the row sum stays
-    ``_row_tree_sum`` (reshape/split adds), no tt.reduce or tt.scan whose
-    order a layout could set, as in the plain kernel."""
-    fn = rms._rmsnorm_fwd_kernel
-    types = {"p_x": "*fp32", "p_res": "*bf16", "p_z": "*bf16", "p_w": "*bf16", "p_y": "*bf16",
-             "p_res_out": "*bf16", "p_rstd": "*fp32", "M": "i32", "eps": "fp32", "N_SEG": "i32"}
-    consts = {"H": 4096, **rms._chunks(4096), "BM": 1, "HAS_RES": True, "HAS_Z": False, "SPLIT": True, "PDL": True}
-    assert set(types) | set(consts) == set(fn.arg_names)
-    for aligned in (frozenset(n for n in types if n.startswith("p_")), frozenset({"p_x", "M", "N_SEG"})):
-        ttgir = _cached_ttgir(fn, tuple(sorted(types.items())), tuple(sorted(consts.items(), key=str)), aligned, 2, 3)
-        assert '"tt.reduce"' not in ttgir and "tt.scan" not in ttgir and not _reduce_operand_layouts(ttgir)
-
-
 # Row counts that follow the batch in kernels with a float reduction (or pointer-load dots),
 # kept out of specialization by do_not_specialize: % 16 and == 1 never reach the compile.
 _DNS = [

@@ -343,7 +343,10 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
             SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=bn, BLOCK_N2=bn2, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs,
             num_warps=nw, num_stages=ns, **pdl)
     elif schedule == "split" and n_seg > 1:
-        ws = _split_partials(x, w, n_seg, seg_k, BM, BN, BK, nw, ns, pdl)
+        ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
+        _mm_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
+            x, w, ws, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns, **pdl)
         BLOCK = 1024
         _mm_merge_kernel[(cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK, **pdl)
     else:  # fused, or split with a single K segment
@@ -352,38 +355,6 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
             n_seg, SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, IEEE=ieee,
             num_warps=nw, num_stages=ns, **pdl)
     return y
-
-
-def _split_partials(x, w, n_seg, seg_k, BM, BN, BK, nw, ns, pdl) -> torch.Tensor:
-    """The split kernel alone: fp32 partials (n_seg, M, N), p_s in ws[s]."""
-    M, K = x.shape
-    N = w.shape[0]
-    ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
-    _mm_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
-        x, w, ws, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-        SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=x.dtype == torch.float32, num_warps=nw,
-        num_stages=ns, **pdl)
-    return ws
-
-
-def matmul_partials_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """The K-segment partials of ``matmul_fwd_triton(x, w)`` when its default
-    launch splits K (decode-sized M, S > 1 segments): fp32 (S, M, N), p_s in
-    [s]; else None.  ``_mm_merge_kernel``'s adds of them, ((0 + p_0) + p_1)
-    + ..., rounded once to x.dtype, are ``matmul_fwd_triton``'s bits; a
-    consumer that does those adds itself (``rmsnorm.kernel``'s SPLIT input)
-    saves the merge launch."""
-    M, K = x.shape
-    N = w.shape[0]
-    seg = reduction_config(N, K)["SEG_K"]
-    n_seg = cdiv(K, seg)
-    if M == 0 or N == 0 or n_seg < 2:
-        return None
-    tma_ok = _tma_ok(x, w, x) and (N * x.element_size()) % 16 == 0  # as y = empty((M, N)) would be
-    schedule, BM, BN, BK, nw, ns = resolve_launch(M, N, K, x.element_size(), _num_sms(x.device), tma_ok, seg_k=seg)
-    if schedule != "split":
-        return None
-    return _split_partials(x, w, n_seg, seg, BM, BN, BK, nw, ns, pdl_options(x.device, M))
 
 
 def _tma_ok(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> bool:

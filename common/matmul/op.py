@@ -25,19 +25,6 @@ def matmul_fwd(x: torch.Tensor, w: torch.Tensor, **launch) -> torch.Tensor:
     return matmul_fwd_cpu(x, w, **launch)
 
 
-def matmul_partials_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """The fp32 K-segment partials (S, M, N) of ``matmul_fwd(x, w)`` when its
-    CUDA launch splits K (decode-sized M), else None (the CPU path has no
-    segments).  A consumer that merges them itself with the merge kernel's
-    adds (``rmsnorm.op.rmsnorm_merge_fwd``) has ``matmul_fwd``'s bits and
-    saves its merge launch."""
-    if x.is_cuda:
-        from .kernel import matmul_partials_triton
-
-        return matmul_partials_triton(x, w)
-    return None
-
-
 def matmul_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, *, need_dx: bool = True,
                need_dw: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """dX = dY · W (reduction over N), dW = dYᵀ · X (reduction over the M tokens),

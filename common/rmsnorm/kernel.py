@@ -61,20 +61,10 @@ def _row_tree_sum(b, BM: tl.constexpr, LOG2_H: tl.constexpr):
 
 
 @triton.jit
-def _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES: tl.constexpr, STORE_RES: tl.constexpr,
-                    seg_stride, N_SEG, SPLIT: tl.constexpr):
+def _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES: tl.constexpr, STORE_RES: tl.constexpr):
     """fp32 (BM, CHUNK) tile of the rows to normalise: x, or the fused sum
-    s = dtype(x + res) (stored as the new residual when STORE_RES).  SPLIT:
-    p_x holds a split matmul's N_SEG fp32 partials, seg_stride apart, and x
-    is their merge, ``matmul.kernel._mm_merge_kernel``'s adds and rounding:
-    dtype(((0 + p_0) + p_1) + ...)."""
-    if SPLIT:
-        b_m = tl.zeros(o_x.shape, dtype=tl.float32)
-        for s in range(0, N_SEG):  # left to right, the merge kernel's adds
-            b_m += tl.load(p_x + s * seg_stride + o_x, mask=m_x, other=0.0)
-        b_x = b_m.to(dtype).to(tl.float32)
-    else:
-        b_x = tl.load(p_x + o_x, mask=m_x, other=0.0).to(tl.float32)
+    s = dtype(x + res) (stored as the new residual when STORE_RES)."""
+    b_x = tl.load(p_x + o_x, mask=m_x, other=0.0).to(tl.float32)
     if HAS_RES:
         b_s = (b_x + tl.load(p_res + o_x, mask=m_x, other=0.0).to(tl.float32)).to(dtype)
         if STORE_RES:
@@ -124,10 +114,7 @@ def _rmsnorm_fwd_kernel(
     NC: tl.constexpr,
     BM: tl.constexpr,
     HAS_RES: tl.constexpr,
-    HAS_Z: tl.constexpr,
-    N_SEG=1,
-    SPLIT: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    HAS_Z: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """The row's P = NC * CHUNK lanes: the chunks added element-wise in
     order, then one CHUNK-lane tree (the order of ``cpu.row_tree_sum``).
@@ -135,11 +122,9 @@ def _rmsnorm_fwd_kernel(
     unrolled and holds no store, so every load is in flight at once: a store
     between them would pin their order, as the pointers may alias); pass 2
     normalises the whole (BM, P) row tile element-wise, recomputing the fused
-    sum and storing it as the new residual there.  SPLIT: x arrives as a
-    split matmul's partials and is merged on load (``_load_row_chunk``)."""
+    sum and storing it as the new residual there."""
     wait_prior(PDL)  # PDL: first, before any global load or store
     i_m = tl.program_id(0)
-    seg_stride = M.to(tl.int64) * H  # partial s of row m starts at s * M * H + m * H
     o_m = i_m * BM + tl.arange(0, BM)  # (BM,)
     o_c = tl.arange(0, CHUNK)  # (CHUNK,)
     m_m = o_m < M
@@ -148,7 +133,7 @@ def _rmsnorm_fwd_kernel(
         m_h = o_c < H
         m_x = m_m[:, None] & m_h[None, :]
         o_x = o_m[:, None].to(tl.int64) * H + o_c[None, :]  # (BM, CHUNK)
-        b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, True, seg_stride, N_SEG, SPLIT)
+        b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, True)
         b_ss = _row_tree_sum(b_x * b_x, BM, LOG2_CHUNK)  # (BM,)
     else:
         b_acc = tl.zeros((BM, CHUNK), dtype=tl.float32)
@@ -156,7 +141,7 @@ def _rmsnorm_fwd_kernel(
             o_h = i_c * CHUNK + o_c
             m_x = m_m[:, None] & (o_h < H)[None, :]
             o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]
-            b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, False, seg_stride, N_SEG, SPLIT)
+            b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, False)
             b_acc = b_acc + b_x * b_x  # lane j += x[i_c * CHUNK + j]^2
         b_ss = _row_tree_sum(b_acc, BM, LOG2_CHUNK)
     b_rstd = _rstd(b_ss, H, eps, BM)
@@ -168,7 +153,7 @@ def _rmsnorm_fwd_kernel(
         m_h = o_h < H
         m_x = m_m[:, None] & m_h[None, :]
         o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]
-        b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, True, seg_stride, N_SEG, SPLIT)
+        b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, True)
         _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_h, m_h, o_x, m_x, dtype, HAS_Z)
 
 
@@ -329,34 +314,21 @@ def _fwd_config(H: int, M: int) -> tuple[int, int]:
 
 def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warps=None):
     """x, residual, z: (M, H) contiguous; w: (H,) -> (y, new_residual or None, rstd (M,) fp32)."""
-    return _fwd_launch(x, 1, x.shape[0], x.shape[1], x.dtype, w, eps, residual, z, block_rows, num_warps)
-
-
-def rmsnorm_merge_fwd_cuda(partials, dtype, w, eps, residual=None, block_rows=None, num_warps=None):
-    """``rmsnorm_fwd_cuda(x, w, eps, residual)`` where x is a split matmul's
-    output given as its fp32 K-segment partials (S, M, H), contiguous
-    (``matmul.kernel.matmul_partials_triton``): the merge (its adds in its
-    order, one rounding to ``dtype``) runs inside this launch, so the
-    matmul's merge launch is saved and x is never stored."""
-    n_seg, M, H = partials.shape
-    return _fwd_launch(partials, n_seg, M, H, dtype, w, eps, residual, None, block_rows, num_warps)
-
-
-def _fwd_launch(x, n_seg, M, H, dtype, w, eps, residual, z, block_rows, num_warps):
+    M, H = x.shape
     bm, nw = _fwd_config(H, M)
     bm = block_rows or bm
     nw = num_warps or nw
     if bm & (bm - 1):
         raise ValueError(f"block_rows must be a power of two on CUDA, got {bm}")
-    y = torch.empty((M, H), dtype=dtype, device=x.device)
+    y = torch.empty_like(x)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    new_res = torch.empty_like(y) if residual is not None else None
+    new_res = torch.empty_like(x) if residual is not None else None
     if M == 0:
         return y, new_res, rstd
     _rmsnorm_fwd_kernel[(cdiv(M, bm),)](
         x,
-        residual if residual is not None else y,
-        z if z is not None else y,
+        residual if residual is not None else x,
+        z if z is not None else x,
         w,
         y,
         new_res if new_res is not None else y,
@@ -368,8 +340,6 @@ def _fwd_launch(x, n_seg, M, H, dtype, w, eps, residual, z, block_rows, num_warp
         BM=bm,
         HAS_RES=residual is not None,
         HAS_Z=z is not None,
-        N_SEG=n_seg,
-        SPLIT=n_seg > 1,
         num_warps=nw,
         enable_fp_fusion=False, **pdl_options(x.device, M),
     )

@@ -50,19 +50,6 @@ def rmsnorm_fwd(
     return y.view(shape), None if new_res is None else new_res.view(shape), rstd.view(shape[:-1])
 
 
-def rmsnorm_merge_fwd(partials: torch.Tensor, dtype: torch.dtype, w: torch.Tensor, eps: float,
-                      residual: torch.Tensor | None = None):
-    """``rmsnorm_fwd(x, w, eps, residual)`` of x = a split matmul's output,
-    given as its fp32 K-segment partials (S, M, H) (``matmul_partials_fwd``,
-    CUDA): the matmul's merge (((0 + p_0) + p_1) + ..., rounded once to
-    ``dtype``) runs inside the norm's launch, so the bits are those of
-    ``rmsnorm_fwd(matmul_fwd(...), ...)`` with one launch fewer.
-    -> (y (M, H), new_residual (M, H) or None, rstd (M,) fp32)."""
-    from .kernel import rmsnorm_merge_fwd_cuda
-
-    return rmsnorm_merge_fwd_cuda(partials, dtype, w, eps, residual)
-
-
 def rmsnorm_bwd(
     dy: torch.Tensor,
     x: torch.Tensor,

@@ -23,8 +23,6 @@ with ``lora_add_multi``.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from ...common.attention import paged_attention_fwd
@@ -33,19 +31,13 @@ from ...common.engine.model_api import ForwardBatch, KVCacheSpec
 from ...common.kv_cache import allocate_kv_cache
 from ...common.lm_head import lm_head_logits_fwd
 from ...common.lora import lora_add_fwd, lora_add_multi_fwd
-from ...common.matmul import matmul_fwd, matmul_partials_fwd
-from ...common.rmsnorm import rmsnorm_fwd, rmsnorm_merge_fwd
+from ...common.matmul import matmul_fwd
+from ...common.rmsnorm import rmsnorm_fwd
 from ...common.qk_norm_rope import qk_norm_rope_kv_fwd
 from ...common.rope import rope_table
 from ...common.swiglu import swiglu_fwd
 from .config import Qwen3Config
 from .weights import lora_slices
-
-
-class _Partials(NamedTuple):
-    """A split matmul's fp32 K-segment partials (S, M, N), not yet merged to ``dtype``."""
-    ws: torch.Tensor
-    dtype: torch.dtype
 
 
 class Qwen3Server:
@@ -107,21 +99,15 @@ class Qwen3Server:
         return [allocate_kv_cache(num_pages, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
                 for _ in range(c.num_layers)]
 
-    def _linear(self, x, prefix, adapter_ids, into_norm: bool = False):
+    def _linear(self, x, prefix, adapter_ids):
         """x · Wᵀ; an FP8 layer (its ``weight_scale_inv`` present) reads its
         codes; a layer with LoRA adapters adds their branches (multi mode:
-        each row its own adapter's, by ``adapter_ids`` (T,)).  ``into_norm``
-        (the output feeds only ``_norm``): a plain layer whose matmul splits
-        K returns its ``_Partials``, and the norm merges them."""
+        each row its own adapter's, by ``adapter_ids`` (T,))."""
         scale_inv = self.weights.get(prefix + "weight_scale_inv")
         if scale_inv is not None:
             return fp8_matmul_fwd(x, self.weights[prefix + "weight"], scale_inv)
-        slices = self._lora.get(prefix)
-        if into_norm and slices is None:
-            ws = matmul_partials_fwd(x, self.weights[prefix + "weight"])
-            if ws is not None:
-                return _Partials(ws, x.dtype)
         y = matmul_fwd(x, self.weights[prefix + "weight"])
+        slices = self._lora.get(prefix)
         if slices is None:
             return y
         parts = []
@@ -135,10 +121,7 @@ class Qwen3Server:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def _norm(self, x, name, residual=None):
-        if isinstance(x, _Partials):  # the split matmul's merge, inside the norm's launch
-            y, new_residual, _ = rmsnorm_merge_fwd(x.ws, x.dtype, self.w(name), self.cfg.rms_norm_eps, residual)
-        else:
-            y, new_residual, _ = rmsnorm_fwd(x, self.w(name), self.cfg.rms_norm_eps, residual)
+        y, new_residual, _ = rmsnorm_fwd(x, self.w(name), self.cfg.rms_norm_eps, residual)
         return y, new_residual
 
     def forward(self, batch: ForwardBatch, kv_cache) -> torch.Tensor:
@@ -149,10 +132,7 @@ class Qwen3Server:
         ``positions`` and the k/v cache write in one launch, reading the
         qkv rows in place; the bits of the trainer's ``rope(rmsnorm(.))``),
         paged attention over the cache, the o projection, mlp_norm (fused
-        residual add), gate_up, SwiGLU, down.  Where the o and down
-        projections split K (decode-sized batches), the norm after each
-        merges their partials itself (``rmsnorm_merge_fwd``: the merge
-        kernel's adds, one launch fewer each)."""
+        residual add), gate_up, SwiGLU, down."""
         cfg = self.cfg
         T, Hq, Hkv, D = batch.tokens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x, residual = self.w("embed.weight")[batch.tokens], None
@@ -167,12 +147,11 @@ class Qwen3Server:
                                     batch.positions, self.rope, k_cache, v_cache, batch.slot_mapping, Hq, Hkv)
             o = paged_attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
                                     max_seqlen_q=batch.max_seqlen_q)[0]
-            x = self._linear(o.reshape(T, Hq * D), p + "o.", batch.adapter_ids, into_norm=True)
+            x = self._linear(o.reshape(T, Hq * D), p + "o.", batch.adapter_ids)
             h, residual = self._norm(x, p + "mlp_norm.weight", residual)
             gu = self._linear(h, p + "gate_up.", batch.adapter_ids)
             I = cfg.intermediate_size
-            x = self._linear(swiglu_fwd(gu[:, :I], gu[:, I:]), p + "down.", batch.adapter_ids,
-                             into_norm=i + 1 < len(kv_cache))  # the last one's rows are picked first
+            x = self._linear(swiglu_fwd(gu[:, :I], gu[:, I:]), p + "down.", batch.adapter_ids)
         rows = batch.logit_rows
         h = self._norm(x[rows], "norm.weight", residual[rows])[0]
         return lm_head_logits_fwd(h, self.lm_head_weight)
