@@ -3,13 +3,11 @@
 A kernel launched with PDL may be launched, and run its programs up to
 ``wait_prior``, while the kernel before it in the stream is still draining;
 ``wait_prior`` (PTX ``griddepcontrol.wait``) then blocks until that kernel
-has finished and its writes are visible.  Every PDL kernel calls it before
-any global load or store (only program-id arithmetic and ``prefetch_l2``
-may come first), so nothing it reads or writes can race the previous
-kernel: the same programs run the same arithmetic on the same inputs, and
-only the launch latency between kernels is hidden, plus, for the decode
-matmuls, the start of their weight stream: ``prefetch_l2`` asks L2 for
-their first weight lines before the wait, a hint that moves no value.  In a CUDA graph the dependency is kept as a programmatic edge.
+has finished and its writes are visible.  Every PDL kernel calls it as its
+first statement, before any global load or store, so nothing it reads or
+writes can race the previous kernel: the same programs run the same
+arithmetic on the same inputs, and only the launch latency between kernels
+is hidden.  In a CUDA graph the dependency is kept as a programmatic edge.
 
 Right after the wait a program lets the next kernel launch
 (``griddepcontrol.launch_dependents``).  The next kernel launches only once
@@ -52,21 +50,6 @@ def wait_prior(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(PDL: tl.constexpr, ptrs, mask):
-    """PDL only, before ``wait_prior``: ask L2 for the lines at ``ptrs``
-    (``prefetch.global.L2``, where ``mask``).  A hint that moves no value
-    into a register, shared memory or L1: L2 is where every SM's writes
-    meet, so a line brought in early still shows the previous kernel's
-    writes to it, and every value the kernel reads, it reads after its wait.
-    Used by the decode matmuls to start streaming their (constant) weights
-    while the kernel before them runs."""
-    if PDL:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 PDL_MAX_ROWS = 64

@@ -146,7 +146,7 @@ KERNELS = {
         {"p_x": "*bf16", "p_w": "*bf16", "p_ws": "*fp32", "M": "i32", "N": "i32", "K": "i32",
          "stride_xm": "i32", "stride_wn": "i32"},
         {"stride_xk": 1, "stride_wk": 1, "SEG_K": 1024, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
-         "IEEE": False, "PREFETCH_K": 0, "LINE": 64},
+         "IEEE": False},
         4, 4, ()),
     # q/k RMSNorm + RoPE + KV write: the token count is the grid's, no argument follows the batch
     # (test_qk_norm_rope_kv_reads_no_batch_integer); its row sum is reshape/split adds; listed for PDL
@@ -271,27 +271,6 @@ def test_qk_norm_rope_kv_reads_no_batch_integer():
     aligned = frozenset(n for n, t in types.items() if not t.startswith("fp"))
     ttgir = _cached_ttgir(fn, tuple(sorted(types.items())), tuple(sorted(consts.items(), key=str)), aligned, nw, ns)
     assert "tt.dot" not in ttgir and not _reduce_operand_layouts(ttgir) and '"tt.reduce"' not in ttgir
-
-
-def test_weight_prefetch_leaves_the_dot_alone():
-    """The decode matmuls' L2 weight prefetch (PDL, before the wait) adds
-    its own pointer tile and inline asm; the dots, their operands' layouts
-    and the MMA layout are those of the kernel without it."""
-    fn, types, consts, nw, ns, _ = KERNELS["matmul_split"]
-    aligned = frozenset(n for n, t in types.items() if n != "M")
-
-    def dots(prefetch_k):
-        c = tuple(sorted({**consts, "PDL": True, "PREFETCH_K": prefetch_k}.items(), key=str))
-        ttgir = _cached_ttgir(fn, tuple(sorted(types.items())), c, aligned, nw, ns)
-        defs = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, flags=re.M))
-        lines = [ln for ln in ttgir.splitlines() if "tt.dot" in ln or "ttng.warp_group_dot " in ln]
-        named = [re.sub(r"#\w+", lambda m: defs.get(m.group(0), m.group(0)), re.sub(r"loc\(.*?\)|%\w+", "", ln)).split("=", 1)[-1]
-                 for ln in lines]
-        return named, "prefetch.global.L2" in ttgir
-
-    plain, has_plain = dots(0)
-    pre, has_pre = dots(256)
-    assert plain and pre == plain and has_pre and not has_plain
 
 
 # Row counts that follow the batch in kernels with a float reduction (or pointer-load dots),

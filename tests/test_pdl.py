@@ -22,60 +22,20 @@ def _pdl_kernels():
     for name in MODULES:
         mod = importlib.import_module(f"alignzoo.common.{name}.kernel")
         for attr, obj in vars(mod).items():
-            if "PDL" in getattr(obj, "arg_names", ()) and attr not in ("wait_prior", "prefetch_l2", "_prefetch_w"):
+            if "PDL" in getattr(obj, "arg_names", ()) and attr != "wait_prior":
                 out.append(pytest.param(obj, id=f"{name}.{attr}"))
     return out
 
 
-# What may come before ``wait_prior(PDL)``: program-id arithmetic (no memory) and the decode
-# matmuls' L2 prefetch of their weights (``_pdl.prefetch_l2``: a hint, no value moves).
-_BEFORE_WAIT_CALLS = {"tl.program_id", "tl.cdiv", "_tile_coords", "_prefetch_w"}
-
-
-def _calls(node):
-    return {ast.unparse(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)}
-
-
 @pytest.mark.parametrize("fn", _pdl_kernels())
 def test_pdl_kernel_waits_first(fn):
-    """``wait_prior(PDL)`` comes before any statement that could load or
-    store: only program-id arithmetic and the weight prefetch hint may
-    precede it (``_BEFORE_WAIT_CALLS``)."""
+    """``wait_prior(PDL)`` is the body's first statement (after the docstring):
+    no load or store can run before the previous kernel has finished."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn.fn)))
     body = tree.body[0].body
     if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
-    waits = [i for i, st in enumerate(body) if ast.unparse(st) == "wait_prior(PDL)"]
-    assert waits, f"{fn.fn.__name__} never calls wait_prior(PDL) at its top level"
-    for st in body[:waits[0]]:
-        assert isinstance(st, (ast.Assign, ast.Expr)) and _calls(st) <= _BEFORE_WAIT_CALLS, \
-            f"{fn.fn.__name__}: {ast.unparse(st)!r} before wait_prior(PDL)"
-
-
-def test_pdl_wait_first_rule_rejects_a_load_before_the_wait():
-    """The rule above fails a kernel that loads before it waits."""
-    src = "def k(p, PDL):\n    v = tl.load(p)\n    wait_prior(PDL)\n"
-    st = ast.parse(src).body[0].body[0]
-    assert not _calls(st) <= _BEFORE_WAIT_CALLS
-
-
-def test_prefetch_precedes_the_wait_and_no_load_does():
-    """sm_90 TTGIR of the split matmul with PDL and the weight prefetch on:
-    the prefetch (inline asm) comes before the grid-dependency wait, every
-    load and store after it."""
-    from sm90_layouts import can_compile_sm90, sm90_ttgir
-
-    from alignzoo.common.matmul import kernel as mm
-
-    if not can_compile_sm90():
-        pytest.skip("this triton build has no NVIDIA backend")
-    lines = sm90_ttgir(mm._mm_split_kernel, _SPLIT_TYPES, {**_SPLIT_CONSTS, "PREFETCH_K": 256, "LINE": 64},
-                       {"p_x", "p_w", "p_ws"}, 4).splitlines()
-    at = lambda op: [i for i, ln in enumerate(lines) if op in ln]  # noqa: E731
-    wait, = at("tt.grid_dependency_wait")
-    prefetch = at("prefetch.global.L2")
-    memory = at("tt.load") + at("tt.store") + at("async_copy_global_to_local")
-    assert prefetch and max(prefetch) < wait < min(memory)
+    assert ast.unparse(body[0]) == "wait_prior(PDL)", f"{fn.fn.__name__} starts with {ast.unparse(body[0])!r}"
 
 
 def test_pdl_kernels_are_found():
@@ -109,8 +69,7 @@ def test_pdl_options(monkeypatch):
 
 _SPLIT_TYPES = {"p_x": "*bf16", "p_w": "*bf16", "p_ws": "*fp32", "M": "i32", "N": "i32", "K": "i32",
                 "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32"}
-_SPLIT_CONSTS = {"SEG_K": 1024, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False, "PDL": True,
-                 "PREFETCH_K": 0, "LINE": 64}
+_SPLIT_CONSTS = {"SEG_K": 1024, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False, "PDL": True}
 
 
 @pytest.mark.parametrize("name, types, consts, aligned", [
@@ -160,8 +119,7 @@ def test_pdl_wait_precedes_memory_in_the_fused_qk_norm_rope_kernel():
 def test_gpu_pdl_levels_give_the_same_bits(monkeypatch):
     """A chain of dependent forward kernels (rmsnorm -> split-K and TMA
     matmuls -> swiglu -> matmul), eager and in a CUDA graph, with PDL off and
-    on, and on without the decode matmuls' L2 weight prefetch: the same bytes
-    (session 6 also ran it with a wait-only mode)."""
+    on: the same bytes (session 6 also ran it with a wait-only mode)."""
     from alignzoo.common.matmul import matmul_fwd
     from alignzoo.common.rmsnorm import rmsnorm_fwd
     from alignzoo.common.swiglu import swiglu_fwd
@@ -178,12 +136,9 @@ def test_gpu_pdl_levels_give_the_same_bits(monkeypatch):
         gu = matmul_fwd(h, w1)
         return matmul_fwd(swiglu_fwd(gu[:, :I], gu[:, I:]), w2)
 
-    from alignzoo.common.matmul import kernel as mm
-
     outs = {}
-    for level in ("0", "1", "1-no-prefetch"):
-        monkeypatch.setenv("ALIGNZOO_PDL", level[0])
-        monkeypatch.setattr(mm, "PREFETCH_K", 0 if "no-prefetch" in level else 256)
+    for level in ("0", "1"):
+        monkeypatch.setenv("ALIGNZOO_PDL", level)
         for M in (1, 37, 300):
             x = torch.randn(M, H, device=dev, generator=torch.Generator(device=dev).manual_seed(M)).bfloat16()
             eager = chain(x)

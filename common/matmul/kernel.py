@@ -40,14 +40,12 @@ lower to mma.sync, whose in-instruction summation is not promised equal).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .._host import cdiv
-from .._pdl import pdl_options, prefetch_l2, wait_prior
+from .._pdl import pdl_options, wait_prior
 
 
 @triton.jit
@@ -73,21 +71,6 @@ def _segment_dot(p_x, p_w, i_m, i_n, M, N, K, k_lo,
 
 
 @triton.jit
-def _prefetch_w(PDL: tl.constexpr, p_w, i_n, N, K, k_lo, stride_wn, stride_wk, BLOCK_N: tl.constexpr,
-                PREFETCH_K: tl.constexpr, LINE: tl.constexpr):
-    """Before ``wait_prior``: ask L2 for the first PREFETCH_K columns of this
-    program's BLOCK_N weight rows from k_lo, one ``prefetch.global.L2`` per
-    LINE elements (a 128-byte line), so the weight stream starts while the
-    kernel before this one runs (PDL).  A hint: no value moves, the bits
-    cannot change (``_pdl.prefetch_l2``)."""
-    if PREFETCH_K > 0:
-        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        o_k = k_lo + tl.arange(0, PREFETCH_K // LINE) * LINE
-        prefetch_l2(PDL, p_w + o_n[:, None] * stride_wn + o_k[None, :] * stride_wk,
-                    (o_n[:, None] < N) & (o_k[None, :] < K))
-
-
-@triton.jit
 def _tile_coords(tile, n_m, n_n, GROUP_M: tl.constexpr):
     """Grouped tile order (GROUP_M row tiles share column tiles, for L2 reuse).
     Which program computes a tile never touches a sum."""
@@ -100,11 +83,9 @@ def _tile_coords(tile, n_m, n_n, GROUP_M: tl.constexpr):
 def _mm_fused_kernel(p_x, p_w, p_y, M, N, K,
                      stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                      N_SEG, SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
-                     PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64):
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    wait_prior(PDL)  # PDL: first, before any global load or store
     i_m, i_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    _prefetch_w(PDL, p_w, i_n, N, K, 0, stride_wn, stride_wk, BLOCK_N, PREFETCH_K, LINE)  # L2 hint only
-    wait_prior(PDL)  # PDL: before any global load or store
     b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(0, N_SEG):
         b_total += _segment_dot(p_x, p_w, i_m, i_n, M, N, K, s * SEG_K,
@@ -120,11 +101,9 @@ def _mm_fused_kernel(p_x, p_w, p_y, M, N, K,
 def _mm_split_kernel(p_x, p_w, p_ws, M, N, K,
                      stride_xm, stride_xk, stride_wn, stride_wk,
                      SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
-                     PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64):
+                     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    wait_prior(PDL)  # PDL: first, before any global load or store
     i_m, i_n, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    _prefetch_w(PDL, p_w, i_n, N, K, s * SEG_K, stride_wn, stride_wk, BLOCK_N, PREFETCH_K, LINE)  # L2 hint only
-    wait_prior(PDL)  # PDL: before any global load or store
     b_p = _segment_dot(p_x, p_w, i_m, i_n, M, N, K, s * SEG_K,
                        stride_xm, stride_xk, stride_wn, stride_wk,
                        SEG_K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
@@ -197,11 +176,6 @@ def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
             d_y2.store([o_m, o_n + BLOCK_N], b_total2.to(d_y2.dtype))
         d_y.store([o_m, o_n], b_total.to(d_y.dtype))
 
-
-# Weight columns (from each program's first k) a PDL decode launch asks L2 for before it waits:
-# 4 k-steps of 64 (32 KB a 64-row program, ~12 MB a launch at Qwen3-8B decode): about what HBM
-# delivers while the short kernel before it runs.  ALIGNZOO_PREFETCH_K overrides (0: off; side-by-side runs).
-PREFETCH_K = int(os.environ.get("ALIGNZOO_PREFETCH_K", "256"))
 
 _NUM_SMS: dict[int, int] = {}
 
@@ -354,9 +328,6 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     ieee = x.dtype == torch.float32
     tiles = cdiv(M, BM) * cdiv(N, BN)
     pdl = pdl_options(x.device, M)
-    # decode launches (PDL) start streaming their weight block into L2 before they wait (bit-neutral)
-    pre = ({"PREFETCH_K": PREFETCH_K, "LINE": 128 // w.element_size()}
-           if pdl["PDL"] and w.stride(1) == 1 and PREFETCH_K else {})
     if schedule == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -375,14 +346,14 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
         ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
         _mm_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
             x, w, ws, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns, **pdl, **pre)
+            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns, **pdl)
         BLOCK = 1024
         _mm_merge_kernel[(cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK, **pdl)
     else:  # fused, or split with a single K segment
         _mm_fused_kernel[(tiles,)](
             x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
             n_seg, SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, IEEE=ieee,
-            num_warps=nw, num_stages=ns, **pdl, **pre)
+            num_warps=nw, num_stages=ns, **pdl)
     return y
 
 
