@@ -181,16 +181,25 @@ def _key_value(b_key):
 
 
 @triton.jit
-def _order_keys_kernel(p_logits, p_temp, p_keys, V, W, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Keys of rows of W >= V columns: INT64_MAX past V (padding sorts last)."""
-    wait_prior(PDL)
+def _row_block(p_logits, p_temp, V, BLOCK: tl.constexpr):
+    """This program's block of one row: (row offset in a buffer of row width
+    1, positions, mask < V, logits, tau) -- tau 1 for greedy rows (they sort
+    the raw logits)."""
     i_b, i_c = tl.program_id(0), tl.program_id(1)
     o_v = i_c * BLOCK + tl.arange(0, BLOCK)
     m_v = o_v < V
     b_l = tl.load(p_logits + i_b.to(tl.int64) * V + o_v, mask=m_v, other=0.0)
     b_temp = tl.load(p_temp + i_b)
-    b_key = _order_key(b_l, tl.where(b_temp == 0.0, 1.0, b_temp), o_v)  # greedy rows sort the raw logits
-    tl.store(p_keys + i_b.to(tl.int64) * W + o_v, tl.where(m_v, b_key, INT64_MAX), mask=o_v < W)
+    return i_b.to(tl.int64), o_v, m_v, b_l, tl.where(b_temp == 0.0, 1.0, b_temp)
+
+
+@triton.jit
+def _order_keys_kernel(p_logits, p_temp, p_keys, V, W, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Keys of rows of W >= V columns: INT64_MAX past V (padding sorts last)."""
+    wait_prior(PDL)
+    o_b, o_v, m_v, b_l, b_tau = _row_block(p_logits, p_temp, V, BLOCK)
+    b_key = _order_key(b_l, b_tau, o_v)
+    tl.store(p_keys + o_b * W + o_v, tl.where(m_v, b_key, INT64_MAX), mask=o_v < W)
 
 
 @triton.jit
@@ -199,13 +208,9 @@ def _scaled_kernel(p_logits, p_temp, p_s, V, W, BLOCK: tl.constexpr, PDL: tl.con
     (``_scaled_bits``: -0.0 stored as +0.0); -inf past V (padding: it ties
     only real -inf tokens, and a stable sort keeps it after them)."""
     wait_prior(PDL)
-    i_b, i_c = tl.program_id(0), tl.program_id(1)
-    o_v = i_c * BLOCK + tl.arange(0, BLOCK)
-    m_v = o_v < V
-    b_l = tl.load(p_logits + i_b.to(tl.int64) * V + o_v, mask=m_v, other=0.0)
-    b_temp = tl.load(p_temp + i_b)
-    b_s = _scaled_bits(b_l, tl.where(b_temp == 0.0, 1.0, b_temp)).to(tl.float32, bitcast=True)
-    tl.store(p_s + i_b.to(tl.int64) * W + o_v, tl.where(m_v, b_s, float("-inf")), mask=o_v < W)
+    o_b, o_v, m_v, b_l, b_tau = _row_block(p_logits, p_temp, V, BLOCK)
+    b_s = _scaled_bits(b_l, b_tau).to(tl.float32, bitcast=True)
+    tl.store(p_s + o_b * W + o_v, tl.where(m_v, b_s, float("-inf")), mask=o_v < W)
 
 
 @triton.jit
