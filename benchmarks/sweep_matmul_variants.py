@@ -2,17 +2,18 @@
 
     python benchmarks/sweep_matmul_variants.py [--ms 256,512] [--shapes 12288x4096] [--budget-s 200]
 
-An experiment, not a library path: ``_variant_kernel`` is ``_mm_tma_persistent_kernel``
-(common/matmul/kernel.py) with one change, ``ONE_LOOP`` for tiles of two column
-blocks (192 = 128 + 64 wide): one k-loop over all of K that restarts both
-chains after each segment's last step, as the power-of-two tiles already do,
+An experiment, not a library path.  Candidates are the library's TMA kernel
+(``matmul_fwd_triton(schedule="tma", ...)``) at 16-warp and 256-row tiles
+beside its own, and ``_one_loop_kernel``: the library kernel's two-column-block
+tiles (192 = 128 + 64 wide) in one k-loop over all of K that restarts both
+chains after each segment's last step, as its power-of-two tiles already do,
 instead of a loop per segment (which drains the software pipeline at every
-segment boundary).  With 8 warps its four accumulators spilled (session 5);
-16 warps halve the registers each thread holds.  Candidates also include
-16-warp versions of the library's tiles and 256-row tiles.  Each candidate's
-bits are compared with the library default's (torch.equal): the per-element
-k16 chain is the same whatever the tile, warps or loop shape, so every line
-should say same_bits=True.
+segment boundary).  With 8 warps that loop's four accumulators spilled
+(session 5); 16 warps halve the registers each thread holds.  Each
+candidate's bits are compared with the library default's (torch.equal): the
+per-element k16 chain is the same whatever the tile, warps or loop shape, so
+every line should say same_bits=True.  Session 7's run of it:
+benchmarks/results/2026-11-30-h200-session7-matmul-variants.txt.
 """
 import argparse
 import os
@@ -29,10 +30,11 @@ from alignzoo.common.matmul.kernel import _tile_coords, column_blocks, matmul_fw
 
 
 @triton.jit(do_not_specialize=["M"])
-def _variant_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
-                    SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    NUM_PROGS: tl.constexpr, ONE_LOOP: tl.constexpr):
+def _one_loop_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
+                     SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     NUM_PROGS: tl.constexpr):
+    """``_mm_tma_persistent_kernel``'s two-column-block branch, one k-loop."""
     BLOCK_W: tl.constexpr = BLOCK_N + BLOCK_N2
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_W)
@@ -41,55 +43,41 @@ def _variant_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
         o_m, o_n = i_m * BLOCK_M, i_n * BLOCK_W
         b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if BLOCK_N2 == 0:
-            for kk in range(0, N_SEG * SEG_K, BLOCK_K):
-                b_acc = tl.dot(d_x.load([o_m, kk]), d_w.load([o_n, kk]).T, b_acc)
-                if (kk + BLOCK_K) % SEG_K == 0:
-                    b_total += b_acc
-                    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        elif ONE_LOOP:
-            b_total2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
-            b_acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
-            for kk in range(0, N_SEG * SEG_K, BLOCK_K):
-                b_x = d_x.load([o_m, kk])
-                b_acc = tl.dot(b_x, d_w.load([o_n, kk]).T, b_acc)
-                b_acc2 = tl.dot(b_x, d_w2.load([o_n + BLOCK_N, kk]).T, b_acc2)
-                if (kk + BLOCK_K) % SEG_K == 0:
-                    b_total += b_acc
-                    b_total2 += b_acc2
-                    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    b_acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
-            d_y2.store([o_m, o_n + BLOCK_N], b_total2.to(d_y2.dtype))
-        else:
-            b_total2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
-            for s in range(0, N_SEG):
-                b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                b_acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
-                for kk in range(s * SEG_K, (s + 1) * SEG_K, BLOCK_K):
-                    b_x = d_x.load([o_m, kk])
-                    b_acc = tl.dot(b_x, d_w.load([o_n, kk]).T, b_acc)
-                    b_acc2 = tl.dot(b_x, d_w2.load([o_n + BLOCK_N, kk]).T, b_acc2)
+        b_total2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
+        b_acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
+        for kk in range(0, N_SEG * SEG_K, BLOCK_K):
+            b_x = d_x.load([o_m, kk])
+            b_acc = tl.dot(b_x, d_w.load([o_n, kk]).T, b_acc)
+            b_acc2 = tl.dot(b_x, d_w2.load([o_n + BLOCK_N, kk]).T, b_acc2)
+            if (kk + BLOCK_K) % SEG_K == 0:
                 b_total += b_acc
                 b_total2 += b_acc2
-            d_y2.store([o_m, o_n + BLOCK_N], b_total2.to(d_y2.dtype))
+                b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                b_acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
+        d_y2.store([o_m, o_n + BLOCK_N], b_total2.to(d_y2.dtype))
         d_y.store([o_m, o_n], b_total.to(d_y.dtype))
 
 
-def variant(x, w, BM, BN, BK, nw, ns, one_loop, group_m=8):
+def variant(x, w, BM, BN, BK, nw, ns, one_loop):
+    """One candidate: the library's TMA kernel at this tile, or (one_loop, a
+    192- or 96-wide tile) ``_one_loop_kernel`` launched as the library would."""
+    if not one_loop:
+        return matmul_fwd_triton(x, w, schedule="tma", block_m=BM, block_n=BN, block_k=BK, num_warps=nw,
+                                 num_stages=ns)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, K = x.shape
     N = w.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     bn, bn2 = column_blocks(BN)
-    progs = min(sms, triton.cdiv(M, BM) * triton.cdiv(N, BN))
-    d_w, d_y = TensorDescriptor.from_tensor(w, [bn, BK]), TensorDescriptor.from_tensor(y, [BM, bn])
-    d_w2, d_y2 = ((TensorDescriptor.from_tensor(w, [bn2, BK]), TensorDescriptor.from_tensor(y, [BM, bn2]))
-                  if bn2 else (d_w, d_y))
-    _variant_kernel[(progs,)](TensorDescriptor.from_tensor(x, [BM, BK]), d_w, d_w2, d_y, d_y2, M, N, K,
-                              triton.cdiv(K, 1024), SEG_K=1024, BLOCK_M=BM, BLOCK_N=bn, BLOCK_N2=bn2, BLOCK_K=BK,
-                              GROUP_M=group_m, NUM_PROGS=progs, ONE_LOOP=one_loop, num_warps=nw, num_stages=ns)
+    if not bn2:
+        raise ValueError(f"one_loop is for tiles of two column blocks, not {BN}")
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    progs = min(torch.cuda.get_device_properties(x.device).multi_processor_count, triton.cdiv(M, BM) * triton.cdiv(N, BN))
+    _one_loop_kernel[(progs,)](
+        TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [bn, BK]),
+        TensorDescriptor.from_tensor(w, [bn2, BK]), TensorDescriptor.from_tensor(y, [BM, bn]),
+        TensorDescriptor.from_tensor(y, [BM, bn2]), M, N, K, triton.cdiv(K, 1024), SEG_K=1024, BLOCK_M=BM,
+        BLOCK_N=bn, BLOCK_N2=bn2, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs, num_warps=nw, num_stages=ns)
     return y
 
 
