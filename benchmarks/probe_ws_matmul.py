@@ -23,17 +23,24 @@ from alignzoo.common.matmul.ws_kernel import mm_ws  # noqa: E402
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288),
           "qkv": (6144, 4096), "gate_up": (24576, 4096)}
-CANDIDATES = [  # (tile width, stages)
-    (128, 4), (192, 4), (64, 4), (96, 4), (192, 3), (128, 5)]
+CANDIDATES = [  # (tile width, stages, block_k, shared-memory epilogue)
+    (128, 4, 64, True), (128, 6, 64, False), (128, 7, 64, False), (192, 5, 64, False), (192, 4, 64, True),
+    (64, 9, 64, False), (96, 7, 64, False), (128, 3, 128, False)]
 
 
-def ws(x, w, bn, stages):
+def ws(x, w, bn, stages, bk, epi):
     M, K = x.shape
     N = w.shape[0]
     seg = reduction_config(N, K)["SEG_K"]
     n_seg = cdiv(K, seg)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    return mm_ws(x, w, y, seg_k=seg if n_seg > 1 else cdiv(K, 64) * 64, n_seg=n_seg, BN=bn, num_buf=stages)
+    return mm_ws(x, w, y, seg_k=seg if n_seg > 1 else cdiv(K, bk) * bk, n_seg=n_seg, BN=bn, BK=bk, num_buf=stages,
+                 smem_epilogue=epi)
+
+
+def tag(c):
+    bn, st, bk, epi = c
+    return f"ws{bn}s{st}k{bk}{'t' if epi else 'r'}"
 
 
 def cublas_names(ms):
@@ -68,12 +75,12 @@ def main():
     w = torch.randn(12288, 4096, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16)
     ref = matmul_fwd_triton(x, w)
-    for bn, st in CANDIDATES:
-        full = ws(x, w, bn, st)
-        alone = all(torch.equal(ws(x[:m], w, bn, st), ref[:m]) for m in (1, 77, 128, 200, 333))
-        print(f"bits BN={bn} stages={st}: equal_default={torch.equal(full, ref)} rows_alone={alone}", flush=True)
+    for c in CANDIDATES:
+        full = ws(x, w, *c)
+        alone = all(torch.equal(ws(x[:m], w, *c), ref[:m]) for m in (1, 77, 128, 200, 333))
+        print(f"bits {tag(c)}: equal_default={torch.equal(full, ref)} rows_alone={alone}", flush=True)
     print("shape,M,default_cfg,default_ms,cublas_ms,default_ratio," +
-          ",".join(f"ws{bn}s{st}_ratio" for bn, st in CANDIDATES) + ",best,best_ratio,all_same_bits", flush=True)
+          ",".join(f"{tag(c)}_ratio" for c in CANDIDATES) + ",best,best_ratio,all_same_bits", flush=True)
     for name in a.shapes.split(","):
         N, K = SHAPES[name]
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
@@ -87,17 +94,17 @@ def main():
             t_cub = _time_graph(lambda: torch.mm(x, w.t()))
             cfg = launch_config(M, N, K)
             ratios, same = [], True
-            for bn, st in CANDIDATES:
+            for c in CANDIDATES:
                 try:
-                    same &= torch.equal(ws(x, w, bn, st), ref)
-                    ratios.append(t_cub / _time_graph(lambda: ws(x, w, bn, st)))
+                    same &= torch.equal(ws(x, w, *c), ref)
+                    ratios.append(t_cub / _time_graph(lambda: ws(x, w, *c)))
                 except Exception as e:  # noqa: BLE001 - a candidate that does not fit is reported, not fatal
-                    print(f"  {name} M={M} BN={bn} s={st}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    print(f"  {name} M={M} {tag(c)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     ratios.append(float("nan"))
             best = max(range(len(ratios)), key=lambda i: ratios[i] if ratios[i] == ratios[i] else -1)
             print(f"{name},{M},{cfg['schedule']}{cfg['BLOCK_M']}x{cfg['BLOCK_N']},{t_def:.4f},{t_cub:.4f},"
                   f"{t_cub / t_def:.3f}," + ",".join(f"{r:.3f}" for r in ratios) +
-                  f",ws{CANDIDATES[best][0]}s{CANDIDATES[best][1]},{ratios[best]:.3f},{same}", flush=True)
+                  f",{tag(CANDIDATES[best])},{ratios[best]:.3f},{same}", flush=True)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -77,9 +77,17 @@ def _ws_load_partition(d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, empty, M,
 
 
 @gluon.jit
-def _ws_mma_partition(d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
+def _store_block(p_y, stride_ym, total, o_m, o_n, M, N, layout: gl.constexpr):
+    rows = o_m + gl.arange(0, total.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = o_n + gl.arange(0, total.shape[1], layout=gl.SliceLayout(0, layout))
+    gl.store(p_y + rows[:, None] * stride_ym + cols[None, :], total.to(p_y.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@gluon.jit
+def _ws_mma_partition(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
                       HALF: gl.constexpr, BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS,
-                      NUM_BUF: gl.constexpr):
+                      NUM_BUF: gl.constexpr, SMEM_EPI: gl.constexpr):
     """One consumer warpgroup: rows [HALF*64, HALF*64 + 64) of every tile, a
     BN-wide column block (and a BN2-wide one beside it when BN2 > 0: each
     element's chain is its own, whatever block it sits in)."""
@@ -120,35 +128,41 @@ def _ws_mma_partition(d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, 
             it += 1
         mbarrier.arrive(empty.index((it + NUM_BUF - 1) % NUM_BUF))
         o_m = i_m * 2 * HM + HALF * HM
-        tma.store_wait(0)  # the previous tile's stores have left c_smem
-        c_smem.store(total.to(d_y.dtype))
-        if BN2 != 0:
-            c_smem2.store(total2.to(d_y.dtype))
-        fence_async_shared()
-        _tma_store(d_y, [o_m, i_n * (BN + BN2)], c_smem)
-        if BN2 != 0:
-            _tma_store(d_y2, [o_m, i_n * (BN + BN2) + BN], c_smem2)
+        o_n = i_n * (BN + BN2)
+        if SMEM_EPI:  # through shared memory and a TMA store that overlaps the next tile
+            tma.store_wait(0)  # the previous tile's stores have left c_smem
+            c_smem.store(total.to(d_y.dtype))
+            if BN2 != 0:
+                c_smem2.store(total2.to(d_y.dtype))
+            fence_async_shared()
+            _tma_store(d_y, [o_m, o_n], c_smem)
+            if BN2 != 0:
+                _tma_store(d_y2, [o_m, o_n + BN], c_smem2)
+        else:  # straight from registers: the shared memory goes to the load ring instead
+            _store_block(p_y, stride_ym, total, o_m, o_n, M, N, layout)
+            if BN2 != 0:
+                _store_block(p_y, stride_ym, total2, o_m, o_n + BN, M, N, layout2)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _ws_top(d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
-            BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS, NUM_BUF: gl.constexpr):
-    _ws_mma_partition(d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
-                      0, BN2, GROUP_M, NUM_PROGS, NUM_BUF)
+def _ws_top(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
+            BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS, NUM_BUF: gl.constexpr, SMEM_EPI: gl.constexpr):
+    _ws_mma_partition(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
+                      0, BN2, GROUP_M, NUM_PROGS, NUM_BUF, SMEM_EPI)
 
 
 @gluon.jit
-def _ws_bottom(d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
-               BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS, NUM_BUF: gl.constexpr):
-    _ws_mma_partition(d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
-                      1, BN2, GROUP_M, NUM_PROGS, NUM_BUF)
+def _ws_bottom(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
+               BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS, NUM_BUF: gl.constexpr, SMEM_EPI: gl.constexpr):
+    _ws_mma_partition(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
+                      1, BN2, GROUP_M, NUM_PROGS, NUM_BUF, SMEM_EPI)
 
 
 @gluon.jit(do_not_specialize=["M"])
-def _mm_ws_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, N_K, SEG_STEPS,
+def _mm_ws_kernel(d_x, d_w, d_w2, d_y, d_y2, p_y, stride_ym, M, N, N_K, SEG_STEPS,
                   BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS, NUM_BUF: gl.constexpr,
-                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SMEM_EPI: gl.constexpr):
     BM: gl.constexpr = d_x.block_type.shape[0]
     BK: gl.constexpr = d_x.block_type.shape[1]
     BN: gl.constexpr = d_w.block_type.shape[0]
@@ -163,15 +177,16 @@ def _mm_ws_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, N_K, SEG_STEPS,
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-    c_top = gl.allocate_shared_memory(dtype, [HM, BN], d_y.layout)
-    c_bottom = gl.allocate_shared_memory(dtype, [HM, BN], d_y.layout)
-    c_top2 = gl.allocate_shared_memory(dtype, [HM, W2], d_y2.layout)
-    c_bottom2 = gl.allocate_shared_memory(dtype, [HM, W2], d_y2.layout)
+    C_M: gl.constexpr = HM if SMEM_EPI else 8  # placeholders without the shared-memory epilogue
+    c_top = gl.allocate_shared_memory(dtype, [C_M, BN], d_y.layout)
+    c_bottom = gl.allocate_shared_memory(dtype, [C_M, BN], d_y.layout)
+    c_top2 = gl.allocate_shared_memory(dtype, [C_M, W2], d_y2.layout)
+    c_bottom2 = gl.allocate_shared_memory(dtype, [C_M, W2], d_y2.layout)
     gl.warp_specialize([
-        (_ws_top, (d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_top, c_top2, M, N, N_K, SEG_STEPS,
-                   BN2, GROUP_M, NUM_PROGS, NUM_BUF)),
-        (_ws_bottom, (d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_bottom, c_bottom2, M, N, N_K,
-                      SEG_STEPS, BN2, GROUP_M, NUM_PROGS, NUM_BUF)),
+        (_ws_top, (p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_top, c_top2, M, N, N_K,
+                   SEG_STEPS, BN2, GROUP_M, NUM_PROGS, NUM_BUF, SMEM_EPI)),
+        (_ws_bottom, (p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_bottom, c_bottom2, M, N,
+                      N_K, SEG_STEPS, BN2, GROUP_M, NUM_PROGS, NUM_BUF, SMEM_EPI)),
         (_ws_load_partition, (d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, empty, M, N, N_K,
                               BN2, GROUP_M, NUM_PROGS, NUM_BUF)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -179,7 +194,7 @@ def _mm_ws_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, N_K, SEG_STEPS,
 
 def mm_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_seg: int, BN: int, BK: int = 64,
           num_buf: int = 4, sms: int = 132, group_m: int = 8, consumer_regs: int = 224,
-          producer_regs: int = 24, pdl: dict | None = None) -> torch.Tensor:
+          producer_regs: int = 24, smem_epilogue: bool = False, pdl: dict | None = None) -> torch.Tensor:
     """y = x · wᵀ (bf16, TMA-able) with the segment-chain bits.  ``BN``: the
     tile width, a power of two or 1.5 times one (192 = 128 + 64); ``seg_k`` a
     multiple of BK with ``n_seg · seg_k`` ≥ K."""
@@ -199,8 +214,8 @@ def mm_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_se
     d_w, d_y = desc(w, [bn, BK]), desc(y, [_HALF_M, bn])
     d_w2, d_y2 = (desc(w, [bn2, BK]), desc(y, [_HALF_M, bn2])) if bn2 else (desc(w, [16, BK]), desc(y, [_HALF_M, 16]))
     progs = min(sms, cdiv(M, WS_BLOCK_M) * cdiv(N, BN))
-    _mm_ws_kernel[(progs,)](desc(x, [WS_BLOCK_M, BK]), d_w, d_w2, d_y, d_y2, M, N, n_seg * seg_k // BK, seg_k // BK,
+    _mm_ws_kernel[(progs,)](desc(x, [WS_BLOCK_M, BK]), d_w, d_w2, d_y, d_y2, y, y.stride(0), M, N, n_seg * seg_k // BK, seg_k // BK,
                             BN2=bn2, GROUP_M=group_m, NUM_PROGS=progs, NUM_BUF=num_buf,
-                            CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4,
+                            CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, SMEM_EPI=smem_epilogue, num_warps=4,
                             **(pdl or {}))
     return y
