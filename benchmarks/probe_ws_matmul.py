@@ -1,4 +1,4 @@
-"""Probe the warp-specialized Gluon GEMM (common/matmul/ws_kernel.py) on the H200.
+"""Probe the warp-specialized Gluon GEMM (benchmarks/ws_matmul_kernel.py) on the H200.
 
     python benchmarks/probe_ws_matmul.py [--ms 128,256,512,1024] [--budget-s 240] [--names]
 
@@ -7,7 +7,9 @@ warp-specialized tile's, CUDA-graph replay with L2 flushed (bench_primitives
 ._time_graph), plus whether each candidate's output equals the default's
 (torch.equal, also at ragged M and on rows computed alone).  ``--names``
 prints the cuBLAS kernel each (N, K) runs at M = 256 (tile and cluster shape).
-An experiment: the library routes nothing to this kernel until it wins here.
+It also times the library's TMA kernel at tiles ``launch_config`` never picks
+(same bits by construction; checked).  An experiment: the library routes
+nothing to the Gluon kernel (it lost everywhere, see its docstring).
 """
 import argparse
 import os
@@ -19,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_primitives import _time_graph  # noqa: E402
 from alignzoo.common.matmul.kernel import cdiv, launch_config, matmul_fwd_triton, reduction_config  # noqa: E402
-from alignzoo.common.matmul.ws_kernel import mm_ws  # noqa: E402
+from ws_matmul_kernel import mm_ws  # noqa: E402
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288),
           "qkv": (6144, 4096), "gate_up": (24576, 4096)}

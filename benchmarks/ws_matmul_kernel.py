@@ -16,6 +16,15 @@ stage is refilled only once both have finished reading it.  Each consumer
 stores its half of the tile by TMA while the ring fills for the next tile.
 
 Needs ``triton.experimental.gluon`` (Triton >= 3.6) and sm_90.
+
+An experiment, kept beside its probe (``probe_ws_matmul.py``), not a library
+path: on the H200 (session 8, benchmarks/results/2026-11-30-h200-session8-
+ws-matmul.md) it gives the library default's bits at every tile, ragged M and
+rows computed alone, but runs at 0.19-0.94x cuBLAS, best 0.65-0.73x at M =
+256-1024, where the Triton kernel gets 0.73-0.96x.  Deeper rings (5-9
+stages), BK = 128, a register epilogue, and running all of K as one chain
+(no segment restarts) each moved it by a few percent at most, so neither the
+load depth nor the restarts are what it lacks.
 """
 from __future__ import annotations
 
@@ -30,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .._host import cdiv
+from alignzoo.common._host import cdiv
 
 # Triton 3.6 (the H200's) names the TMA copies async_copy_*; later versions async_load / async_store.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -200,7 +209,7 @@ def mm_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_se
     multiple of BK with ``n_seg · seg_k`` ≥ K."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .kernel import column_blocks
+    from alignzoo.common.matmul.kernel import column_blocks
 
     M, K = x.shape
     N = w.shape[0]
