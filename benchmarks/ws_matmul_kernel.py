@@ -228,3 +228,113 @@ def mm_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_se
                             CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, SMEM_EPI=smem_epilogue, num_warps=4,
                             **(pdl or {}))
     return y
+
+
+# --- the same bits without warp specialization --------------------------------------------------
+# One 8-warp partition walks a flattened (tile, k-step) sequence: each step waits for its stage,
+# issues the wgmma, waits for the step before (so that step's stage is free) and refills that
+# stage with the step NUM_BUF - 1 ahead, which may belong to the next segment or the next tile.
+# That is Triton's software pipeline without its drains: the Triton kernel's 1.5-power tiles run a
+# loop per segment and every tile restarts the pipeline.
+
+@gluon.jit
+def _pipe_issue(j, total_steps, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, n_m, n_n, N_K,
+                BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS, NUM_BUF: gl.constexpr):
+    """Loads of this program's step j (if it exists) into stage j % NUM_BUF."""
+    BM: gl.constexpr = d_x.block_type.shape[0]
+    BK: gl.constexpr = d_x.block_type.shape[1]
+    BN: gl.constexpr = d_w.block_type.shape[0]
+    pred = j < total_steps
+    i_m, i_n = _ws_tile_coords(gl.program_id(0) + (j // N_K) * NUM_PROGS, n_m, n_n, GROUP_M)
+    k = (j % N_K) * BK
+    s = j % NUM_BUF
+    bar = ready.index(s)
+    if BN2 == 0:
+        mbarrier.expect(bar, d_x.block_type.nbytes + d_w.block_type.nbytes, pred=pred)
+    else:
+        mbarrier.expect(bar, d_x.block_type.nbytes + d_w.block_type.nbytes + d_w2.block_type.nbytes, pred=pred)
+        _tma_load(d_w2, [i_n * (BN + BN2) + BN, k], bar, bufs_w2.index(s), pred)
+    _tma_load(d_x, [i_m * BM, k], bar, bufs_x.index(s), pred)
+    _tma_load(d_w, [i_n * (BN + BN2), k], bar, bufs_w.index(s), pred)
+
+
+@gluon.jit(do_not_specialize=["M"])
+def _mm_pipe_kernel(d_x, d_w, d_w2, p_y, stride_ym, M, N, N_K, SEG_STEPS, NUM_PROGS,
+                    BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+    BM: gl.constexpr = d_x.block_type.shape[0]
+    BK: gl.constexpr = d_x.block_type.shape[1]
+    BN: gl.constexpr = d_w.block_type.shape[0]
+    W2: gl.constexpr = BN2 if BN2 else 16
+    dtype: gl.constexpr = d_x.dtype
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BN, 16])
+    layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, W2, 16])
+    bufs_x = gl.allocate_shared_memory(dtype, [NUM_BUF, BM, BK], d_x.layout)
+    bufs_w = gl.allocate_shared_memory(dtype, [NUM_BUF, BN, BK], d_w.layout)
+    bufs_w2 = gl.allocate_shared_memory(dtype, [NUM_BUF if BN2 else 1, W2, BK], d_w2.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=1)
+    n_m = gl.cdiv(M, BM)
+    n_n = gl.cdiv(N, BN + BN2)
+    total_steps = gl.cdiv(n_m * n_n - gl.program_id(0), NUM_PROGS) * N_K
+    for j in gl.static_range(NUM_BUF - 1):
+        _pipe_issue(j, total_steps, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, n_m, n_n, N_K,
+                    BN2, GROUP_M, NUM_PROGS, NUM_BUF)
+    total = gl.zeros([BM, BN], gl.float32, layout)
+    acc = gl.zeros([BM, BN], gl.float32, layout)
+    total2 = gl.zeros([BM, W2], gl.float32, layout2)
+    acc2 = gl.zeros([BM, W2], gl.float32, layout2)
+    for g in range(total_steps):
+        k = g % N_K
+        s = g % NUM_BUF
+        mbarrier.wait(ready.index(s), (g // NUM_BUF) & 1)
+        chain = (k % SEG_STEPS) != 0  # False: a segment's first step starts from zero
+        acc = warpgroup_mma(bufs_x.index(s), bufs_w.index(s).permute((1, 0)), acc, use_acc=chain, is_async=True)
+        if BN2 == 0:
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+        else:
+            acc2 = warpgroup_mma(bufs_x.index(s), bufs_w2.index(s).permute((1, 0)), acc2, use_acc=chain,
+                                 is_async=True)
+            acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
+        # step g - 1 is done: its stage takes step g + NUM_BUF - 1
+        _pipe_issue(g + NUM_BUF - 1, total_steps, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, n_m, n_n, N_K,
+                    BN2, GROUP_M, NUM_PROGS, NUM_BUF)
+        if (k + 1) % SEG_STEPS == 0:  # a segment's last step: add its chain to the total
+            if BN2 == 0:
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+            else:
+                acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
+                total2 += acc2
+            total += acc
+        if k == N_K - 1:  # the tile's last step: store it, start the next
+            i_m, i_n = _ws_tile_coords(gl.program_id(0) + (g // N_K) * NUM_PROGS, n_m, n_n, GROUP_M)
+            _store_block(p_y, stride_ym, total, i_m * BM, i_n * (BN + BN2), M, N, layout)
+            total = gl.zeros([BM, BN], gl.float32, layout)
+            if BN2 != 0:
+                _store_block(p_y, stride_ym, total2, i_m * BM, i_n * (BN + BN2) + BN, M, N, layout2)
+                total2 = gl.zeros([BM, W2], gl.float32, layout2)
+
+
+def mm_pipe(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_seg: int, BN: int, BK: int = 64,
+            num_buf: int = 4, sms: int = 132, group_m: int = 8, num_warps: int = 8) -> torch.Tensor:
+    """``mm_ws``'s bits from ``_mm_pipe_kernel`` (128-row tiles, 8 warps)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from alignzoo.common.matmul.kernel import column_blocks
+
+    M, K = x.shape
+    N = w.shape[0]
+    if seg_k % BK:
+        raise ValueError(f"block_k={BK} must divide SEG_K={seg_k}")
+    bn, bn2 = column_blocks(BN)
+
+    def desc(t, box):
+        return TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
+
+    progs = min(sms, cdiv(M, WS_BLOCK_M) * cdiv(N, BN))
+    _mm_pipe_kernel[(progs,)](desc(x, [WS_BLOCK_M, BK]), desc(w, [bn, BK]), desc(w, [bn2 or 16, BK]), y, y.stride(0),
+                              M, N, n_seg * seg_k // BK, seg_k // BK, progs, BN2=bn2, GROUP_M=group_m,
+                              NUM_BUF=num_buf, num_warps=num_warps)
+    return y
