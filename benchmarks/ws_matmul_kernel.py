@@ -58,6 +58,13 @@ def _ws_tile_coords(tile, n_m, n_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def _ws_next_stage(s, phase, NUM_BUF: gl.constexpr):
+    """The ring position after stage s: counters, not divisions, on the per-step path."""
+    wrap = s == NUM_BUF - 1
+    return gl.where(wrap, 0, s + 1), gl.where(wrap, phase ^ 1, phase)
+
+
+@gluon.jit
 def _ws_load_partition(d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, empty, M, N, N_K,
                        BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS,
                        NUM_BUF: gl.constexpr):
@@ -67,13 +74,12 @@ def _ws_load_partition(d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, empty, M,
     BN: gl.constexpr = d_w.block_type.shape[0]
     n_m = gl.cdiv(M, BM)
     n_n = gl.cdiv(N, BN + BN2)
-    it = 0
+    s = 0
+    phase = 1  # a stage is free once both consumers arrived; the first lap passes
     for tile in range(gl.program_id(0), n_m * n_n, NUM_PROGS):
         i_m, i_n = _ws_tile_coords(tile, n_m, n_n, GROUP_M)
         for k in range(N_K):
-            s = it % NUM_BUF
-            # a stage is free once both consumers arrived; the first lap passes
-            mbarrier.wait(empty.index(s), ((it // NUM_BUF) & 1) ^ 1)
+            mbarrier.wait(empty.index(s), phase)
             bar = ready.index(s)
             if BN2 == 0:
                 mbarrier.expect(bar, d_x.block_type.nbytes + d_w.block_type.nbytes)
@@ -82,7 +88,7 @@ def _ws_load_partition(d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, empty, M,
                 _tma_load(d_w2, [i_n * (BN + BN2) + BN, k * BK], bar, bufs_w2.index(s))
             _tma_load(d_x, [i_m * BM, k * BK], bar, bufs_x.index(s))
             _tma_load(d_w, [i_n * (BN + BN2), k * BK], bar, bufs_w.index(s))
-            it += 1
+            s, phase = _ws_next_stage(s, phase, NUM_BUF)
 
 
 @gluon.jit
@@ -94,7 +100,7 @@ def _store_block(p_y, stride_ym, total, o_m, o_n, M, N, layout: gl.constexpr):
 
 
 @gluon.jit
-def _ws_mma_partition(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
+def _ws_mma_partition(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS: gl.constexpr,
                       HALF: gl.constexpr, BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS,
                       NUM_BUF: gl.constexpr, SMEM_EPI: gl.constexpr):
     """One consumer warpgroup: rows [HALF*64, HALF*64 + 64) of every tile, a
@@ -108,7 +114,9 @@ def _ws_mma_partition(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready,
                                                       instr_shape=[16, BN2 if BN2 else BN, 16])
     n_m = gl.cdiv(M, 2 * HM)
     n_n = gl.cdiv(N, BN + BN2)
-    it = 0
+    s = 0
+    phase = 0
+    prev = NUM_BUF - 1  # the stage of the step before
     for tile in range(gl.program_id(0), n_m * n_n, NUM_PROGS):
         i_m, i_n = _ws_tile_coords(tile, n_m, n_n, GROUP_M)
         total = gl.zeros([HM, BN], gl.float32, layout)
@@ -116,8 +124,7 @@ def _ws_mma_partition(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready,
         total2 = gl.zeros([HM, BN2 if BN2 else BN], gl.float32, layout2)
         acc2 = gl.zeros([HM, BN2 if BN2 else BN], gl.float32, layout2)
         for k in range(N_K):
-            s = it % NUM_BUF
-            mbarrier.wait(ready.index(s), (it // NUM_BUF) & 1)
+            mbarrier.wait(ready.index(s), phase)
             a = bufs_x.index(s).slice(HALF * HM, HM, dim=0)
             chain = (k % SEG_STEPS) != 0  # False: a segment's first step starts from zero
             acc = warpgroup_mma(a, bufs_w.index(s).permute((1, 0)), acc, use_acc=chain, is_async=True)
@@ -126,7 +133,7 @@ def _ws_mma_partition(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready,
             else:
                 acc2 = warpgroup_mma(a, bufs_w2.index(s).permute((1, 0)), acc2, use_acc=chain, is_async=True)
                 acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
-            mbarrier.arrive(empty.index((it + NUM_BUF - 1) % NUM_BUF), pred=k > 0)  # ... so is its stage
+            mbarrier.arrive(empty.index(prev), pred=k > 0)  # ... so is its stage
             if (k + 1) % SEG_STEPS == 0:  # a segment's last step: add its chain to the total
                 if BN2 == 0:
                     acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -134,8 +141,9 @@ def _ws_mma_partition(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready,
                     acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
                     total2 += acc2
                 total += acc
-            it += 1
-        mbarrier.arrive(empty.index((it + NUM_BUF - 1) % NUM_BUF))
+            prev = s
+            s, phase = _ws_next_stage(s, phase, NUM_BUF)
+        mbarrier.arrive(empty.index(prev))
         o_m = i_m * 2 * HM + HALF * HM
         o_n = i_n * (BN + BN2)
         if SMEM_EPI:  # through shared memory and a TMA store that overlaps the next tile
@@ -155,21 +163,21 @@ def _ws_mma_partition(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready,
 
 
 @gluon.jit
-def _ws_top(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
+def _ws_top(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS: gl.constexpr,
             BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS, NUM_BUF: gl.constexpr, SMEM_EPI: gl.constexpr):
     _ws_mma_partition(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
                       0, BN2, GROUP_M, NUM_PROGS, NUM_BUF, SMEM_EPI)
 
 
 @gluon.jit
-def _ws_bottom(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
+def _ws_bottom(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS: gl.constexpr,
                BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS, NUM_BUF: gl.constexpr, SMEM_EPI: gl.constexpr):
     _ws_mma_partition(p_y, stride_ym, d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, SEG_STEPS,
                       1, BN2, GROUP_M, NUM_PROGS, NUM_BUF, SMEM_EPI)
 
 
 @gluon.jit(do_not_specialize=["M"])
-def _mm_ws_kernel(d_x, d_w, d_w2, d_y, d_y2, p_y, stride_ym, M, N, N_K, SEG_STEPS,
+def _mm_ws_kernel(d_x, d_w, d_w2, d_y, d_y2, p_y, stride_ym, M, N, N_K, SEG_STEPS: gl.constexpr,
                   BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS, NUM_BUF: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SMEM_EPI: gl.constexpr):
     BM: gl.constexpr = d_x.block_type.shape[0]
@@ -223,8 +231,8 @@ def mm_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_se
     d_w, d_y = desc(w, [bn, BK]), desc(y, [_HALF_M, bn])
     d_w2, d_y2 = (desc(w, [bn2, BK]), desc(y, [_HALF_M, bn2])) if bn2 else (desc(w, [16, BK]), desc(y, [_HALF_M, 16]))
     progs = min(sms, cdiv(M, WS_BLOCK_M) * cdiv(N, BN))
-    _mm_ws_kernel[(progs,)](desc(x, [WS_BLOCK_M, BK]), d_w, d_w2, d_y, d_y2, y, y.stride(0), M, N, n_seg * seg_k // BK, seg_k // BK,
-                            BN2=bn2, GROUP_M=group_m, NUM_PROGS=progs, NUM_BUF=num_buf,
+    _mm_ws_kernel[(progs,)](desc(x, [WS_BLOCK_M, BK]), d_w, d_w2, d_y, d_y2, y, y.stride(0), M, N, n_seg * seg_k // BK,
+                            SEG_STEPS=seg_k // BK, BN2=bn2, GROUP_M=group_m, NUM_PROGS=progs, NUM_BUF=num_buf,
                             CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, SMEM_EPI=smem_epilogue, num_warps=4,
                             **(pdl or {}))
     return y
@@ -238,28 +246,33 @@ def mm_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_se
 # loop per segment and every tile restarts the pipeline.
 
 @gluon.jit
-def _pipe_issue(j, total_steps, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, n_m, n_n, N_K,
-                BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGS, NUM_BUF: gl.constexpr):
-    """Loads of this program's step j (if it exists) into stage j % NUM_BUF."""
+def _pipe_issue(pred, s, i_m, i_n, kk, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, BN2: gl.constexpr):
+    """Loads of one k-step (tile (i_m, i_n), k offset kk) into stage s, if pred."""
     BM: gl.constexpr = d_x.block_type.shape[0]
-    BK: gl.constexpr = d_x.block_type.shape[1]
     BN: gl.constexpr = d_w.block_type.shape[0]
-    pred = j < total_steps
-    i_m, i_n = _ws_tile_coords(gl.program_id(0) + (j // N_K) * NUM_PROGS, n_m, n_n, GROUP_M)
-    k = (j % N_K) * BK
-    s = j % NUM_BUF
     bar = ready.index(s)
     if BN2 == 0:
         mbarrier.expect(bar, d_x.block_type.nbytes + d_w.block_type.nbytes, pred=pred)
     else:
         mbarrier.expect(bar, d_x.block_type.nbytes + d_w.block_type.nbytes + d_w2.block_type.nbytes, pred=pred)
-        _tma_load(d_w2, [i_n * (BN + BN2) + BN, k], bar, bufs_w2.index(s), pred)
-    _tma_load(d_x, [i_m * BM, k], bar, bufs_x.index(s), pred)
-    _tma_load(d_w, [i_n * (BN + BN2), k], bar, bufs_w.index(s), pred)
+        _tma_load(d_w2, [i_n * (BN + BN2) + BN, kk], bar, bufs_w2.index(s), pred)
+    _tma_load(d_x, [i_m * BM, kk], bar, bufs_x.index(s), pred)
+    _tma_load(d_w, [i_n * (BN + BN2), kk], bar, bufs_w.index(s), pred)
+
+
+@gluon.jit
+def _pipe_advance(k, tile, i_m, i_n, N_K, n_m, n_n, GROUP_M: gl.constexpr, NUM_PROGS):
+    """The (k-step, tile) after this one; tile coordinates recomputed only when the tile changes."""
+    k += 1
+    if k == N_K:
+        k = 0
+        tile += NUM_PROGS
+        i_m, i_n = _ws_tile_coords(tile, n_m, n_n, GROUP_M)
+    return k, tile, i_m, i_n
 
 
 @gluon.jit(do_not_specialize=["M"])
-def _mm_pipe_kernel(d_x, d_w, d_w2, p_y, stride_ym, M, N, N_K, SEG_STEPS, NUM_PROGS,
+def _mm_pipe_kernel(d_x, d_w, d_w2, p_y, stride_ym, M, N, N_K, SEG_STEPS: gl.constexpr, NUM_PROGS,
                     BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = d_x.block_type.shape[0]
     BK: gl.constexpr = d_x.block_type.shape[1]
@@ -278,18 +291,26 @@ def _mm_pipe_kernel(d_x, d_w, d_w2, p_y, stride_ym, M, N, N_K, SEG_STEPS, NUM_PR
         mbarrier.init(ready.index(i), count=1)
     n_m = gl.cdiv(M, BM)
     n_n = gl.cdiv(N, BN + BN2)
-    total_steps = gl.cdiv(n_m * n_n - gl.program_id(0), NUM_PROGS) * N_K
+    pid = gl.program_id(0)
+    total_steps = gl.cdiv(n_m * n_n - pid, NUM_PROGS) * N_K
+    # the load side runs NUM_BUF - 1 steps ahead of the MMA side, each with its own (k, tile) counters
+    lk = 0
+    l_tile = pid
+    l_m, l_n = _ws_tile_coords(pid, n_m, n_n, GROUP_M)
     for j in gl.static_range(NUM_BUF - 1):
-        _pipe_issue(j, total_steps, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, n_m, n_n, N_K,
-                    BN2, GROUP_M, NUM_PROGS, NUM_BUF)
+        _pipe_issue(j < total_steps, j, l_m, l_n, lk * BK, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, BN2)
+        lk, l_tile, l_m, l_n = _pipe_advance(lk, l_tile, l_m, l_n, N_K, n_m, n_n, GROUP_M, NUM_PROGS)
+    ls = NUM_BUF - 1
+    k = 0
+    c_tile = pid
+    s = 0
+    phase = 0
     total = gl.zeros([BM, BN], gl.float32, layout)
     acc = gl.zeros([BM, BN], gl.float32, layout)
     total2 = gl.zeros([BM, W2], gl.float32, layout2)
     acc2 = gl.zeros([BM, W2], gl.float32, layout2)
     for g in range(total_steps):
-        k = g % N_K
-        s = g % NUM_BUF
-        mbarrier.wait(ready.index(s), (g // NUM_BUF) & 1)
+        mbarrier.wait(ready.index(s), phase)
         chain = (k % SEG_STEPS) != 0  # False: a segment's first step starts from zero
         acc = warpgroup_mma(bufs_x.index(s), bufs_w.index(s).permute((1, 0)), acc, use_acc=chain, is_async=True)
         if BN2 == 0:
@@ -298,9 +319,11 @@ def _mm_pipe_kernel(d_x, d_w, d_w2, p_y, stride_ym, M, N, N_K, SEG_STEPS, NUM_PR
             acc2 = warpgroup_mma(bufs_x.index(s), bufs_w2.index(s).permute((1, 0)), acc2, use_acc=chain,
                                  is_async=True)
             acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
-        # step g - 1 is done: its stage takes step g + NUM_BUF - 1
-        _pipe_issue(g + NUM_BUF - 1, total_steps, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, n_m, n_n, N_K,
-                    BN2, GROUP_M, NUM_PROGS, NUM_BUF)
+        # step g - 1 is done: its stage (ls) takes step g + NUM_BUF - 1
+        _pipe_issue(g + NUM_BUF - 1 < total_steps, ls, l_m, l_n, lk * BK, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2,
+                    ready, BN2)
+        ls = s
+        lk, l_tile, l_m, l_n = _pipe_advance(lk, l_tile, l_m, l_n, N_K, n_m, n_n, GROUP_M, NUM_PROGS)
         if (k + 1) % SEG_STEPS == 0:  # a segment's last step: add its chain to the total
             if BN2 == 0:
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -309,12 +332,16 @@ def _mm_pipe_kernel(d_x, d_w, d_w2, p_y, stride_ym, M, N, N_K, SEG_STEPS, NUM_PR
                 total2 += acc2
             total += acc
         if k == N_K - 1:  # the tile's last step: store it, start the next
-            i_m, i_n = _ws_tile_coords(gl.program_id(0) + (g // N_K) * NUM_PROGS, n_m, n_n, GROUP_M)
+            i_m, i_n = _ws_tile_coords(c_tile, n_m, n_n, GROUP_M)
             _store_block(p_y, stride_ym, total, i_m * BM, i_n * (BN + BN2), M, N, layout)
             total = gl.zeros([BM, BN], gl.float32, layout)
             if BN2 != 0:
                 _store_block(p_y, stride_ym, total2, i_m * BM, i_n * (BN + BN2) + BN, M, N, layout2)
                 total2 = gl.zeros([BM, W2], gl.float32, layout2)
+            c_tile += NUM_PROGS
+            k = -1
+        k += 1
+        s, phase = _ws_next_stage(s, phase, NUM_BUF)
 
 
 def mm_pipe(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_seg: int, BN: int, BK: int = 64,
@@ -335,6 +362,6 @@ def mm_pipe(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_
 
     progs = min(sms, cdiv(M, WS_BLOCK_M) * cdiv(N, BN))
     _mm_pipe_kernel[(progs,)](desc(x, [WS_BLOCK_M, BK]), desc(w, [bn, BK]), desc(w, [bn2 or 16, BK]), y, y.stride(0),
-                              M, N, n_seg * seg_k // BK, seg_k // BK, progs, BN2=bn2, GROUP_M=group_m,
+                              M, N, n_seg * seg_k // BK, NUM_PROGS=progs, SEG_STEPS=seg_k // BK, BN2=bn2, GROUP_M=group_m,
                               NUM_BUF=num_buf, num_warps=num_warps)
     return y
