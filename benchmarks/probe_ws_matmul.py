@@ -25,10 +25,11 @@ from ws_matmul_kernel import mm_pipe, mm_ws  # noqa: E402
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288),
           "qkv": (6144, 4096), "gate_up": (24576, 4096)}
-WS_CANDIDATES = [  # (tile width, stages, block_k, shared-memory epilogue)
-    (192, 4, 64, True)]
-PIPE_CANDIDATES = [  # the 8-warp pipelined kernel: (tile width, stages, block_k)
-    (192, 5, 64), (192, 4, 64), (128, 6, 64), (128, 3, 128), (96, 7, 64)]
+WS_CANDIDATES = [  # (tile width, stages, block_k, shared-memory epilogue); run 7: below the pipelined kernel
+    ]
+PIPE_CANDIDATES = [  # the 8-warp pipelined kernel: (tile width, stages, block_k, shared-memory epilogue)
+    (192, 5, 64, False), (192, 4, 64, True), (96, 7, 64, False), (96, 6, 64, True), (128, 3, 128, False),
+    (128, 3, 128, True), (128, 5, 64, True)]
 TMA_TILES = [  # the library's TMA kernel at tiles launch_config does not pick today: (BM, BN, BK, warps, stages)
     ]  # run 3 timed 128x96, 64x192, 64x96, 128x64 and 64x256: none beat the default where it misses
 
@@ -45,13 +46,14 @@ def ws(x, w, bn, stages, bk, epi, restart=True):
                  smem_epilogue=epi)
 
 
-def pipe(x, w, bn, stages, bk):
+def pipe(x, w, bn, stages, bk, epi=False):
     M, K = x.shape
     N = w.shape[0]
     seg = reduction_config(N, K)["SEG_K"]
     n_seg = cdiv(K, seg)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    return mm_pipe(x, w, y, seg_k=seg if n_seg > 1 else cdiv(K, bk) * bk, n_seg=n_seg, BN=bn, BK=bk, num_buf=stages)
+    return mm_pipe(x, w, y, seg_k=seg if n_seg > 1 else cdiv(K, bk) * bk, n_seg=n_seg, BN=bn, BK=bk, num_buf=stages,
+                   smem_epilogue=epi)
 
 
 def candidates():
@@ -61,7 +63,7 @@ def candidates():
         bn, st, bk, epi = c
         out.append((f"ws{bn}s{st}k{bk}{'t' if epi else 'r'}", lambda x, w, c=c: ws(x, w, *c), True))
     for c in PIPE_CANDIDATES:
-        out.append(("pipe{}s{}k{}".format(*c), lambda x, w, c=c: pipe(x, w, *c), True))
+        out.append(("pipe{}s{}k{}{}".format(*c[:3], "t" if c[3] else "r"), lambda x, w, c=c: pipe(x, w, *c), True))
     for t in TMA_TILES:
         out.append(("tma{}x{}k{}w{}s{}".format(*t),
                     lambda x, w, t=t: matmul_fwd_triton(x, w, schedule="tma", block_m=t[0], block_n=t[1],

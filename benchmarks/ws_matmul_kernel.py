@@ -272,8 +272,9 @@ def _pipe_advance(k, tile, i_m, i_n, N_K, n_m, n_n, GROUP_M: gl.constexpr, NUM_P
 
 
 @gluon.jit(do_not_specialize=["M"])
-def _mm_pipe_kernel(d_x, d_w, d_w2, p_y, stride_ym, M, N, N_K, SEG_STEPS: gl.constexpr, NUM_PROGS,
-                    BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+def _mm_pipe_kernel(d_x, d_w, d_w2, d_y, d_y2, p_y, stride_ym, M, N, N_K, SEG_STEPS: gl.constexpr, NUM_PROGS,
+                    BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, SMEM_EPI: gl.constexpr,
+                    num_warps: gl.constexpr):
     BM: gl.constexpr = d_x.block_type.shape[0]
     BK: gl.constexpr = d_x.block_type.shape[1]
     BN: gl.constexpr = d_w.block_type.shape[0]
@@ -289,6 +290,9 @@ def _mm_pipe_kernel(d_x, d_w, d_w2, p_y, stride_ym, M, N, N_K, SEG_STEPS: gl.con
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(ready.index(i), count=1)
+    C_M: gl.constexpr = BM if SMEM_EPI else 8  # placeholders without the shared-memory epilogue
+    c_smem = gl.allocate_shared_memory(dtype, [C_M, BN], d_y.layout)
+    c_smem2 = gl.allocate_shared_memory(dtype, [C_M, W2], d_y2.layout)
     n_m = gl.cdiv(M, BM)
     n_n = gl.cdiv(N, BN + BN2)
     pid = gl.program_id(0)
@@ -333,19 +337,33 @@ def _mm_pipe_kernel(d_x, d_w, d_w2, p_y, stride_ym, M, N, N_K, SEG_STEPS: gl.con
             total += acc
         if k == N_K - 1:  # the tile's last step: store it, start the next
             i_m, i_n = _ws_tile_coords(c_tile, n_m, n_n, GROUP_M)
-            _store_block(p_y, stride_ym, total, i_m * BM, i_n * (BN + BN2), M, N, layout)
+            if SMEM_EPI:  # through shared memory and a TMA store that overlaps the next tile
+                tma.store_wait(0)  # the previous tile's stores have left c_smem
+                c_smem.store(total.to(dtype))
+                if BN2 != 0:
+                    c_smem2.store(total2.to(dtype))
+                fence_async_shared()
+                _tma_store(d_y, [i_m * BM, i_n * (BN + BN2)], c_smem)
+                if BN2 != 0:
+                    _tma_store(d_y2, [i_m * BM, i_n * (BN + BN2) + BN], c_smem2)
+            else:
+                _store_block(p_y, stride_ym, total, i_m * BM, i_n * (BN + BN2), M, N, layout)
+                if BN2 != 0:
+                    _store_block(p_y, stride_ym, total2, i_m * BM, i_n * (BN + BN2) + BN, M, N, layout2)
             total = gl.zeros([BM, BN], gl.float32, layout)
             if BN2 != 0:
-                _store_block(p_y, stride_ym, total2, i_m * BM, i_n * (BN + BN2) + BN, M, N, layout2)
                 total2 = gl.zeros([BM, W2], gl.float32, layout2)
             c_tile += NUM_PROGS
             k = -1
         k += 1
         s, phase = _ws_next_stage(s, phase, NUM_BUF)
+    if SMEM_EPI:
+        tma.store_wait(0)
 
 
 def mm_pipe(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_seg: int, BN: int, BK: int = 64,
-            num_buf: int = 4, sms: int = 132, group_m: int = 8, num_warps: int = 8) -> torch.Tensor:
+            num_buf: int = 4, sms: int = 132, group_m: int = 8, num_warps: int = 8,
+            smem_epilogue: bool = False) -> torch.Tensor:
     """``mm_ws``'s bits from ``_mm_pipe_kernel`` (128-row tiles, 8 warps)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -361,7 +379,8 @@ def mm_pipe(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_
         return TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
 
     progs = min(sms, cdiv(M, WS_BLOCK_M) * cdiv(N, BN))
-    _mm_pipe_kernel[(progs,)](desc(x, [WS_BLOCK_M, BK]), desc(w, [bn, BK]), desc(w, [bn2 or 16, BK]), y, y.stride(0),
+    _mm_pipe_kernel[(progs,)](desc(x, [WS_BLOCK_M, BK]), desc(w, [bn, BK]), desc(w, [bn2 or 16, BK]),
+                              desc(y, [WS_BLOCK_M, bn]), desc(y, [WS_BLOCK_M, bn2 or 16]), y, y.stride(0),
                               M, N, n_seg * seg_k // BK, NUM_PROGS=progs, SEG_STEPS=seg_k // BK, BN2=bn2, GROUP_M=group_m,
-                              NUM_BUF=num_buf, num_warps=num_warps)
+                              NUM_BUF=num_buf, SMEM_EPI=smem_epilogue, num_warps=num_warps)
     return y
