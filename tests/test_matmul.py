@@ -21,7 +21,12 @@ def _launch_configs(device):
     return [{}, {"block_m": 64, "schedule": "split"}, {"block_m": 64, "block_n": 256, "schedule": "fused"},
             {"block_m": 128, "block_k": 128, "schedule": "split", "num_warps": 4},
             {"block_m": 128, "block_n": 64, "schedule": "fused", "num_stages": 2}, {"schedule": "tma"},
-            {"block_m": 128, "block_n": 192, "schedule": "tma"}, {"block_m": 64, "block_n": 96, "schedule": "tma"}]
+            {"block_m": 128, "block_n": 192, "schedule": "tma"}, {"block_m": 64, "block_n": 96, "schedule": "tma"},
+            {"schedule": "gluon"}, {"block_n": 96, "schedule": "gluon"},
+            {"block_n": 128, "block_k": 128, "schedule": "gluon"}]
+
+
+_TMA_SCHEDULES = ("tma", "gluon")  # TMA descriptors: bf16 with 16-byte aligned rows
 
 
 def _inputs(M, K, N, device, dtype=torch.bfloat16):
@@ -36,7 +41,7 @@ def test_rows_invariant_to_batch_order_padding_and_launch(device, M, K, N):
     assert rung1_repeat("matmul", matmul_fwd, x, w).passed
     configs = _launch_configs(device)
     if (K * 2) % 16 or (N * 2) % 16:  # TMA needs 16-byte aligned rows
-        configs = [c for c in configs if c.get("schedule") != "tma"]
+        configs = [c for c in configs if c.get("schedule") not in _TMA_SCHEDULES]
     if device.type == "cpu" and K > FEW_CONFIGS_ABOVE_K:
         configs = configs[::2]
     r = rung2_rows("matmul", matmul_fwd, (x,), shared={"w": w}, configs=configs,
@@ -128,13 +133,13 @@ def test_launch_resolution_fits_the_h200_and_keeps_wgmma():
         for M in (1, 8, 9, 37, 63, 64, 65, 128, 256, 512, 1024, 8192):
             for elem, tma in ((2, True), (2, False), (4, False)):
                 for kn in knobs:  # hand-picked knobs as the GPU tests use them: bf16
-                    if (kn.get("schedule") == "tma" and not tma) or (kn and elem != 2):
+                    if (kn.get("schedule") in _TMA_SCHEDULES and not tma) or (kn and elem != 2):
                         continue
                     sched, BM, BN, BK, nw, ns = resolve_launch(M, N, K, elem, 132, tma, seg_k=seg, **kn)
                     assert BM >= 64 and seg % BK == 0 and nw in (4, 8), (N, K, M, kn)
                     if "num_stages" not in kn:
                         assert (BM + BN) * BK * elem * ns <= 224 << 10, (N, K, M, elem, kn, BM, BN, BK, ns)
-                    if sched == "tma":
+                    if sched in _TMA_SCHEDULES:
                         assert tma and elem == 2
     # the sweep's decode picks: k/v streams through 64x32 tiles split over K segments
     assert launch_config(1, 1024, 4096)["schedule"] == "split"
@@ -147,6 +152,80 @@ def test_launch_resolution_fits_the_h200_and_keeps_wgmma():
         resolve_launch(256, 4096, 4096, 2, 132, True, seg_k=1024, block_n=160, schedule="tma")
     with pytest.raises(ValueError, match="block_n=192 .* needs schedule='tma'"):
         resolve_launch(256, 4096, 4096, 2, 132, True, seg_k=1024, block_n=192, schedule="fused")
+
+
+def test_gluon_schedule_routing(monkeypatch):
+    """128-row TMA tiles up to 192 wide go to the Gluon kernel where Triton
+    has Gluon (session 8's H200 probe: 0.81-0.82x cuBLAS at M = 256 where
+    Triton's kernel gave 0.73-0.80x), the 96-wide tile only there; 128 x 256
+    and 64-row tiles stay on Triton's; without Gluon the routing is the old
+    one.  The schedule never changes a bit (GPU tests)."""
+    from alignzoo.common.matmul import gluon_kernel
+    from alignzoo.common.matmul.kernel import launch_config, resolve_launch
+
+    if not gluon_kernel.available():
+        pytest.skip("this Triton has no Gluon")
+    pick = {(M, N): launch_config(M, N, 4096) for M in (256, 4096) for N in (6144, 12288, 24576)}
+    assert [(c["schedule"], c["BLOCK_N"]) for c in pick.values()] == [
+        ("gluon", 96), ("gluon", 192), ("gluon", 128), ("tma", 256), ("tma", 256), ("tma", 256)]
+    assert (pick[256, 24576]["BLOCK_K"], pick[256, 24576]["num_stages"]) == (128, 3)  # ring + output tile fit
+    assert launch_config(256, 4096, 4096)["BLOCK_M"] == 64 and launch_config(256, 4096, 4096)["schedule"] == "tma"
+    for bn, bk in ((192, 64), (96, 64), (128, 128), (64, 64)):
+        ns = gluon_kernel.pipeline_stages(bn, bk)
+        assert ns >= 3 and (128 + bn) * bk * 2 * ns + 128 * bn * 2 <= 224 << 10  # the ring + the output tile
+    with pytest.raises(ValueError, match="128-row tiles at most 192 wide"):
+        resolve_launch(256, 4096, 4096, 2, 132, True, seg_k=1024, block_n=256, schedule="gluon")
+    with pytest.raises(ValueError, match="128-row tiles at most 192 wide"):
+        resolve_launch(256, 4096, 4096, 2, 132, True, seg_k=1024, block_m=64, schedule="gluon")
+    monkeypatch.setattr(gluon_kernel, "available", lambda: False)
+    assert [(c["schedule"], c["BLOCK_N"]) for c in (launch_config(256, N, 4096) for N in (6144, 12288, 24576))] == [
+        ("tma", 128), ("tma", 192), ("tma", 128)]
+    with pytest.raises(ValueError, match="needs triton.experimental.gluon"):
+        resolve_launch(256, 4096, 4096, 2, 132, True, seg_k=1024, schedule="gluon")
+
+
+@pytest.mark.parametrize("bn,bk,stages", [(192, 64, 4), (96, 64, 7), (128, 128, 3)])
+def test_gluon_kernel_compiles_for_sm90_without_spills(bn, bk, stages):
+    """The Gluon kernel at each tile the router picks compiles for sm_90 with
+    this Triton, uses no local memory (spills), and fits the H200's 227 KB of
+    shared memory; its chain restarts with use_acc=False (a predicated wgmma)."""
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    from alignzoo.common.matmul import gluon_kernel
+
+    if not gluon_kernel.available():
+        pytest.skip("this Triton has no Gluon")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(box):
+        return f"tensordesc<bf16[{box[0]}, {box[1]}],{gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)!r}>"
+
+    bn1 = 1 << (bn.bit_length() - 1)
+    bn2 = bn - bn1
+    fn = gluon_kernel._mm_pipe_kernel
+    sig = {"d_x": desc([128, bk]), "d_w": desc([bn1, bk]), "d_w2": desc([bn2 or 16, bk]), "d_y": desc([128, bn1]),
+           "d_y2": desc([128, bn2 or 16]), "M": "i32", "N": "i32", "N_K": "i32", "NUM_PROGS": "i32"}
+    consts = {"SEG_STEPS": 1024 // bk, "BN2": bn2, "GROUP_M": 8, "NUM_BUF": stages, "num_warps": 8}
+    sig.update({n: "constexpr" for n in consts})
+    k = triton.compile(GluonASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in consts.items()}),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert k.metadata.shared <= 227 << 10
+    assert "ld.local" not in k.asm["ptx"] and "st.local" not in k.asm["ptx"]
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n%dk16" % bn1, k.asm["ptx"])
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    if shutil.which(cuobjdump) or os.path.exists(cuobjdump):
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"alignzoo_gluon_{os.getpid()}_{bn}.cubin")
+        with open(path, "wb") as f:
+            f.write(k.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
+        os.remove(path)
+        assert "STACK:0" in usage and "LOCAL:0" in usage, usage
 
 
 def test_host_integer_helpers_equal_tritons():

@@ -46,6 +46,7 @@ import triton.language as tl
 
 from .._host import cdiv
 from .._pdl import pdl_options, wait_prior
+from . import gluon_kernel
 
 
 @triton.jit
@@ -195,13 +196,21 @@ def reduction_config(N: int, K: int) -> dict:
 
 # Persistent TMA tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) and each
 # one's speed relative to the 128x256 tile with every SM busy (rounded from the
-# session-5 sweeps, benchmarks/results/2026-11-30-h200-session5-matmul-sweeps.txt).
+# session-5 sweeps, benchmarks/results/2026-11-30-h200-session5-matmul-sweeps.txt;
+# the 96-wide tile, which only the Gluon kernel runs, from session 8's,
+# ...-session8-ws-probe-run8.txt: 0.62-0.68 of the 128x256 tile at M = 4096).
 _TMA_TILES = ((128, 256, 64, 8, 3), (128, 192, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 128, 4, 4),
-              (64, 64, 128, 4, 4))
-_TMA_SPEED = (1.0, 0.87, 0.9, 0.85, 0.65)
+              (64, 64, 128, 4, 4), (128, 96, 64, 8, 4))
+_TMA_SPEED = (1.0, 0.87, 0.9, 0.85, 0.65, 0.7)
 
 
 def _tma_config(bm: int, bn: int, bk: int, nw: int, ns: int) -> dict:
+    """A TMA tile's launch: 128-row tiles up to 192 wide run on the Gluon kernel
+    where this Triton has Gluon (its pipeline never drains mid-program), the
+    rest on Triton's."""
+    if bm == gluon_kernel.BLOCK_M and bn <= gluon_kernel.MAX_BLOCK_N and gluon_kernel.available():
+        return {"schedule": "gluon", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                "num_warps": gluon_kernel.NUM_WARPS, "num_stages": gluon_kernel.pipeline_stages(bn, bk)}
     return {"schedule": "tma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
 
 
@@ -253,16 +262,19 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True) -> d
     if tma:
         if n_seg > 1 and cdiv(M, 64) * cdiv(N, 64) < 0.7 * sms:  # the smallest tile's count
             return _split_config(M, N, n_seg, sms)
-        score = [v * _wave_fill(cdiv(M, bm) * cdiv(N, bn), sms)
-                 for (bm, bn, *_), v in zip(_TMA_TILES, _TMA_SPEED)]
-        return _tma_config(*_TMA_TILES[score.index(max(score))])
+        tiles = [(t, v) for t, v in zip(_TMA_TILES, _TMA_SPEED)
+                 if t[1] != 96 or gluon_kernel.available()]  # the 96-wide tile: Gluon only
+        score = [v * _wave_fill(cdiv(M, bm) * cdiv(N, bn), sms) for (bm, bn, *_), v in tiles]
+        return _tma_config(*tiles[score.index(max(score))][0])
     cfg = ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4} if M <= 512 else
            {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3})
     split = n_seg > 1 and cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]) < sms
     return {"schedule": "split" if split else "fused", **cfg}
 
 
-SCHEDULES = ("fused", "split", "tma")
+SCHEDULES = ("fused", "split", "tma", "gluon")
+_TMA_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+_GLUON_DEFAULT = {"schedule": "gluon", "BLOCK_M": 128, "BLOCK_N": 192, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 
 
 def column_blocks(BN: int) -> tuple[int, int]:
@@ -286,12 +298,21 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
     if schedule is None:
         schedule = lc["schedule"]
     elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
-        lc = _tma_config(*_TMA_TILES[0]) if schedule == "tma" else _split_config(M, N, cdiv(K, seg_k), sms)
+        lc = {"tma": {**_TMA_DEFAULT, "schedule": "tma"}, "gluon": _GLUON_DEFAULT}.get(
+            schedule, _split_config(M, N, cdiv(K, seg_k), sms))
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     BM, BN, BK = block_m or lc["BLOCK_M"], block_n or lc["BLOCK_N"], block_k or lc["BLOCK_K"]
-    if column_blocks(BN)[1] and schedule != "tma":
-        raise ValueError(f"block_n={BN} (not a power of two) needs schedule='tma'")
+    if column_blocks(BN)[1] and schedule not in ("tma", "gluon"):
+        raise ValueError(f"block_n={BN} (not a power of two) needs schedule='tma' or 'gluon'")
+    if schedule == "gluon":
+        if not gluon_kernel.available():
+            raise ValueError("schedule='gluon' needs triton.experimental.gluon (Triton >= 3.6)")
+        if BM != gluon_kernel.BLOCK_M or BN > gluon_kernel.MAX_BLOCK_N or (num_warps or 8) != gluon_kernel.NUM_WARPS:
+            raise ValueError(f"schedule='gluon' runs {gluon_kernel.BLOCK_M}-row tiles at most "
+                             f"{gluon_kernel.MAX_BLOCK_N} wide on {gluon_kernel.NUM_WARPS} warps, "
+                             f"got block_m={BM} block_n={BN} num_warps={num_warps}")
+        lc = {**lc, "num_stages": gluon_kernel.pipeline_stages(BN, BK, elem)}
     while not block_k and BK > 32 and (BM + BN) * BK * elem * 2 > _SMEM:  # fp32 tiles: a shorter k-step
         BK //= 2
     nw, ns = num_warps or lc["num_warps"], num_stages or _fit_stages(lc["num_stages"], BM, BN, BK, elem)
@@ -328,11 +349,13 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     ieee = x.dtype == torch.float32
     tiles = cdiv(M, BM) * cdiv(N, BN)
     pdl = pdl_options(x.device, M)
-    if schedule == "tma":
+    if schedule in ("tma", "gluon") and not tma_ok:
+        raise ValueError(f"schedule={schedule!r} needs bf16 operands with unit last stride and 16-byte aligned rows")
+    if schedule == "gluon":  # no PDL (it stops at 64 rows anyway): a plain launch is always safe
+        gluon_kernel.matmul_fwd_gluon(x, w, y, seg_k=seg_k, n_seg=n_seg, BN=BN, BK=BK, stages=ns, sms=sms)
+    elif schedule == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        if not tma_ok:
-            raise ValueError("schedule='tma' needs bf16 operands with unit last stride and 16-byte aligned rows")
         progs = min(sms, tiles)
         bn, bn2 = column_blocks(BN)
         d_w, d_y = TensorDescriptor.from_tensor(w, [bn, BK]), TensorDescriptor.from_tensor(y, [BM, bn])

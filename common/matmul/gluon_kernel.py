@@ -1,0 +1,213 @@
+"""Gluon GEMM for the 128-row TMA tiles up to 192 wide, with the library's bits.
+
+Per output element the arithmetic is ``kernel.py``'s contract: K cut into
+segments of SEG_K, each a chain of k16 wgmma steps from zero (a segment's first
+step runs with ``use_acc=False``), the segment sums added left to right into an
+fp32 total, rounded to bf16 once.  Tiles are 128 rows by BN (+ BN2) columns:
+a power of two up to 128, or 1.5 times one as two column blocks (192 = 128 +
+64, 96 = 64 + 32; one wgmma each per k-step: each element's chain is its own,
+whatever block it sits in).  128 x 256 stays on Triton's kernel: its chain
+and total need 256 registers a thread here.
+
+Why Gluon: Triton's two-column-block tiles keep a k-loop per segment (one loop
+holding four accumulators spilled), so their software pipeline drains at every
+segment boundary and again at every tile.  Here one 8-warp program walks a
+flattened (tile, k-step) sequence: step g waits for its stage, issues its
+wgmmas, waits for step g - 1 (its stage is then free) and refills that stage
+with step g + STAGES - 1, which may belong to the next segment or the next
+tile; nothing drains until the program's last step.  The load side keeps its
+own (k-step, tile) counters, so the per-step path holds no integer division
+(ncu on the H200: divisions there doubled the issued instructions and cost
+~25%).  Epilogue: the tile goes through shared memory and a TMA store that
+overlaps the next tile's steps.
+
+H200 (session 8, benchmarks/results/2026-11-30-h200-session8-*.txt), cuBLAS
+time / ours at M = 256: gate/up 0.81 (Triton's 192 tile 0.77), qkv 0.80-0.82
+with the 96 tile (Triton's best, 128x128, 0.73), gate_up 0.82 with 128x128
+(Triton's 0.77-0.80); at M = 512-1024 its 128x128 tile is 0-3% ahead of
+Triton's; bits equal to the default's at every tile, ragged M and rows
+computed alone.
+
+Needs ``triton.experimental.gluon`` (Triton 3.6 names the TMA copies
+``async_copy_*``, later versions ``async_load`` / ``async_store``; both work)
+and sm_90.  ``available()`` says whether this Triton has it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._host import cdiv
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
+except ImportError:  # a Triton without Gluon: launch_config never picks this schedule
+    gluon = None
+
+BLOCK_M = 128  # two warpgroups of 64 rows
+NUM_WARPS = 8
+MAX_BLOCK_N = 192
+_SMEM = 224 << 10  # bytes a program may use on the H200 (kernel._SMEM)
+
+
+def available() -> bool:
+    return gluon is not None
+
+
+def pipeline_stages(bn: int, bk: int = 64, elem: int = 2) -> int:
+    """The deepest load ring that fits beside the epilogue's output tile."""
+    return min(8, (_SMEM - BLOCK_M * bn * elem) // ((BLOCK_M + bn) * bk * elem))
+
+
+if gluon is not None:
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+    @gluon.jit
+    def _tile_coords(tile, n_m, n_n, GROUP_M: gl.constexpr):
+        """``kernel._tile_coords`` (grouped order for L2 reuse); touches no sum."""
+        first_m = (tile // (GROUP_M * n_n)) * GROUP_M
+        size_m = gl.minimum(n_m - first_m, GROUP_M)
+        return first_m + (tile % size_m), (tile % (GROUP_M * n_n)) // size_m
+
+    @gluon.jit
+    def _next_stage(s, phase, NUM_BUF: gl.constexpr):
+        """The ring position after stage s: counters, not divisions, on the per-step path."""
+        wrap = s == NUM_BUF - 1
+        return gl.where(wrap, 0, s + 1), gl.where(wrap, phase ^ 1, phase)
+
+    @gluon.jit
+    def _issue(pred, s, i_m, i_n, kk, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, BN2: gl.constexpr):
+        """Loads of one k-step (tile (i_m, i_n), k offset kk) into stage s, if pred."""
+        BM: gl.constexpr = d_x.block_type.shape[0]
+        BN: gl.constexpr = d_w.block_type.shape[0]
+        bar = ready.index(s)
+        if BN2 == 0:
+            mbarrier.expect(bar, d_x.block_type.nbytes + d_w.block_type.nbytes, pred=pred)
+        else:
+            mbarrier.expect(bar, d_x.block_type.nbytes + d_w.block_type.nbytes + d_w2.block_type.nbytes, pred=pred)
+            _tma_load(d_w2, [i_n * (BN + BN2) + BN, kk], bar, bufs_w2.index(s), pred)
+        _tma_load(d_x, [i_m * BM, kk], bar, bufs_x.index(s), pred)
+        _tma_load(d_w, [i_n * (BN + BN2), kk], bar, bufs_w.index(s), pred)
+
+    @gluon.jit
+    def _advance(k, tile, i_m, i_n, N_K, n_m, n_n, GROUP_M: gl.constexpr, NUM_PROGS):
+        """The (k-step, tile) after this one; tile coordinates recomputed only when the tile changes."""
+        k += 1
+        if k == N_K:
+            k = 0
+            tile += NUM_PROGS
+            i_m, i_n = _tile_coords(tile, n_m, n_n, GROUP_M)
+        return k, tile, i_m, i_n
+
+    @gluon.jit(do_not_specialize=["M"])
+    def _mm_pipe_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, N_K, NUM_PROGS, SEG_STEPS: gl.constexpr,
+                        BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+        """``BN2`` = 0: one column block (``d_w2`` / ``d_y2`` are then unused placeholders)."""
+        BM: gl.constexpr = d_x.block_type.shape[0]
+        BK: gl.constexpr = d_x.block_type.shape[1]
+        BN: gl.constexpr = d_w.block_type.shape[0]
+        W2: gl.constexpr = d_w2.block_type.shape[0]  # BN2, or the placeholder's width
+        R2: gl.constexpr = NUM_BUF if BN2 else 1
+        dtype: gl.constexpr = d_x.dtype
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 16])
+        layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, W2, 16])
+        bufs_x = gl.allocate_shared_memory(dtype, [NUM_BUF, BM, BK], d_x.layout)
+        bufs_w = gl.allocate_shared_memory(dtype, [NUM_BUF, BN, BK], d_w.layout)
+        bufs_w2 = gl.allocate_shared_memory(dtype, [R2, W2, BK], d_w2.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(ready.index(i), count=1)
+        c_smem = gl.allocate_shared_memory(dtype, [BM, BN], d_y.layout)
+        c_smem2 = gl.allocate_shared_memory(dtype, [BM if BN2 else 8, W2], d_y2.layout)
+        n_m = gl.cdiv(M, BM)
+        n_n = gl.cdiv(N, BN + BN2)
+        pid = gl.program_id(0)
+        total_steps = gl.cdiv(n_m * n_n - pid, NUM_PROGS) * N_K
+        # the load side runs NUM_BUF - 1 steps ahead of the MMA side, with its own (k, tile) counters
+        lk = 0
+        l_tile = pid
+        l_m, l_n = _tile_coords(pid, n_m, n_n, GROUP_M)
+        for j in gl.static_range(NUM_BUF - 1):
+            _issue(j < total_steps, j, l_m, l_n, lk * BK, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, BN2)
+            lk, l_tile, l_m, l_n = _advance(lk, l_tile, l_m, l_n, N_K, n_m, n_n, GROUP_M, NUM_PROGS)
+        ls = NUM_BUF - 1
+        k = 0
+        c_tile = pid
+        s = 0
+        phase = 0
+        total = gl.zeros([BM, BN], gl.float32, layout)
+        acc = gl.zeros([BM, BN], gl.float32, layout)
+        total2 = gl.zeros([BM, W2], gl.float32, layout2)
+        acc2 = gl.zeros([BM, W2], gl.float32, layout2)
+        for g in range(total_steps):
+            mbarrier.wait(ready.index(s), phase)
+            chain = (k % SEG_STEPS) != 0  # False: a segment's first step starts from zero
+            acc = warpgroup_mma(bufs_x.index(s), bufs_w.index(s).permute((1, 0)), acc, use_acc=chain, is_async=True)
+            if BN2 == 0:
+                acc = warpgroup_mma_wait(1, deps=(acc, ))
+            else:
+                acc2 = warpgroup_mma(bufs_x.index(s), bufs_w2.index(s).permute((1, 0)), acc2, use_acc=chain,
+                                     is_async=True)
+                acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
+            # step g - 1 is done: its stage (ls) takes step g + NUM_BUF - 1
+            _issue(g + NUM_BUF - 1 < total_steps, ls, l_m, l_n, lk * BK, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2,
+                   ready, BN2)
+            ls = s
+            lk, l_tile, l_m, l_n = _advance(lk, l_tile, l_m, l_n, N_K, n_m, n_n, GROUP_M, NUM_PROGS)
+            if (k + 1) % SEG_STEPS == 0:  # a segment's last step: add its chains to the totals
+                if BN2 == 0:
+                    acc = warpgroup_mma_wait(0, deps=(acc, ))
+                else:
+                    acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
+                    total2 += acc2
+                total += acc
+            if k == N_K - 1:  # the tile's last step: store it (overlapping the next tile), start the next
+                i_m, i_n = _tile_coords(c_tile, n_m, n_n, GROUP_M)
+                tma.store_wait(0)  # the previous tile's stores have left c_smem
+                c_smem.store(total.to(dtype))
+                if BN2 != 0:
+                    c_smem2.store(total2.to(dtype))
+                fence_async_shared()
+                _tma_store(d_y, [i_m * BM, i_n * (BN + BN2)], c_smem)
+                if BN2 != 0:
+                    _tma_store(d_y2, [i_m * BM, i_n * (BN + BN2) + BN], c_smem2)
+                    total2 = gl.zeros([BM, BN2], gl.float32, layout2)
+                total = gl.zeros([BM, BN], gl.float32, layout)
+                c_tile += NUM_PROGS
+                k = -1
+            k += 1
+            s, phase = _next_stage(s, phase, NUM_BUF)
+        tma.store_wait(0)
+
+
+def _desc(t: torch.Tensor, box: list[int]):
+    return _GluonDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
+
+
+def matmul_fwd_gluon(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_seg: int, BN: int,
+                     BK: int, stages: int, sms: int, group_m: int = 8) -> torch.Tensor:
+    """y = x · wᵀ into ``y`` (bf16, TMA-able: checked by the caller) with the
+    segment-chain bits; BN a power of two up to 128 or 1.5 times one (192, 96),
+    ``seg_k`` a multiple of BK with ``n_seg · seg_k`` ≥ K."""
+    from .kernel import column_blocks
+
+    M = x.shape[0]
+    N = w.shape[0]
+    bn, bn2 = column_blocks(BN)
+    w2 = bn2 or 16  # placeholder descriptors for a one-block tile
+    progs = min(sms, cdiv(M, BLOCK_M) * cdiv(N, BN))
+    _mm_pipe_kernel[(progs,)](_desc(x, [BLOCK_M, BK]), _desc(w, [bn, BK]), _desc(w, [w2, BK]),
+                              _desc(y, [BLOCK_M, bn]), _desc(y, [BLOCK_M, w2]), M, N, n_seg * seg_k // BK, progs,
+                              SEG_STEPS=seg_k // BK, BN2=bn2, GROUP_M=group_m, NUM_BUF=stages, num_warps=NUM_WARPS)
+    return y
