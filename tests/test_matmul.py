@@ -184,6 +184,21 @@ def test_gluon_schedule_routing(monkeypatch):
         resolve_launch(256, 4096, 4096, 2, 132, True, seg_k=1024, schedule="gluon")
 
 
+def test_gluon_runs_only_inside_graph_capture():
+    """Outside CUDA-graph capture a default Gluon launch becomes Triton's TMA
+    kernel at the same tile (same bits; the Gluon launch's Python cost halved
+    eager batch-1 prefill on the H200); explicit schedules and other launches pass."""
+    from alignzoo.common.matmul.kernel import _TMA_TILES, eager_launch
+
+    for launch in (("gluon", 128, 192, 64, 8, 4), ("gluon", 128, 96, 64, 8, 7), ("gluon", 128, 128, 128, 8, 3)):
+        assert eager_launch(launch, capturing=True) == launch
+        sched, BM, BN, BK, nw, ns = eager_launch(launch, capturing=False)
+        assert (sched, BM, BN, BK, nw) == ("tma", *launch[1:4], 8)
+        assert ns == next((t[4] for t in _TMA_TILES if t[:3] == (BM, BN, BK)), ns) and ns >= 3
+    for launch in (("tma", 128, 256, 64, 8, 3), ("split", 64, 32, 128, 4, 4)):
+        assert eager_launch(launch, capturing=False) == launch
+
+
 @pytest.mark.parametrize("bn,bk,stages", [(192, 64, 4), (96, 64, 7), (128, 128, 3)])
 def test_gluon_kernel_compiles_for_sm90_without_spills(bn, bk, stages):
     """The Gluon kernel at each tile the router picks compiles for sm_90 with
