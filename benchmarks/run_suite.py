@@ -216,7 +216,9 @@ def _render_kernels(results: dict) -> list[str]:
          f"{shapes.get('intermediate', '?')}, vocab {shapes.get('vocab', '?')})", "",
          f"{met} of {len(rows)} rows meet their target (matmul ≥ {kernel_target('matmul')}, others ≥ {KERNEL_TARGET}); "
          f"{inexact} not exact. Bits: each M's rows computed alone equal the same rows of the M = {max(ms)} batch "
-         "(torch.equal), checked before timing. Times: " + results.get("kernel_timing", "triton do_bench median, L2 flushed")
+         "(torch.equal), checked before timing; matmul rows both with the eager defaults and inside "
+         "`graph_launches()` (where 128-row tiles up to 192 wide run the Gluon kernel), which is how they are "
+         "timed. Times: " + results.get("kernel_timing", "triton do_bench median, L2 flushed")
          + ".", "",
          "| op | shape | target | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|---|---|" + "---|" * len(ms)]
     for (op, shape), by_m in groups.items():

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..kv_cache import PAGE_SIZE, BlockManager
+from ..matmul import graph_launches
 from ..sampling import head_width, params_to_tensors, sample_fwd, sampling_logprobs_fwd
 from .model_api import ForwardBatch, ServeModel
 from .scheduler import Chunk
@@ -78,11 +79,12 @@ def capture_decode_graphs(model: ServeModel, kv_cache, batch_sizes: list[int], w
     for bs in sorted(batch_sizes, reverse=True):
         t0 = time.perf_counter()
         batch = first_rows(static, bs)
-        model.forward(batch, kv_cache)  # warm-up: Triton compiles and picks configs outside the capture
-        torch.cuda.synchronize(model.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            logits[bs] = model.forward(batch, kv_cache)
+        with graph_launches():  # the matmuls may run the Gluon kernel: only device time replays
+            model.forward(batch, kv_cache)  # warm-up: Triton compiles and picks configs outside the capture
+            torch.cuda.synchronize(model.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits[bs] = model.forward(batch, kv_cache)
         pool = graph.pool() if pool is None else pool
         graphs[bs] = graph
         log.info("captured the decode graph for batch %d in %.1fs", bs, time.perf_counter() - t0)

@@ -47,6 +47,7 @@ import triton.language as tl
 from .._host import cdiv
 from .._pdl import pdl_options, wait_prior
 from . import gluon_kernel
+from .launches import graph_launches_active
 
 
 @triton.jit
@@ -204,11 +205,11 @@ _TMA_TILES = ((128, 256, 64, 8, 3), (128, 192, 64, 8, 4), (128, 128, 128, 8, 3),
 _TMA_SPEED = (1.0, 0.87, 0.9, 0.85, 0.65, 0.7)
 
 
-def _tma_config(bm: int, bn: int, bk: int, nw: int, ns: int) -> dict:
-    """A TMA tile's launch: 128-row tiles up to 192 wide run on the Gluon kernel
-    where this Triton has Gluon (its pipeline never drains mid-program), the
-    rest on Triton's."""
-    if bm == gluon_kernel.BLOCK_M and bn <= gluon_kernel.MAX_BLOCK_N and gluon_kernel.available():
+def _tma_config(bm: int, bn: int, bk: int, nw: int, ns: int, gluon: bool = False) -> dict:
+    """A TMA tile's launch: with ``gluon``, 128-row tiles up to 192 wide run on
+    the Gluon kernel (its pipeline never drains mid-program), the rest on
+    Triton's."""
+    if gluon and bm == gluon_kernel.BLOCK_M and bn <= gluon_kernel.MAX_BLOCK_N:
         return {"schedule": "gluon", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
                 "num_warps": gluon_kernel.NUM_WARPS, "num_stages": gluon_kernel.pipeline_stages(bn, bk)}
     return {"schedule": "tma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
@@ -239,7 +240,7 @@ def _fit_stages(stages: int, BM: int, BN: int, BK: int, elem: int) -> int:
     return stages
 
 
-def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True) -> dict:
+def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluon: bool = True) -> dict:
     """Bit-neutral schedule and tile for speed: any choice gives the same
     bits (H200 sweeps of sessions 4 and 5, benchmarks/results/2026-11-30-h200-session4-matmul-sweep.txt
     and ...-session5-matmul-sweeps.txt: every schedule x tile candidate at six
@@ -262,10 +263,10 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True) -> d
     if tma:
         if n_seg > 1 and cdiv(M, 64) * cdiv(N, 64) < 0.7 * sms:  # the smallest tile's count
             return _split_config(M, N, n_seg, sms)
-        tiles = [(t, v) for t, v in zip(_TMA_TILES, _TMA_SPEED)
-                 if t[1] != 96 or gluon_kernel.available()]  # the 96-wide tile: Gluon only
+        gluon = gluon and gluon_kernel.available()
+        tiles = [(t, v) for t, v in zip(_TMA_TILES, _TMA_SPEED) if t[1] != 96 or gluon]  # 96 wide: Gluon only
         score = [v * _wave_fill(cdiv(M, bm) * cdiv(N, bn), sms) for (bm, bn, *_), v in tiles]
-        return _tma_config(*tiles[score.index(max(score))][0])
+        return _tma_config(*tiles[score.index(max(score))][0], gluon=gluon)
     cfg = ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4} if M <= 512 else
            {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3})
     split = n_seg > 1 and cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]) < sms
@@ -289,12 +290,13 @@ def column_blocks(BN: int) -> tuple[int, int]:
 
 def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *, seg_k: int,
                    block_m=None, block_n=None, block_k=None, schedule=None, num_warps=None,
-                   num_stages=None) -> tuple:
+                   num_stages=None, gluon: bool = True) -> tuple:
     """The launch a call runs -> (schedule, BM, BN, BK, num_warps, num_stages):
     ``launch_config``'s choice, an explicit schedule's default tile, the
     caller's knobs on top, default stages fitted to shared memory; checked.
-    BN is the tile width: 1.5 times a power of two only on the TMA schedule."""
-    lc = launch_config(M, N, K, sms, tma_ok)
+    BN is the tile width: 1.5 times a power of two only on the TMA and Gluon
+    schedules.  ``gluon`` lets ``launch_config`` pick the Gluon kernel."""
+    lc = launch_config(M, N, K, sms, tma_ok, gluon)
     if schedule is None:
         schedule = lc["schedule"]
     elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
@@ -323,20 +325,6 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
     return schedule, BM, BN, BK, nw, ns
 
 
-def eager_launch(launch: tuple, *, capturing: bool) -> tuple:
-    """A default launch outside CUDA-graph capture: Triton's TMA kernel at the
-    tile the Gluon kernel would run (the same bits).  The Gluon launch costs
-    more Python per call (five descriptors with layouts, and their binding):
-    measured on the H200 (session 8), routing eager prefill's M = 512 calls to
-    it halved batch-1 prefill, 16.9k -> 8.5k tok/s, while its device time is
-    what wins, and that is all a graph replays."""
-    schedule, BM, BN, BK, nw, ns = launch
-    if schedule != "gluon" or capturing:
-        return launch
-    tile = next((t for t in _TMA_TILES if t[:3] == (BM, BN, BK)), None)
-    return ("tma", BM, BN, BK, 8, tile[4] if tile else _fit_stages(4, BM, BN, BK, 2))
-
-
 def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None = None,
                       block_n: int | None = None, block_k: int | None = None,
                       schedule: str | None = None, num_warps: int | None = None,
@@ -345,8 +333,8 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
 
     ``block_m``/``block_n``/``block_k``, ``schedule`` (``SCHEDULES``),
     ``num_warps`` and ``num_stages`` are free launch knobs (defaults from
-    ``launch_config``, its Gluon picks only inside CUDA-graph capture:
-    ``eager_launch``); none changes a bit.  ``_reduction`` overrides
+    ``launch_config``, with its Gluon picks only inside ``graph_launches()``);
+    none changes a bit.  ``_reduction`` overrides
     ``reduction_config`` (for sweeps only: it does change bits).
     """
     M, K = x.shape
@@ -356,12 +344,10 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     if M == 0 or N == 0:
         return y
     sms, tma_ok = _num_sms(x.device), _tma_ok(x, w, y)
-    launch = resolve_launch(
+    schedule, BM, BN, BK, nw, ns = resolve_launch(
         M, N, K, x.element_size(), sms, tma_ok, seg_k=SEG_K, block_m=block_m, block_n=block_n,
-        block_k=block_k, schedule=schedule, num_warps=num_warps, num_stages=num_stages)
-    if schedule is None:
-        launch = eager_launch(launch, capturing=torch.cuda.is_current_stream_capturing())
-    schedule, BM, BN, BK, nw, ns = launch
+        block_k=block_k, schedule=schedule, num_warps=num_warps, num_stages=num_stages,
+        gluon=graph_launches_active())
     n_seg = cdiv(K, SEG_K)
     seg_k = SEG_K if n_seg > 1 else cdiv(K, BK) * BK
     ieee = x.dtype == torch.float32
