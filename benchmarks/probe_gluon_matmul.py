@@ -14,7 +14,7 @@ kernel each (N, K) runs at M = 256 (its tile, stages and cluster shape).
 History: session 8 measured a warp-specialized Gluon kernel (one TMA producer
 warp, two consumer warpgroups) here first; it kept the bits but ran 0.65-0.80x
 cuBLAS, below the software-pipelined kernel the library now has (commit
-a18a19a holds it; records ...-session8-ws-probe-run*.txt).
+a18a19a holds it; records ...-session8-ws-probe-run{1,2,3}.txt).
 """
 import argparse
 import os

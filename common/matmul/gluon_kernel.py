@@ -21,12 +21,17 @@ own (k-step, tile) counters, so the per-step path holds no integer division
 ~25%).  Epilogue: the tile goes through shared memory and a TMA store that
 overlaps the next tile's steps.
 
-H200 (session 8, benchmarks/results/2026-11-30-h200-session8-*.txt), cuBLAS
-time / ours at M = 256: gate/up 0.81 (Triton's 192 tile 0.77), qkv 0.80-0.82
-with the 96 tile (Triton's best, 128x128, 0.73), gate_up 0.82 with 128x128
-(Triton's 0.77-0.80); at M = 512-1024 its 128x128 tile is 0-3% ahead of
-Triton's; bits equal to the default's at every tile, ragged M and rows
-computed alone.
+H200 (session 8, benchmarks/results/2026-11-30-h200-session8-gluon-probe-run8.txt
+and ...-suite-cf0d78d.json), cuBLAS time / ours at M = 256: gate/up 0.80-0.82
+(Triton's 192 tile 0.77), qkv 0.80-0.82 with the 96 tile (Triton's best,
+128x128, 0.73), gate_up 0.81-0.82 with 128x128 (Triton's 0.77-0.80); at M =
+512-1024 its 128x128 tile is 0-3% ahead of Triton's, at M = 4096 Triton's 128
+x 256 (0.93-0.99) stays the pick.  Bits equal to Triton's kernel at the same
+tile, at ragged M and for rows computed alone.
+
+Its launch costs more Python than Triton's (five descriptors with layouts, and
+their binding), so the defaults pick it only inside
+``launches.graph_launches()`` (CUDA graphs replay device time only).
 
 Needs ``triton.experimental.gluon`` (Triton 3.6 names the TMA copies
 ``async_copy_*``, later versions ``async_load`` / ``async_store``; both work)

@@ -199,7 +199,7 @@ def reduction_config(N: int, K: int) -> dict:
 # one's speed relative to the 128x256 tile with every SM busy (rounded from the
 # session-5 sweeps, benchmarks/results/2026-11-30-h200-session5-matmul-sweeps.txt;
 # the 96-wide tile, which only the Gluon kernel runs, from session 8's,
-# ...-session8-ws-probe-run8.txt: 0.62-0.68 of the 128x256 tile at M = 4096).
+# ...-session8-gluon-probe-run8.txt: 0.62-0.68 of the 128x256 tile at M = 4096).
 _TMA_TILES = ((128, 256, 64, 8, 3), (128, 192, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 128, 4, 4),
               (64, 64, 128, 4, 4), (128, 96, 64, 8, 4))
 _TMA_SPEED = (1.0, 0.87, 0.9, 0.85, 0.65, 0.7)

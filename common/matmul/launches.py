@@ -3,8 +3,9 @@
 Inside the block, default launches may pick the Gluon kernel
 (``kernel.launch_config``): for work that a CUDA graph captures, where only
 device time is replayed.  Enter it for the eager warm-up before a capture
-too, so the Gluon kernels compile outside the capture (Triton cannot load a
-module while a stream captures).
+too, so the Gluon kernels compile outside the capture (a kernel's first
+launch loads its module, which the CUDA driver refuses while a stream
+captures).
 
 Outside it the defaults keep Triton's kernels: a Gluon launch costs more
 Python per call (five descriptors with layouts, and their binding), and on
