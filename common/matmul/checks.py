@@ -13,6 +13,11 @@ def ladder(device: torch.device) -> list:
     w = (torch.randn(N, K, generator=g) / K**0.5).to(device, torch.bfloat16)
     configs = [{}, {"row_chunk": 5}] if device.type == "cpu" else [
         {}, {"block_m": 64, "schedule": "split"}, {"block_m": 128, "schedule": "fused", "num_warps": 4}]
+    if device.type == "cuda":
+        from . import gluon_kernel
+
+        if gluon_kernel.available():  # the kernel CUDA graphs run inside graph_launches(): 192 and 96 wide
+            configs += [{"schedule": "gluon"}, {"block_n": 96, "schedule": "gluon"}]
     return [
         rung1_repeat("matmul", matmul_fwd, x, w),
         rung2_rows("matmul", matmul_fwd, (x,), shared={"w": w}, configs=configs),
