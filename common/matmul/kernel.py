@@ -9,7 +9,7 @@ never of M).  For each output element:
     total = ((0 + p_0) + p_1) + ... + p_{S-1}      (fp32 adds, left to right)
     y     = bf16(total)                            (the only rounding to bf16)
 
-Three schedules compute exactly that arithmetic:
+Four schedules compute exactly that arithmetic:
 
 * ``_mm_fused_kernel`` — one program per (BLOCK_M × BLOCK_N) tile walks all S
   segments and keeps ``total`` in registers;
@@ -20,7 +20,11 @@ Three schedules compute exactly that arithmetic:
   persistent programs (bf16 at M ≥ 128 by default), in one k-loop that
   restarts the chain after each segment's last step; tiles may be 1.5 powers
   of two wide (192 = 128 + 64 columns, two dots) to fill the SM waves, and
-  those keep a k-loop per segment (four accumulators in one loop spill).
+  those keep a k-loop per segment (four accumulators in one loop spill);
+* ``gluon_kernel._mm_pipe_kernel`` ("gluon") — the persistent TMA arithmetic
+  for 128-row tiles up to 192 wide, written in Gluon so that its loads run
+  ahead across segment and tile boundaries without draining; the defaults
+  pick it only inside ``launches.graph_launches()``.
 
 The fused and split kernels call the same ``_segment_dot``; the schedule is
 picked for speed alone and cannot change a bit.  Every output element is the
