@@ -37,6 +37,10 @@ def triton_same_tile(x, w, cfg):
                              block_k=cfg["BLOCK_K"])
 
 
+def ref_rows(x, w):
+    return matmul_fwd_triton(x, w)  # eager default: Triton's kernels
+
+
 def cublas_names():
     from torch.profiler import ProfilerActivity, profile
     for name, (N, K) in SHAPES.items():
@@ -79,7 +83,11 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--names", action="store_true")
+    ap.add_argument("--sweep", default="", help="Gluon tiles to time too, as WIDTHxBK:STAGES[,...], e.g. "
+                    "192x64:3,192x64:4,96x64:6,96x64:7,128x128:2,128x64:5 (explicit schedule='gluon')")
     a = ap.parse_args()
+    sweep = [(int(t.split("x")[0]), int(t.split("x")[1].split(":")[0]), int(t.split(":")[1]))
+             for t in a.sweep.split(",") if t]
     t0 = time.time()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} commit {os.environ.get('ALIGNZOO_COMMIT', '?')}",
           flush=True)
@@ -87,7 +95,8 @@ def main():
         cublas_names()
     torch.manual_seed(0)
     print(f"bits all equal: {check_bits()}", flush=True)
-    print("shape,M,default,default_ms,triton_same_tile_ms,cublas_ms,default_ratio,triton_same_tile_ratio", flush=True)
+    print("shape,M,default,default_ms,triton_same_tile_ms,cublas_ms,default_ratio,triton_same_tile_ratio"
+          + "".join(f",gluon{bn}k{bk}s{ns}_ratio" for bn, bk, ns in sweep), flush=True)
     for name in a.shapes.split(","):
         N, K = SHAPES[name]
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
@@ -101,8 +110,16 @@ def main():
             t_cub = _time_graph(lambda: torch.mm(x, w.t()))
             t_tri = _time_graph(lambda: triton_same_tile(x, w, cfg)) if cfg["schedule"] == "gluon" else float("nan")
             tag = f"{cfg['schedule']}{cfg['BLOCK_M']}x{cfg['BLOCK_N']}k{cfg['BLOCK_K']}s{cfg['num_stages']}"
-            print(f"{name},{M},{tag},{t_def:.4f},{t_tri:.4f},{t_cub:.4f},{t_cub / t_def:.3f},{t_cub / t_tri:.3f}",
-                  flush=True)
+            extra = ""
+            for bn, bk, ns in sweep:  # same bits by construction: checked before timing
+                def run(bn=bn, bk=bk, ns=ns):
+                    return matmul_fwd_triton(x, w, schedule="gluon", block_n=bn, block_k=bk, num_stages=ns)
+                try:
+                    extra += f",{t_cub / _time_graph(run):.3f}" if torch.equal(run(), ref_rows(x, w)) else ",not_exact"
+                except Exception as e:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
+                    extra += f",{type(e).__name__}"
+            print(f"{name},{M},{tag},{t_def:.4f},{t_tri:.4f},{t_cub:.4f},{t_cub / t_def:.3f},{t_cub / t_tri:.3f}"
+                  + extra, flush=True)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 
 
