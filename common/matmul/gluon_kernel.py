@@ -62,7 +62,6 @@ except ImportError:  # a Triton without Gluon: launch_config never picks this sc
 BLOCK_M = 128  # two warpgroups of 64 rows
 NUM_WARPS = 8
 MAX_BLOCK_N = 192
-_SMEM = 224 << 10  # bytes a program may use on the H200 (kernel._SMEM)
 
 
 def available() -> bool:
@@ -71,6 +70,8 @@ def available() -> bool:
 
 def pipeline_stages(bn: int, bk: int = 64, elem: int = 2) -> int:
     """The deepest load ring that fits beside the epilogue's output tile."""
+    from .kernel import _SMEM  # a program's shared-memory budget on the H200
+
     return min(8, (_SMEM - BLOCK_M * bn * elem) // ((BLOCK_M + bn) * bk * elem))
 
 

@@ -278,7 +278,6 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluo
 
 
 SCHEDULES = ("fused", "split", "tma", "gluon")
-_TMA_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 _GLUON_DEFAULT = {"schedule": "gluon", "BLOCK_M": 128, "BLOCK_N": 192, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 
 
@@ -304,7 +303,7 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
     if schedule is None:
         schedule = lc["schedule"]
     elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
-        lc = {"tma": {**_TMA_DEFAULT, "schedule": "tma"}, "gluon": _GLUON_DEFAULT}.get(
+        lc = {"tma": _tma_config(*_TMA_TILES[0]), "gluon": _GLUON_DEFAULT}.get(
             schedule, _split_config(M, N, cdiv(K, seg_k), sms))
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
