@@ -63,7 +63,6 @@ def _time(fn) -> float:
 
 
 _FLUSH: torch.Tensor | None = None
-_STREAM: torch.cuda.Stream | None = None
 
 
 def _time_graph(fn, replays: int = 10) -> float:
@@ -93,18 +92,9 @@ def _time_graph_captured(fn, replays: int) -> float:
     end.synchronize()
     reps = max(1, min(50, int(5.0 / max(start.elapsed_time(end), 1e-3))))  # ~5 ms of work per replay
 
-    global _STREAM
-    if _STREAM is None:  # one side stream: warm-up and capture run there (matmul.kernel.split_counters)
-        _STREAM = torch.cuda.Stream()
-    stream = _STREAM
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-
     def capture(body):
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
+        with torch.cuda.graph(g):
             for _ in range(reps):
                 _FLUSH.zero_()
                 body()

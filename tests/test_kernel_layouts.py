@@ -143,10 +143,10 @@ KERNELS = {
     # be a column slice: stride_xm is then the wider row, fixed too); listed for PDL
     "matmul_split": (
         mm._mm_split_kernel,
-        {"p_x": "*bf16", "p_w": "*bf16", "p_ws": "*fp32", "p_cnt": "*i32", "p_y": "*bf16", "M": "i32", "N": "i32",
-         "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "N_SEG": "i32"},
-        {"stride_xk": 1, "stride_wk": 1, "stride_yn": 1, "SEG_K": 1024, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
-         "IEEE": False, "FIXUP": True},
+        {"p_x": "*bf16", "p_w": "*bf16", "p_ws": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+         "stride_xm": "i32", "stride_wn": "i32"},
+        {"stride_xk": 1, "stride_wk": 1, "SEG_K": 1024, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
+         "IEEE": False},
         4, 4, ()),
     # q/k RMSNorm + RoPE + KV write: the token count is the grid's, no argument follows the batch
     # (test_qk_norm_rope_kv_reads_no_batch_integer); its row sum is reshape/split adds; listed for PDL

@@ -142,40 +142,6 @@ def test_gpu_graph_launches_equal_eager_defaults():
         assert torch.equal(warm, eager) and torch.equal(out, eager), (N, M)
 
 
-@pytest.mark.gpu
-def test_gpu_split_merges_in_place_with_the_merge_kernels_bits(monkeypatch):
-    """The split schedule's in-kernel merge (the last of a tile's programs
-    to arrive adds the partials left to right; programs arrive in any order
-    on the GPU) gives the two-kernel split's bytes, eager and replayed from a
-    graph warmed up and captured on one stream, for decode and M = 256 k/v
-    launches and ragged shapes; every counter is back at zero after."""
-    from alignzoo.common.matmul import kernel as mm
-
-    dev = torch.device("cuda")
-    cases = [(1, 1024, 4096), (8, 6144, 4096), (64, 4096, 12288), (256, 1024, 4096), (200, 1000, 2100),
-             (37, 33, 12288)]
-    for M, N, K in cases:
-        x, w = _inputs(M, K, N, dev)
-        assert mm.launch_config(M, N, K, tma=(K * 2) % 16 == 0 and (N * 2) % 16 == 0)["schedule"] == "split"
-        monkeypatch.setattr(mm, "SPLIT_FIXUP", False)
-        two = matmul_fwd(x, w, schedule="split")
-        monkeypatch.setattr(mm, "SPLIT_FIXUP", True)
-        one = [matmul_fwd(x, w, schedule="split") for _ in range(3)]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            matmul_fwd(x, w, schedule="split")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = matmul_fwd(x, w, schedule="split")
-        for _ in range(3):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, two), (M, N, K, "graph")
-        assert all(torch.equal(o, two) for o in one), (M, N, K)
-    assert len(mm._COUNTERS) >= 2 and not any(c.any() for c in mm._COUNTERS.values())
-
-
 def test_launch_resolution_fits_the_h200_and_keeps_wgmma():
     """CPU check of the CUDA launcher's knob resolution (``resolve_launch``):
     for Qwen3-8B and odd shapes, every M bucket, and each hand-picked knob set
@@ -377,43 +343,5 @@ def test_tma_kernel_keeps_the_segment_order_interpreted():
     import sys
 
     run = subprocess.run([sys.executable, "-c", _TMA_INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
-
-
-_SPLIT_INTERPRETED = """
-import torch, triton
-from alignzoo.common.matmul.kernel import _mm_split_kernel, _mm_merge_kernel
-
-g = torch.Generator().manual_seed(0)
-for M, N, K, BM, BN, BK, SEG in [(37, 100, 100, 16, 32, 16, 32), (70, 64, 160, 32, 16, 32, 64), (5, 33, 96, 16, 16, 16, 16)]:
-    x, w = (torch.randn(r, K, generator=g).bfloat16().float() for r in (M, N))
-    S, grid = triton.cdiv(K, SEG), (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    ys = {}
-    for fixup in (False, True):
-        ws, y = torch.full((S, M, N), float("nan")), torch.full((M, N), float("nan"))
-        cnt = torch.zeros(grid[0] * grid[1] + 3, dtype=torch.int32)
-        _mm_split_kernel[(*grid, S)](x, w, ws, cnt, y, M, N, K, K, 1, K, 1, N, 1, S, SEG_K=SEG, BLOCK_M=BM,
-                                     BLOCK_N=BN, BLOCK_K=BK, IEEE=True, FIXUP=fixup)
-        if not fixup:
-            _mm_merge_kernel[(triton.cdiv(M * N, 64),)](ws, y, M, N, N, 1, S, BLOCK=64)
-        assert not cnt.any(), "the counters are left at zero"
-        ys[fixup] = y
-    assert torch.equal(ys[True], ys[False]) and not ys[True].isnan().any(), (M, N, K)
-print("ok")
-"""
-
-
-def test_split_kernel_merges_in_place_like_the_merge_kernel_interpreted():
-    """The split kernel's in-kernel merge (the last program of a tile to
-    arrive adds the S partials left to right) gives the merge kernel's bytes
-    and leaves its counters at zero for the next launch; Triton's interpreter,
-    fp32 CPU tensors, ragged M, N and K.  (The interpreter runs programs in
-    grid order; the GPU test below runs them in any.)"""
-    import os
-    import subprocess
-    import sys
-
-    run = subprocess.run([sys.executable, "-c", _SPLIT_INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]

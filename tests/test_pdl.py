@@ -67,19 +67,16 @@ def test_pdl_options(monkeypatch):
     assert pdl_options(gpu, 1) == off
 
 
-_SPLIT_TYPES = {"p_x": "*bf16", "p_w": "*bf16", "p_ws": "*fp32", "p_cnt": "*i32", "p_y": "*bf16", "M": "i32",
-                "N": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32",
-                "stride_ym": "i32", "stride_yn": "i32", "N_SEG": "i32"}
-_SPLIT_CONSTS = {"SEG_K": 1024, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False, "FIXUP": True,
-                 "PDL": True}
+_SPLIT_TYPES = {"p_x": "*bf16", "p_w": "*bf16", "p_ws": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+                "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32"}
+_SPLIT_CONSTS = {"SEG_K": 1024, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False, "PDL": True}
 
 
 @pytest.mark.parametrize("name, types, consts, aligned", [
     pytest.param("_mm_merge_kernel", {"p_ws": "*fp32", "p_y": "*bf16", "M": "i32", "N": "i32", "stride_ym": "i32",
                                       "stride_yn": "i32", "N_SEG": "i32"},
                  {"BLOCK": 1024, "PDL": True}, {"p_ws", "p_y"}, id="matmul-merge"),
-    pytest.param("_mm_split_kernel", _SPLIT_TYPES, _SPLIT_CONSTS, {"p_x", "p_w", "p_ws", "p_cnt", "p_y"},
-                 id="matmul-split"),
+    pytest.param("_mm_split_kernel", _SPLIT_TYPES, _SPLIT_CONSTS, {"p_x", "p_w", "p_ws"}, id="matmul-split"),
 ])
 def test_pdl_wait_precedes_memory_in_the_compiled_kernel(name, types, consts, aligned):
     """sm_90 TTGIR with PDL on: the grid-dependency wait comes before the

@@ -76,17 +76,14 @@ def capture_decode_graphs(model: ServeModel, kv_cache, batch_sizes: list[int], w
     one at a time, which makes sharing it safe."""
     static = static_decode_batch(max(batch_sizes), width, model.device)
     graphs, logits, pool = {}, {}, None
-    stream = torch.cuda.Stream(model.device)  # warm-up and capture share it: see matmul.kernel.split_counters
-    stream.wait_stream(torch.cuda.current_stream(model.device))
     for bs in sorted(batch_sizes, reverse=True):
         t0 = time.perf_counter()
         batch = first_rows(static, bs)
         with graph_launches():  # the matmuls may run the Gluon kernel: only device time replays
-            with torch.cuda.stream(stream):  # warm-up: Triton compiles and picks configs outside the capture
-                model.forward(batch, kv_cache)
+            model.forward(batch, kv_cache)  # warm-up: Triton compiles and picks configs outside the capture
             torch.cuda.synchronize(model.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            with torch.cuda.graph(graph, pool=pool):
                 logits[bs] = model.forward(batch, kv_cache)
         pool = graph.pool() if pool is None else pool
         graphs[bs] = graph

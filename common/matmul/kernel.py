@@ -44,8 +44,6 @@ lower to mma.sync, whose in-instruction summation is not promised equal).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -106,18 +104,10 @@ def _mm_fused_kernel(p_x, p_w, p_y, M, N, K,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mm_split_kernel(p_x, p_w, p_ws, p_cnt, p_y, M, N, K,
-                     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, N_SEG,
+def _mm_split_kernel(p_x, p_w, p_ws, M, N, K,
+                     stride_xm, stride_xk, stride_wn, stride_wk,
                      SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, FIXUP: tl.constexpr, PDL: tl.constexpr = False):
-    """One program per (tile, K segment) writes its partial ``p_s`` in fp32.
-
-    ``FIXUP``: the merge happens in this kernel.  Each program counts its
-    tile's arrival on ``p_cnt`` (an int32 per tile, zero at rest); the one
-    that arrives last re-reads the tile's S partials and adds them left to
-    right, the same adds as ``_mm_merge_kernel`` whatever order the programs
-    ran in, then sets the counter back to zero for the next launch.  Without
-    it ``_mm_merge_kernel`` follows as a second kernel."""
+                     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     wait_prior(PDL)  # PDL: first, before any global load or store
     i_m, i_n, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b_p = _segment_dot(p_x, p_w, i_m, i_n, M, N, K, s * SEG_K,
@@ -125,19 +115,8 @@ def _mm_split_kernel(p_x, p_w, p_ws, p_cnt, p_y, M, N, K,
                        SEG_K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (o_m[:, None] < M) & (o_n[None, :] < N)
-    p_part = p_ws + o_m[:, None] * N + o_n[None, :]
-    tl.store(p_part + s * M * N, b_p, mask=mask)
-    if FIXUP:
-        tl.debug_barrier()  # every thread's partial is stored before the release below
-        tile = i_m * tl.num_programs(1) + i_n
-        if tl.atomic_add(p_cnt + tile, 1, sem="acq_rel", scope="gpu") == N_SEG - 1:
-            b_total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for t in range(0, N_SEG):  # left to right, the merge kernel's adds; .cg: read L2, not a stale L1
-                b_total += tl.load(p_part + t * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(p_y + o_m[:, None] * stride_ym + o_n[None, :] * stride_yn,
-                     b_total.to(p_y.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(p_cnt + tile, 0, sem="relaxed", scope="gpu")  # zero at rest again
+    tl.store(p_ws + s * M * N + o_m[:, None] * N + o_n[None, :], b_p,
+             mask=(o_m[:, None] < M) & (o_n[None, :] < N))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -205,32 +184,6 @@ def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
 
 
 _NUM_SMS: dict[int, int] = {}
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-COUNTER_TILES = 4096  # int32 arrival counters per stream: a split launch of more tiles merges in a second kernel
-SPLIT_FIXUP = os.environ.get("ALIGNZOO_SPLIT_FIXUP", "1") != "0"  # "0": the two-kernel split (side-by-side timing)
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The split kernel's per-tile arrival counters for the current stream
-    (zero at rest: each launch's last arriver resets its tile's), or None
-    where the merge must run as its own kernel.
-
-    Kernels of one stream run one after another, so a stream can reuse one
-    set; two streams get two, so concurrent streams never share a counter.
-    A buffer is made outside any graph capture and then kept for the life of
-    the process (a graph captured with it keeps its address).  A capture on a
-    stream without one merges in a second kernel: warm up on the capture
-    stream (as ``capture_decode_graphs`` does) to capture the one-kernel
-    split."""
-    if not SPLIT_FIXUP or tiles > COUNTER_TILES:
-        return None
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, torch.cuda.current_stream(idx).cuda_stream)
-    if key not in _COUNTERS:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        _COUNTERS[key] = torch.zeros(COUNTER_TILES, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 def _num_sms(device: torch.device) -> int:
@@ -421,14 +374,11 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
             num_warps=nw, num_stages=ns, **pdl)
     elif schedule == "split" and n_seg > 1:
         ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
-        cnt = split_counters(x.device, tiles)
         _mm_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
-            x, w, ws, ws if cnt is None else cnt, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            y.stride(0), y.stride(1), n_seg, SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee,
-            FIXUP=cnt is not None, num_warps=nw, num_stages=ns, **pdl)
-        if cnt is None:
-            BLOCK = 1024
-            _mm_merge_kernel[(cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK, **pdl)
+            x, w, ws, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns, **pdl)
+        BLOCK = 1024
+        _mm_merge_kernel[(cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK, **pdl)
     else:  # fused, or split with a single K segment
         _mm_fused_kernel[(tiles,)](
             x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
