@@ -120,6 +120,25 @@ def _mm_split_kernel(p_x, p_w, p_ws, M, N, K,
 
 
 @triton.jit(do_not_specialize=["M"])
+def _mm_tma_split_kernel(d_x, d_w, p_ws, M, N, SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """``_mm_split_kernel`` with TMA loads (bf16, TMA-able operands; out of
+    bounds reads are zero): one program per (tile, K segment) chains the
+    segment's k-steps from zero and writes ``p_s`` in fp32 for
+    ``_mm_merge_kernel``; the same per-element arithmetic as
+    ``_segment_dot``."""
+    wait_prior(PDL)  # PDL: first, before any global load or store
+    i_m, i_n, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(s * SEG_K, (s + 1) * SEG_K, BLOCK_K):
+        b_acc = tl.dot(d_x.load([i_m * BLOCK_M, kk]), d_w.load([i_n * BLOCK_N, kk]).T, b_acc)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(p_ws + s * M * N + o_m[:, None] * N + o_n[None, :], b_acc,
+             mask=(o_m[:, None] < M) & (o_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M"])
 def _mm_merge_kernel(p_ws, p_y, M, N, stride_ym, stride_yn, N_SEG, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     wait_prior(PDL)  # PDL: first, before any global load or store
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -277,7 +296,9 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluo
     return {"schedule": "split" if split else "fused", **cfg}
 
 
-SCHEDULES = ("fused", "split", "tma", "gluon")
+SCHEDULES = ("fused", "split", "tma", "gluon", "tma_split")
+_TMA_SPLIT_DEFAULT = {"schedule": "tma_split", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
+                      "num_stages": 4}
 _GLUON_DEFAULT = {"schedule": "gluon", "BLOCK_M": 128, "BLOCK_N": 192, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 
 
@@ -303,7 +324,7 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
     if schedule is None:
         schedule = lc["schedule"]
     elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
-        lc = {"tma": _tma_config(*_TMA_TILES[0]), "gluon": _GLUON_DEFAULT}.get(
+        lc = {"tma": _tma_config(*_TMA_TILES[0]), "gluon": _GLUON_DEFAULT, "tma_split": _TMA_SPLIT_DEFAULT}.get(
             schedule, _split_config(M, N, cdiv(K, seg_k), sms))
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -356,7 +377,7 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     ieee = x.dtype == torch.float32
     tiles = cdiv(M, BM) * cdiv(N, BN)
     pdl = pdl_options(x.device, M)
-    if schedule in ("tma", "gluon") and not tma_ok:
+    if schedule in ("tma", "gluon", "tma_split") and not tma_ok:
         raise ValueError(f"schedule={schedule!r} needs bf16 operands with unit last stride and 16-byte aligned rows")
     if schedule == "gluon":  # no PDL (it stops at 64 rows anyway): a plain launch is always safe
         gluon_kernel.matmul_fwd_gluon(x, w, y, seg_k=seg_k, n_seg=n_seg, BN=BN, BK=BK, stages=ns, sms=sms)
@@ -372,6 +393,14 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
             TensorDescriptor.from_tensor(x, [BM, BK]), d_w, d_w2, d_y, d_y2, M, N, K, n_seg,
             SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=bn, BLOCK_N2=bn2, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs,
             num_warps=nw, num_stages=ns, **pdl)
+    elif schedule == "tma_split":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
+        _mm_tma_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
+            TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]), ws, M, N,
+            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=nw, num_stages=ns, **pdl)
+        _mm_merge_kernel[(cdiv(M * N, 1024),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=1024, **pdl)
     elif schedule == "split" and n_seg > 1:
         ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
         _mm_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
