@@ -22,7 +22,8 @@ trigger; at batch 8: 6.24, 6.23 and 6.09 ms; at batch 64 7.63 and 7.54 ms
 side by side with it yet).
 
 ``pdl_options(device, rows)`` gives a launch's keyword arguments: the ``PDL``
-constexpr and Triton's ``launch_pdl`` together (never one without the other),
+constexpr and Triton's ``launch_pdl`` together (never ``launch_pdl`` without the
+constexpr; ``pdl_pair`` compiles a producer with it and launches it plainly),
 on CUDA devices of compute capability >= 9 with a Triton that has both, for
 at most ``PDL_MAX_ROWS`` rows, unless ``ALIGNZOO_PDL=0``.  Any mix of PDL and
 plain launches in a stream is safe: a plain launch waits as always, and a PDL
@@ -55,6 +56,7 @@ def wait_prior(PDL: tl.constexpr):
 PDL_MAX_ROWS = 64
 _OFF = {"PDL": False}
 _ON = {"PDL": True, "launch_pdl": True}
+_TRIGGER = {"PDL": True}  # compiled with the wait and the trigger, launched plainly: see pdl_pair
 _ENABLED: dict[int, bool] = {}
 
 
@@ -78,3 +80,19 @@ def pdl_options(device: torch.device, rows: int) -> dict:
     if idx not in _ENABLED:
         _ENABLED[idx] = torch.cuda.get_device_capability(idx)[0] >= 9 and _triton_has_pdl()
     return _ON if _ENABLED[idx] else _OFF
+
+
+def pdl_pair(device: torch.device, rows: int) -> tuple[dict, dict]:
+    """Launch options of a producer kernel and the consumer right after it
+    (the split matmul and its merge): ``pdl_options`` for both up to
+    ``PDL_MAX_ROWS`` rows; above, the consumer alone is PDL-launched, and the
+    producer is compiled with ``wait_prior`` but launched plainly.  Its wait
+    then finds the kernel before it finished (a plain launch starts after
+    it), and its trigger lets the consumer launch during its last wave, where
+    the consumer's programs wait for its end.  H200, session 9: k/v at M =
+    256 went 0.785 -> 0.830x cuBLAS (benchmarks/results/2026-11-30-h200-session9-runs.md)."""
+    if rows <= PDL_MAX_ROWS or pdl_options(device, 1) is _OFF:
+        opts = pdl_options(device, rows)
+        return opts, opts
+    return _TRIGGER, _ON
+

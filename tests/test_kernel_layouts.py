@@ -282,7 +282,7 @@ _DNS = [
     (rms._rmsnorm_fwd_kernel, "M"), (rms._rmsnorm_bwd_kernel, "M"),
     (fp8._fp8_gemm_kernel, "M"),
     (mm._mm_fused_kernel, "M"), (mm._mm_split_kernel, "M"), (mm._mm_merge_kernel, "M"),
-    (mm._mm_tma_persistent_kernel, "M"),
+    (mm._mm_tma_persistent_kernel, "M"), (mm._mm_tma_split_kernel, "M"),
     (swiglu._swiglu_fwd_kernel, "M"), (swiglu._swiglu_bwd_kernel, "M"), (rope.rope_kernel, "N"),
     # not a row count: the sorted values' row stride / 2, never specialized so the value loads keep
     # the keys' layout (tests/test_sampling.py::test_value_row_stride_is_never_specialized)

@@ -23,10 +23,11 @@ def _launch_configs(device):
             {"block_m": 128, "block_n": 64, "schedule": "fused", "num_stages": 2}, {"schedule": "tma"},
             {"block_m": 128, "block_n": 192, "schedule": "tma"}, {"block_m": 64, "block_n": 96, "schedule": "tma"},
             {"schedule": "gluon"}, {"block_n": 96, "schedule": "gluon"},
-            {"block_n": 128, "block_k": 128, "schedule": "gluon"}]
+            {"block_n": 128, "block_k": 128, "schedule": "gluon"}, {"schedule": "tma_split"},
+            {"schedule": "tma_split", "block_n": 32, "num_stages": 4}]
 
 
-_TMA_SCHEDULES = ("tma", "gluon")  # TMA descriptors: bf16 with 16-byte aligned rows
+_TMA_SCHEDULES = ("tma", "gluon", "tma_split")  # TMA descriptors: bf16 with 16-byte aligned rows
 
 
 def _inputs(M, K, N, device, dtype=torch.bfloat16):
@@ -167,6 +168,10 @@ def test_launch_resolution_fits_the_h200_and_keeps_wgmma():
                         assert tma and elem == 2
     # the sweep's decode picks: k/v streams through 64x32 tiles split over K segments
     assert launch_config(1, 1024, 4096)["schedule"] == "split"
+    # k/v above 64 rows: the TMA split (session 9), 64x64 tiles on a 3-stage ring at M = 256
+    kv = launch_config(256, 1024, 4096)
+    assert (kv["schedule"], kv["BLOCK_N"], kv["BLOCK_K"], kv["num_stages"]) == ("tma_split", 64, 128, 3)
+    assert launch_config(256, 1024, 4096, tma=False)["schedule"] == "split"
     assert (launch_config(1, 1024, 4096)["BLOCK_N"], launch_config(1, 1024, 4096)["BLOCK_K"]) == (32, 128)
     with pytest.raises(ValueError, match="schedule must be"):
         resolve_launch(8, 64, 64, 2, 132, True, seg_k=1024, schedule="bogus")
@@ -343,5 +348,38 @@ def test_tma_kernel_keeps_the_segment_order_interpreted():
     import sys
 
     run = subprocess.run([sys.executable, "-c", _TMA_INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
+
+
+_TMA_SPLIT_INTERPRETED = """
+import torch, triton
+from triton.tools.tensor_descriptor import TensorDescriptor as D
+from alignzoo.common.matmul.kernel import _mm_tma_split_kernel, _mm_split_kernel
+
+g = torch.Generator().manual_seed(0)
+for M, N, K, BM, BN, BK, SEG in [(37, 100, 100, 16, 32, 16, 32), (70, 64, 160, 32, 16, 32, 64), (5, 40, 96, 16, 16, 16, 16)]:
+    x, w = (torch.randn(r, K, generator=g).bfloat16().float() for r in (M, N))
+    S, grid = triton.cdiv(K, SEG), (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    a, b = torch.full((S, M, N), float("nan")), torch.full((S, M, N), float("nan"))
+    _mm_tma_split_kernel[(*grid, S)](D.from_tensor(x, [BM, BK]), D.from_tensor(w, [BN, BK]), a, M, N, SEG_K=SEG,
+                                     BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+    _mm_split_kernel[(*grid, S)](x, w, b, M, N, K, K, 1, K, 1, SEG_K=SEG, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=True)
+    assert torch.equal(a, b) and not a.isnan().any(), (M, N, K)
+print("ok")
+"""
+
+
+def test_tma_split_kernel_writes_the_split_kernels_partials_interpreted():
+    """The TMA split kernel (TMA loads, zero past the edges) writes the
+    pointer-load split kernel's fp32 segment partials, byte for byte, for the
+    merge kernel: Triton's interpreter, fp32 CPU tensors, ragged M, N and K.
+    (A chain carried across segments, or a segment's steps started anywhere
+    but its first, fails this test.)"""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _TMA_SPLIT_INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]

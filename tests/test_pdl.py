@@ -67,6 +67,25 @@ def test_pdl_options(monkeypatch):
     assert pdl_options(gpu, 1) == off
 
 
+def test_pdl_pair(monkeypatch):
+    """The split matmul's two kernels: both PDL up to PDL_MAX_ROWS rows; above,
+    the merge alone is PDL-launched and the split compiled to trigger it
+    (launched plainly); off with ALIGNZOO_PDL=0 and on the CPU."""
+    from alignzoo.common import _pdl
+    from alignzoo.common._pdl import pdl_pair
+
+    off, on, trigger = {"PDL": False}, {"PDL": True, "launch_pdl": True}, {"PDL": True}
+    assert pdl_pair(torch.device("cpu"), 256) == (off, off)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("ALIGNZOO_PDL", raising=False)
+    monkeypatch.setitem(_pdl._ENABLED, 0, True)
+    gpu = torch.device("cuda", 0)
+    assert pdl_pair(gpu, _pdl.PDL_MAX_ROWS) == (on, on)
+    assert pdl_pair(gpu, _pdl.PDL_MAX_ROWS + 1) == (trigger, on)
+    monkeypatch.setenv("ALIGNZOO_PDL", "0")
+    assert pdl_pair(gpu, 256) == (off, off)
+
+
 _SPLIT_TYPES = {"p_x": "*bf16", "p_w": "*bf16", "p_ws": "*fp32", "M": "i32", "N": "i32", "K": "i32",
                 "stride_xm": "i32", "stride_xk": "i32", "stride_wn": "i32", "stride_wk": "i32"}
 _SPLIT_CONSTS = {"SEG_K": 1024, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "IEEE": False, "PDL": True}

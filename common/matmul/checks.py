@@ -12,7 +12,8 @@ def ladder(device: torch.device) -> list:
     x = torch.randn(M, K, generator=g).to(device, torch.bfloat16)
     w = (torch.randn(N, K, generator=g) / K**0.5).to(device, torch.bfloat16)
     configs = [{}, {"row_chunk": 5}] if device.type == "cpu" else [
-        {}, {"block_m": 64, "schedule": "split"}, {"block_m": 128, "schedule": "fused", "num_warps": 4}]
+        {}, {"block_m": 64, "schedule": "split"}, {"block_m": 128, "schedule": "fused", "num_warps": 4},
+        {"schedule": "tma_split"}, {"schedule": "tma_split", "block_n": 32, "num_stages": 4}]
     if device.type == "cuda":
         from . import gluon_kernel
 

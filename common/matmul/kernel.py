@@ -9,7 +9,7 @@ never of M).  For each output element:
     total = ((0 + p_0) + p_1) + ... + p_{S-1}      (fp32 adds, left to right)
     y     = bf16(total)                            (the only rounding to bf16)
 
-Four schedules compute exactly that arithmetic:
+Five schedules compute exactly that arithmetic:
 
 * ``_mm_fused_kernel`` — one program per (BLOCK_M × BLOCK_N) tile walks all S
   segments and keeps ``total`` in registers;
@@ -21,6 +21,10 @@ Four schedules compute exactly that arithmetic:
   restarts the chain after each segment's last step; tiles may be 1.5 powers
   of two wide (192 = 128 + 64 columns, two dots) to fill the SM waves, and
   those keep a k-loop per segment (four accumulators in one loop spill);
+* ``_mm_tma_split_kernel`` ("tma_split") + ``_mm_merge_kernel`` — the split
+  with TMA loads, for bf16 above 64 rows where even 64x64 tiles leave SMs
+  idle (k/v-wide N); the merge launches as a PDL dependent of the split
+  (``_pdl.pdl_pair``);
 * ``gluon_kernel._mm_pipe_kernel`` ("gluon") — the persistent TMA arithmetic
   for 128-row tiles up to 192 wide, written in Gluon so that its loads run
   ahead across segment and tile boundaries without draining; the defaults
@@ -49,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv
-from .._pdl import pdl_options, wait_prior
+from .._pdl import pdl_options, pdl_pair, wait_prior
 from . import gluon_kernel
 from .launches import graph_launches_active
 
@@ -252,6 +256,15 @@ def _split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
             "num_warps": 4, "num_stages": 4}
 
 
+def _tma_split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
+    """The TMA split for M > 64 (k/v-wide N): ``_split_config``'s tile
+    widths with BLOCK_K 128; 64x64 tiles on a 3-stage ring, two programs an
+    SM (H200, session 9: k/v at M = 256 0.86x cuBLAS against the pointer
+    split's 0.785x, 4 stages 0.79x)."""
+    narrow = _split_config(M, N, n_seg, sms)["BLOCK_N"] == 32
+    return {**_TMA_SPLIT_DEFAULT, "BLOCK_N": 32 if narrow else 64, "num_stages": 4 if narrow else 3}
+
+
 _SMEM = 224 << 10  # bytes of shared memory a program may use on the H200 (227 KB, less headroom)
 
 
@@ -273,8 +286,8 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluo
       segments while the tiles alone would not fill two waves, else fused.
     * larger M with TMA-able operands: the persistent TMA tile with the best
       (tile speed x wave fill): at M = 128-1024 wave quantisation costs more
-      than a smaller tile does; split instead when even 64x64 tiles would
-      leave 30% of the SMs idle.
+      than a smaller tile does; the TMA split instead when even 64x64 tiles
+      would leave 30% of the SMs idle.
     * otherwise (fp32 or unaligned operands): the pointer-load fused/split kernels.
     """
     n_seg = cdiv(K, reduction_config(N, K)["SEG_K"])
@@ -285,7 +298,7 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluo
                 "num_warps": 4, "num_stages": 4}
     if tma:
         if n_seg > 1 and cdiv(M, 64) * cdiv(N, 64) < 0.7 * sms:  # the smallest tile's count
-            return _split_config(M, N, n_seg, sms)
+            return _tma_split_config(M, N, n_seg, sms)
         gluon = gluon and gluon_kernel.available()
         tiles = [(t, v) for t, v in zip(_TMA_TILES, _TMA_SPEED) if t[1] != 96 or gluon]  # 96 wide: Gluon only
         score = [v * _wave_fill(cdiv(M, bm) * cdiv(N, bn), sms) for (bm, bn, *_), v in tiles]
@@ -298,7 +311,7 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluo
 
 SCHEDULES = ("fused", "split", "tma", "gluon", "tma_split")
 _TMA_SPLIT_DEFAULT = {"schedule": "tma_split", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
-                      "num_stages": 4}
+                      "num_stages": 3}
 _GLUON_DEFAULT = {"schedule": "gluon", "BLOCK_M": 128, "BLOCK_N": 192, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 
 
@@ -324,7 +337,8 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
     if schedule is None:
         schedule = lc["schedule"]
     elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
-        lc = {"tma": _tma_config(*_TMA_TILES[0]), "gluon": _GLUON_DEFAULT, "tma_split": _TMA_SPLIT_DEFAULT}.get(
+        lc = {"tma": _tma_config(*_TMA_TILES[0]), "gluon": _GLUON_DEFAULT,
+              "tma_split": _tma_split_config(M, N, cdiv(K, seg_k), sms)}.get(
             schedule, _split_config(M, N, cdiv(K, seg_k), sms))
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -393,21 +407,20 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
             TensorDescriptor.from_tensor(x, [BM, BK]), d_w, d_w2, d_y, d_y2, M, N, K, n_seg,
             SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=bn, BLOCK_N2=bn2, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs,
             num_warps=nw, num_stages=ns, **pdl)
-    elif schedule == "tma_split":
-        from triton.tools.tensor_descriptor import TensorDescriptor
+    elif schedule == "tma_split" or (schedule == "split" and n_seg > 1):
+        ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
+        pdl_split, pdl_merge = pdl_pair(x.device, M)  # the merge's launch overlaps the split's last wave
+        if schedule == "tma_split":
+            from triton.tools.tensor_descriptor import TensorDescriptor
 
-        ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
-        _mm_tma_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
-            TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]), ws, M, N,
-            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=nw, num_stages=ns, **pdl)
-        _mm_merge_kernel[(cdiv(M * N, 1024),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=1024, **pdl)
-    elif schedule == "split" and n_seg > 1:
-        ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
-        _mm_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
-            x, w, ws, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns, **pdl)
-        BLOCK = 1024
-        _mm_merge_kernel[(cdiv(M * N, BLOCK),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=BLOCK, **pdl)
+            _mm_tma_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
+                TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]), ws, M, N,
+                SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=nw, num_stages=ns, **pdl_split)
+        else:
+            _mm_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
+                x, w, ws, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns, **pdl_split)
+        _mm_merge_kernel[(cdiv(M * N, 1024),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=1024, **pdl_merge)
     else:  # fused, or split with a single K segment
         _mm_fused_kernel[(tiles,)](
             x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
