@@ -172,6 +172,12 @@ def test_launch_resolution_fits_the_h200_and_keeps_wgmma():
     kv = launch_config(256, 1024, 4096)
     assert (kv["schedule"], kv["BLOCK_N"], kv["BLOCK_K"], kv["num_stages"]) == ("tma_split", 64, 128, 3)
     assert launch_config(256, 1024, 4096, tma=False)["schedule"] == "split"
+    kv = launch_config(320, 1024, 4096)  # 64x64x128 would need two waves there: 64x64x64, three programs an SM
+    assert (kv["schedule"], kv["BLOCK_N"], kv["BLOCK_K"], kv["num_stages"]) == ("tma_split", 64, 64, 4)
+    # decode from 32 rows up: the TMA split, 128 wide at N > 2048; the pointer split below
+    for M, sched in ((31, "split"), (32, "tma_split"), (64, "tma_split")):
+        assert launch_config(M, 4096, 12288)["schedule"] == sched, M
+    assert launch_config(64, 4096, 12288)["BLOCK_N"] == 128 and launch_config(64, 1024, 4096)["BLOCK_N"] == 32
     assert (launch_config(1, 1024, 4096)["BLOCK_N"], launch_config(1, 1024, 4096)["BLOCK_K"]) == (32, 128)
     with pytest.raises(ValueError, match="schedule must be"):
         resolve_launch(8, 64, 64, 2, 132, True, seg_k=1024, schedule="bogus")

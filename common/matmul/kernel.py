@@ -257,12 +257,26 @@ def _split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
 
 
 def _tma_split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
-    """The TMA split for M > 64 (k/v-wide N): ``_split_config``'s tile
-    widths with BLOCK_K 128; 64x64 tiles on a 3-stage ring, two programs an
-    SM (H200, session 9: k/v at M = 256 0.86x cuBLAS against the pointer
-    split's 0.785x, 4 stages 0.79x)."""
-    narrow = _split_config(M, N, n_seg, sms)["BLOCK_N"] == 32
-    return {**_TMA_SPLIT_DEFAULT, "BLOCK_N": 32 if narrow else 64, "num_stages": 4 if narrow else 3}
+    """The TMA split's tile (64 rows; H200, session 9, runs 2-3,
+    benchmarks/results/2026-11-30-h200-session9-runs.md):
+
+    * M <= 64: 64x32 with BLOCK_K 128 for N <= 2048 (k/v), else 64x128,
+      4 stages (0-5% ahead of the pointer split at M = 32-64, where
+      launch_config takes it; behind it below 32 rows);
+    * above: the widest of 64x32 (BLOCK_K 128, 4 stages) and 64x64 (BLOCK_K
+      128, 3 stages) whose programs fit two an SM in one wave, else 64x64
+      with BLOCK_K 64 on 4 stages (three an SM): k/v at M = 256 1.04-1.07x
+      cuBLAS, at M = 320 0.93x (64x64x128 there: two waves, 0.70x)."""
+    cfg = {"schedule": "tma_split", "BLOCK_M": 64, "num_warps": 4}
+    if M <= 64:
+        return {**cfg, **({"BLOCK_N": 32, "BLOCK_K": 128} if N <= 2048 else {"BLOCK_N": 128, "BLOCK_K": 64}),
+                "num_stages": 4}
+    progs = lambda bn: cdiv(M, 64) * cdiv(N, bn) * n_seg  # noqa: E731
+    if progs(32) <= 2 * sms:
+        return {**cfg, "BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 4}
+    if progs(64) <= 2 * sms:
+        return {**cfg, "BLOCK_N": 64, "BLOCK_K": 128, "num_stages": 3}
+    return {**cfg, "BLOCK_N": 64, "BLOCK_K": 64, "num_stages": 4}
 
 
 _SMEM = 224 << 10  # bytes of shared memory a program may use on the H200 (227 KB, less headroom)
@@ -283,7 +297,8 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluo
     Qwen3-8B (N, K) and M = 1...4096 gave the default's bits).
 
     * M <= 64 (decode): 64-row tiles streaming the weight; split over the K
-      segments while the tiles alone would not fill two waves, else fused.
+      segments while the tiles alone would not fill two waves, else fused;
+      the split loads by TMA from 32 rows up (``_tma_split_config``).
     * larger M with TMA-able operands: the persistent TMA tile with the best
       (tile speed x wave fill): at M = 128-1024 wave quantisation costs more
       than a smaller tile does; the TMA split instead when even 64x64 tiles
@@ -294,6 +309,8 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluo
     if M <= 64:
         bn, bk = (32, 128) if N <= 2048 else (64, 64)
         split = n_seg > 1 and cdiv(N, bn) < 2 * sms
+        if split and tma and M >= 32:
+            return _tma_split_config(M, N, n_seg, sms)
         return {"schedule": "split" if split else "fused", "BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk,
                 "num_warps": 4, "num_stages": 4}
     if tma:
@@ -310,8 +327,6 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluo
 
 
 SCHEDULES = ("fused", "split", "tma", "gluon", "tma_split")
-_TMA_SPLIT_DEFAULT = {"schedule": "tma_split", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4,
-                      "num_stages": 3}
 _GLUON_DEFAULT = {"schedule": "gluon", "BLOCK_M": 128, "BLOCK_N": 192, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 
 
