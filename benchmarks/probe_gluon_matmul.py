@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_primitives import _time_graph  # noqa: E402
-from alignzoo.common.matmul import gluon_kernel, graph_launches  # noqa: E402
+from alignzoo.common.matmul import graph_launches  # noqa: E402
 from alignzoo.common.matmul.kernel import launch_config, matmul_fwd_triton  # noqa: E402
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288),
@@ -83,11 +83,11 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--budget-s", type=float, default=200)
     ap.add_argument("--names", action="store_true")
-    ap.add_argument("--sweep", default="", help="Gluon tiles to time too, as WIDTHxBK:STAGES[r][,...], e.g. "
-                    "192x64:4,192x64:5r,96x64:7,128x128:2 (explicit schedule='gluon'; r: the register epilogue)")
+    ap.add_argument("--sweep", default="", help="Gluon tiles to time too, as WIDTHxBK:STAGES[,...], e.g. "
+                    "192x64:3,192x64:4,96x64:6,96x64:7,128x128:2,128x64:5 (explicit schedule='gluon')")
     a = ap.parse_args()
-    sweep = [(int(t.split("x")[0]), int(t.split("x")[1].split(":")[0]), int(t.split(":")[1].rstrip("r")),
-              t.endswith("r")) for t in a.sweep.split(",") if t]
+    sweep = [(int(t.split("x")[0]), int(t.split("x")[1].split(":")[0]), int(t.split(":")[1]))
+             for t in a.sweep.split(",") if t]
     t0 = time.time()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} commit {os.environ.get('ALIGNZOO_COMMIT', '?')}",
           flush=True)
@@ -96,7 +96,7 @@ def main():
     torch.manual_seed(0)
     print(f"bits all equal: {check_bits()}", flush=True)
     print("shape,M,default,default_ms,triton_same_tile_ms,cublas_ms,default_ratio,triton_same_tile_ratio"
-          + "".join(f",gluon{bn}k{bk}s{ns}{'r' if r else ''}_ratio" for bn, bk, ns, r in sweep), flush=True)
+          + "".join(f",gluon{bn}k{bk}s{ns}_ratio" for bn, bk, ns in sweep), flush=True)
     for name in a.shapes.split(","):
         N, K = SHAPES[name]
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
@@ -111,13 +111,9 @@ def main():
             t_tri = _time_graph(lambda: triton_same_tile(x, w, cfg)) if cfg["schedule"] == "gluon" else float("nan")
             tag = f"{cfg['schedule']}{cfg['BLOCK_M']}x{cfg['BLOCK_N']}k{cfg['BLOCK_K']}s{cfg['num_stages']}"
             extra = ""
-            for bn, bk, ns, r in sweep:  # same bits by construction: checked before timing
-                def run(bn=bn, bk=bk, ns=ns, r=r):
-                    prev, gluon_kernel.REG_EPILOGUE = gluon_kernel.REG_EPILOGUE, r  # read at launch
-                    try:
-                        return matmul_fwd_triton(x, w, schedule="gluon", block_n=bn, block_k=bk, num_stages=ns)
-                    finally:
-                        gluon_kernel.REG_EPILOGUE = prev
+            for bn, bk, ns in sweep:  # same bits by construction: checked before timing
+                def run(bn=bn, bk=bk, ns=ns):
+                    return matmul_fwd_triton(x, w, schedule="gluon", block_n=bn, block_k=bk, num_stages=ns)
                 try:
                     extra += f",{t_cub / _time_graph(run):.3f}" if torch.equal(run(), ref_rows(x, w)) else ",not_exact"
                 except Exception as e:  # noqa: BLE001 - a tile that does not fit is reported, not fatal

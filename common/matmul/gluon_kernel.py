@@ -68,16 +68,11 @@ def available() -> bool:
     return gluon is not None
 
 
-REG_EPILOGUE = False  # True: store tiles from registers, no shared-memory output tile (one more ring stage)
-
-
-def pipeline_stages(bn: int, bk: int = 64, elem: int = 2, reg_epilogue: bool | None = None) -> int:
-    """The deepest load ring that fits beside the epilogue's output tile
-    (none with the register epilogue)."""
+def pipeline_stages(bn: int, bk: int = 64, elem: int = 2) -> int:
+    """The deepest load ring that fits beside the epilogue's output tile."""
     from .kernel import _SMEM  # a program's shared-memory budget on the H200
 
-    reg = REG_EPILOGUE if reg_epilogue is None else reg_epilogue
-    return min(8, (_SMEM - (0 if reg else BLOCK_M * bn * elem)) // ((BLOCK_M + bn) * bk * elem))
+    return min(8, (_SMEM - BLOCK_M * bn * elem) // ((BLOCK_M + bn) * bk * elem))
 
 
 if gluon is not None:
@@ -121,20 +116,10 @@ if gluon is not None:
             i_m, i_n = _tile_coords(tile, n_m, n_n, GROUP_M)
         return k, tile, i_m, i_n
 
-    @gluon.jit
-    def _store_tile(p_y, stride_ym, b, row0, col0, M, N, layout: gl.constexpr):
-        """A bf16 tile from registers (the wgmma accumulator layout) to y, masked at M and N."""
-        rows = row0 + gl.arange(0, b.shape[0], layout=gl.SliceLayout(1, layout))
-        cols = col0 + gl.arange(0, b.shape[1], layout=gl.SliceLayout(0, layout))
-        gl.store(p_y + rows[:, None] * stride_ym + cols[None, :], b, mask=(rows[:, None] < M) & (cols[None, :] < N))
-
     @gluon.jit(do_not_specialize=["M"])
-    def _mm_pipe_kernel(d_x, d_w, d_w2, d_y, d_y2, p_y, stride_ym, M, N, N_K, NUM_PROGS, SEG_STEPS: gl.constexpr,
-                        BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, REG_EPI: gl.constexpr,
-                        num_warps: gl.constexpr):
-        """``BN2`` = 0: one column block (``d_w2`` / ``d_y2`` are then unused placeholders).
-        ``REG_EPI``: tiles are stored from registers through ``p_y`` (row
-        stride ``stride_ym``), not by TMA from a shared-memory tile."""
+    def _mm_pipe_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, N_K, NUM_PROGS, SEG_STEPS: gl.constexpr,
+                        BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+        """``BN2`` = 0: one column block (``d_w2`` / ``d_y2`` are then unused placeholders)."""
         BM: gl.constexpr = d_x.block_type.shape[0]
         BK: gl.constexpr = d_x.block_type.shape[1]
         BN: gl.constexpr = d_w.block_type.shape[0]
@@ -151,8 +136,8 @@ if gluon is not None:
         ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_BUF):
             mbarrier.init(ready.index(i), count=1)
-        c_smem = gl.allocate_shared_memory(dtype, [8 if REG_EPI else BM, BN], d_y.layout)
-        c_smem2 = gl.allocate_shared_memory(dtype, [BM if BN2 and not REG_EPI else 8, W2], d_y2.layout)
+        c_smem = gl.allocate_shared_memory(dtype, [BM, BN], d_y.layout)
+        c_smem2 = gl.allocate_shared_memory(dtype, [BM if BN2 else 8, W2], d_y2.layout)
         n_m = gl.cdiv(M, BM)
         n_n = gl.cdiv(N, BN + BN2)
         pid = gl.program_id(0)
@@ -197,22 +182,15 @@ if gluon is not None:
                 total += acc
             if k == N_K - 1:  # the tile's last step: store it (overlapping the next tile), start the next
                 i_m, i_n = _tile_coords(c_tile, n_m, n_n, GROUP_M)
-                if REG_EPI:
-                    _store_tile(p_y, stride_ym, total.to(dtype), i_m * BM, i_n * (BN + BN2), M, N, layout)
-                    if BN2 != 0:
-                        _store_tile(p_y, stride_ym, total2.to(dtype), i_m * BM, i_n * (BN + BN2) + BN, M, N,
-                                    layout2)
-                        total2 = gl.zeros([BM, BN2], gl.float32, layout2)
-                else:
-                    tma.store_wait(0)  # the previous tile's stores have left c_smem
-                    c_smem.store(total.to(dtype))
-                    if BN2 != 0:
-                        c_smem2.store(total2.to(dtype))
-                    fence_async_shared()
-                    _tma_store(d_y, [i_m * BM, i_n * (BN + BN2)], c_smem)
-                    if BN2 != 0:
-                        _tma_store(d_y2, [i_m * BM, i_n * (BN + BN2) + BN], c_smem2)
-                        total2 = gl.zeros([BM, BN2], gl.float32, layout2)
+                tma.store_wait(0)  # the previous tile's stores have left c_smem
+                c_smem.store(total.to(dtype))
+                if BN2 != 0:
+                    c_smem2.store(total2.to(dtype))
+                fence_async_shared()
+                _tma_store(d_y, [i_m * BM, i_n * (BN + BN2)], c_smem)
+                if BN2 != 0:
+                    _tma_store(d_y2, [i_m * BM, i_n * (BN + BN2) + BN], c_smem2)
+                    total2 = gl.zeros([BM, BN2], gl.float32, layout2)
                 total = gl.zeros([BM, BN], gl.float32, layout)
                 c_tile += NUM_PROGS
                 k = -1
@@ -233,7 +211,7 @@ def _desc(t: torch.Tensor, box: list[int]):
 
 
 def matmul_fwd_gluon(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_seg: int, BN: int,
-                     BK: int, stages: int, sms: int, group_m: int = 8, reg_epilogue: bool | None = None) -> torch.Tensor:
+                     BK: int, stages: int, sms: int, group_m: int = 8) -> torch.Tensor:
     """y = x · wᵀ into ``y`` (bf16, TMA-able: checked by the caller) with the
     segment-chain bits; BN a power of two up to 128 or 1.5 times one (192, 96),
     ``seg_k`` a multiple of BK with ``n_seg · seg_k`` ≥ K."""
@@ -244,9 +222,7 @@ def matmul_fwd_gluon(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k
     bn, bn2 = column_blocks(BN)
     w2 = bn2 or 16  # placeholder descriptors for a one-block tile
     progs = min(sms, cdiv(M, BLOCK_M) * cdiv(N, BN))
-    reg = REG_EPILOGUE if reg_epilogue is None else reg_epilogue
     _mm_pipe_kernel[(progs,)](_desc(x, [BLOCK_M, BK]), _desc(w, [bn, BK]), _desc(w, [w2, BK]),
-                              _desc(y, [BLOCK_M, bn]), _desc(y, [BLOCK_M, w2]), y, y.stride(0), M, N,
-                              n_seg * seg_k // BK, progs, SEG_STEPS=seg_k // BK, BN2=bn2, GROUP_M=group_m,
-                              NUM_BUF=stages, REG_EPI=reg, num_warps=NUM_WARPS)
+                              _desc(y, [BLOCK_M, bn]), _desc(y, [BLOCK_M, w2]), M, N, n_seg * seg_k // BK, progs,
+                              SEG_STEPS=seg_k // BK, BN2=bn2, GROUP_M=group_m, NUM_BUF=stages, num_warps=NUM_WARPS)
     return y
