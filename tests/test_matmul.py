@@ -272,8 +272,7 @@ def test_gluon_kernel_compiles_for_sm90_without_spills(bn, bk, stages):
     fn = gluon_kernel._mm_pipe_kernel
     sig = {"d_x": desc([128, bk]), "d_w": desc([bn1, bk]), "d_w2": desc([bn2 or 16, bk]), "d_y": desc([128, bn1]),
            "d_y2": desc([128, bn2 or 16]), "M": "i32", "N": "i32", "N_K": "i32", "NUM_PROGS": "i32"}
-    consts = {"SEG_STEPS": 1024 // bk, "BN2": bn2, "GROUP_M": 8, "NUM_BUF": stages, "LEAN_BARRIERS": 1,
-              "num_warps": 8}
+    consts = {"SEG_STEPS": 1024 // bk, "BN2": bn2, "GROUP_M": 8, "NUM_BUF": stages, "num_warps": 8}
     sig.update({n: "constexpr" for n in consts})
     k = triton.compile(GluonASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in consts.items()}),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})

@@ -43,7 +43,6 @@ import functools
 
 import torch
 
-from .. import _ptx_barriers
 from .._host import cdiv
 
 try:
@@ -59,8 +58,6 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
 except ImportError:  # a Triton without Gluon: launch_config never picks this schedule
     gluon = None
-
-_ptx_barriers.install()  # LEAN_BARRIERS: one CTA barrier per refill in the k-loop, not four or five
 
 BLOCK_M = 128  # two warpgroups of 64 rows
 NUM_WARPS = 8
@@ -121,10 +118,8 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["M"])
     def _mm_pipe_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, N_K, NUM_PROGS, SEG_STEPS: gl.constexpr,
-                        BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, LEAN_BARRIERS: gl.constexpr,
-                        num_warps: gl.constexpr):
-        """``BN2`` = 0: one column block (``d_w2`` / ``d_y2`` are then unused placeholders).
-        ``LEAN_BARRIERS``: compiled with ``_ptx_barriers``' pass (a cache key only)."""
+                        BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+        """``BN2`` = 0: one column block (``d_w2`` / ``d_y2`` are then unused placeholders)."""
         BM: gl.constexpr = d_x.block_type.shape[0]
         BK: gl.constexpr = d_x.block_type.shape[1]
         BN: gl.constexpr = d_w.block_type.shape[0]
@@ -229,6 +224,5 @@ def matmul_fwd_gluon(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k
     progs = min(sms, cdiv(M, BLOCK_M) * cdiv(N, BN))
     _mm_pipe_kernel[(progs,)](_desc(x, [BLOCK_M, BK]), _desc(w, [bn, BK]), _desc(w, [w2, BK]),
                               _desc(y, [BLOCK_M, bn]), _desc(y, [BLOCK_M, w2]), M, N, n_seg * seg_k // BK, progs,
-                              SEG_STEPS=seg_k // BK, BN2=bn2, GROUP_M=group_m, NUM_BUF=stages,
-                              LEAN_BARRIERS=_ptx_barriers.active(), num_warps=NUM_WARPS)
+                              SEG_STEPS=seg_k // BK, BN2=bn2, GROUP_M=group_m, NUM_BUF=stages, num_warps=NUM_WARPS)
     return y

@@ -52,13 +52,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _ptx_barriers
 from .._host import cdiv
 from .._pdl import pdl_options, pdl_pair, wait_prior
 from . import gluon_kernel
 from .launches import graph_launches_active
-
-_ptx_barriers.install()  # the TMA kernels' LEAN_BARRIERS: one CTA barrier a k-step, not four or five
 
 
 @triton.jit
@@ -128,7 +125,7 @@ def _mm_split_kernel(p_x, p_w, p_ws, M, N, K,
 
 @triton.jit(do_not_specialize=["M"])
 def _mm_tma_split_kernel(d_x, d_w, p_ws, M, N, SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, LEAN_BARRIERS: tl.constexpr = 0):
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """``_mm_split_kernel`` with TMA loads (bf16, TMA-able operands; out of
     bounds reads are zero): one program per (tile, K segment) chains the
     segment's k-steps from zero and writes ``p_s`` in fp32 for
@@ -161,8 +158,7 @@ def _mm_merge_kernel(p_ws, p_y, M, N, stride_ym, stride_yn, N_SEG, BLOCK: tl.con
 def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
                               SEG_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                              NUM_PROGS: tl.constexpr, PDL: tl.constexpr = False,
-                              LEAN_BARRIERS: tl.constexpr = 0):
+                              NUM_PROGS: tl.constexpr, PDL: tl.constexpr = False):
     """Large-M schedule: persistent programs walk the tiles; operands arrive by
     TMA (out-of-bounds reads are zero).  Same per-element arithmetic as
     ``_segment_dot`` + the fused kernel: segment chains from zero, added left
@@ -425,7 +421,7 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
         _mm_tma_persistent_kernel[(progs,)](
             TensorDescriptor.from_tensor(x, [BM, BK]), d_w, d_w2, d_y, d_y2, M, N, K, n_seg,
             SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=bn, BLOCK_N2=bn2, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs,
-            LEAN_BARRIERS=_ptx_barriers.active(), num_warps=nw, num_stages=ns, **pdl)
+            num_warps=nw, num_stages=ns, **pdl)
     elif schedule == "tma_split" or (schedule == "split" and n_seg > 1):
         ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
         pdl_split, pdl_merge = pdl_pair(x.device, M)  # the merge's launch overlaps the split's last wave
@@ -434,8 +430,7 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
 
             _mm_tma_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
                 TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]), ws, M, N,
-                SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, LEAN_BARRIERS=_ptx_barriers.active(),
-                num_warps=nw, num_stages=ns, **pdl_split)
+                SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=nw, num_stages=ns, **pdl_split)
         else:
             _mm_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
                 x, w, ws, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
