@@ -174,6 +174,13 @@ def test_launch_resolution_fits_the_h200_and_keeps_wgmma():
     assert launch_config(256, 1024, 4096, tma=False)["schedule"] == "split"
     kv = launch_config(320, 1024, 4096)  # 64x64x128 would need two waves there: 64x64x64, three programs an SM
     assert (kv["schedule"], kv["BLOCK_N"], kv["BLOCK_K"], kv["num_stages"]) == ("tma_split", 64, 64, 4)
+    # ... and where 64x64 tiles leave SMs idle but the split makes at most four programs an SM: q/o at
+    # M = 128 (128x64), k/v at 448 (64x128: pads no rows) and 512 (128x64); not down at 128 (12 segments)
+    for (M, N, K), tile in (((128, 4096, 4096), (128, 64)), ((448, 1024, 4096), (64, 128)),
+                            ((512, 1024, 4096), (128, 64))):
+        c = launch_config(M, N, K)
+        assert (c["schedule"], c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) == ("tma_split", *tile, 64), (M, N, c)
+    assert launch_config(128, 4096, 12288)["schedule"] == "tma"
     # decode from 32 rows up: the TMA split, 128 wide at N > 2048; the pointer split below
     for M, sched in ((31, "split"), (32, "tma_split"), (64, "tma_split")):
         assert launch_config(M, 4096, 12288)["schedule"] == sched, M

@@ -257,7 +257,7 @@ def _split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
 
 
 def _tma_split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
-    """The TMA split's tile (64 rows; H200, session 9, runs 2-3,
+    """The TMA split's tile (H200, session 9, runs 2-8,
     benchmarks/results/2026-11-30-h200-session9-runs.md):
 
     * M <= 64: 64x32 with BLOCK_K 128 for N <= 2048 (k/v), else 64x128,
@@ -265,17 +265,23 @@ def _tma_split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
       launch_config takes it; behind it below 32 rows);
     * above: the widest of 64x32 (BLOCK_K 128, 4 stages) and 64x64 (BLOCK_K
       128, 3 stages) whose programs fit two an SM in one wave, else 64x64
-      with BLOCK_K 64 on 4 stages (three an SM): k/v at M = 256 1.04-1.07x
-      cuBLAS, at M = 320 0.93x (64x64x128 there: two waves, 0.70x)."""
+      with BLOCK_K 64 on 4 stages while they fit three an SM (k/v at M = 256
+      0.93-1.07x cuBLAS, at M = 320-384 0.87-0.95x), else a 128x64 or 64x128
+      tile with BLOCK_K 64, whichever pads fewer rows, two an SM (q/o M = 128
+      0.82 -> 0.89x, k/v M = 512 0.75 -> 0.80x, M = 448 0.72 -> 0.82x)."""
     cfg = {"schedule": "tma_split", "BLOCK_M": 64, "num_warps": 4}
     if M <= 64:
         return {**cfg, **({"BLOCK_N": 32, "BLOCK_K": 128} if N <= 2048 else {"BLOCK_N": 128, "BLOCK_K": 64}),
                 "num_stages": 4}
-    progs = lambda bn: cdiv(M, 64) * cdiv(N, bn) * n_seg  # noqa: E731
-    if progs(32) <= 2 * sms:
+    progs = lambda bm, bn: cdiv(M, bm) * cdiv(N, bn) * n_seg  # noqa: E731
+    if progs(64, 32) <= 2 * sms:
         return {**cfg, "BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 4}
-    if progs(64) <= 2 * sms:
+    if progs(64, 64) <= 2 * sms:
         return {**cfg, "BLOCK_N": 64, "BLOCK_K": 128, "num_stages": 3}
+    if progs(64, 64) > 3 * sms:
+        bm, bn = (128, 64) if cdiv(M, 128) * 128 <= cdiv(M, 64) * 64 else (64, 128)
+        if progs(bm, bn) <= 2 * sms:
+            return {**cfg, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "num_stages": 4}
     return {**cfg, "BLOCK_N": 64, "BLOCK_K": 64, "num_stages": 4}
 
 
@@ -302,7 +308,8 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluo
     * larger M with TMA-able operands: the persistent TMA tile with the best
       (tile speed x wave fill): at M = 128-1024 wave quantisation costs more
       than a smaller tile does; the TMA split instead when even 64x64 tiles
-      would leave 30% of the SMs idle.
+      would leave 30% of the SMs idle, or leave any idle while splitting
+      them makes at most four programs an SM (q/o at M = 128, k/v up to 512).
     * otherwise (fp32 or unaligned operands): the pointer-load fused/split kernels.
     """
     n_seg = cdiv(K, reduction_config(N, K)["SEG_K"])
@@ -314,7 +321,8 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluo
         return {"schedule": "split" if split else "fused", "BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk,
                 "num_warps": 4, "num_stages": 4}
     if tma:
-        if n_seg > 1 and cdiv(M, 64) * cdiv(N, 64) < 0.7 * sms:  # the smallest tile's count
+        tiles64 = cdiv(M, 64) * cdiv(N, 64)  # the smallest tile's count
+        if n_seg > 1 and (tiles64 < 0.7 * sms or (tiles64 < sms and tiles64 * n_seg <= 4 * sms)):
             return _tma_split_config(M, N, n_seg, sms)
         gluon = gluon and gluon_kernel.available()
         tiles = [(t, v) for t, v in zip(_TMA_TILES, _TMA_SPEED) if t[1] != 96 or gluon]  # 96 wide: Gluon only
