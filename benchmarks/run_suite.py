@@ -375,7 +375,8 @@ def warm_tasks(args) -> list[dict]:
         if "engine" in args.steps:
             tasks.insert(0, {"kind": "check"})
     if "kernels" in args.steps:
-        tasks += [{"kind": "kernel", "op": op, "M": m} for op in args.ops for m in sorted(bp.MS, reverse=True)
+        tasks += [{"kind": "kernel", "op": op, "M": m} for op in args.ops
+                  for m in sorted(bp.matmul_ms() if op == "matmul" else bp.MS, reverse=True)
                   if op != "sampling" or m <= SAMPLING_MAX_M]
     return tasks
 

@@ -129,3 +129,22 @@ def test_profile_prefill_smoke_on_cpu(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     md = (tmp_path / "profile_prefill.md").read_text()
     assert "| aligned | 1 |" in md and "| vendor | 1 |" in md and "top kernels of one prefill" in md
+
+
+def test_matmul_rows_cover_the_mid_m_values_and_warm_them():
+    """The suite's matmul rows include the M values between 64 and 1024 where
+    128-row tiles fill SM waves badly (M = 128-768), and each gets a warm job;
+    a one-M run (a warm job's) stays one M."""
+    import bench_primitives as bp
+
+    args = run_suite.parse_args(["--device", "cpu", "--steps", "kernels", "--ops", "matmul,rmsnorm"])
+    assert bp.matmul_ms() == (1, 8, 64, 128, 192, 256, 384, 512, 768, 1024, 4096, 8192)
+    warm = run_suite.warm_tasks(args)
+    assert sorted(t["M"] for t in warm if t["op"] == "matmul") == list(bp.matmul_ms())
+    assert sorted(t["M"] for t in warm if t["op"] == "rmsnorm") == list(bp.MS)
+    old = bp.MS
+    try:
+        bp.MS = (384,)
+        assert bp.matmul_ms() == (384,)
+    finally:
+        bp.MS = old
