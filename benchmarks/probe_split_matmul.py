@@ -23,10 +23,9 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_primitives import _time_graph  # noqa: E402
+from probe_gluon_matmul import SHAPES  # noqa: E402
 from alignzoo.common.matmul import kernel as mm  # noqa: E402
 
-SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288),
-          "qkv": (6144, 4096), "gate_up": (24576, 4096)}
 
 
 def split_pdl(x, w, cfg):

@@ -25,11 +25,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_primitives import _time_graph  # noqa: E402
+from probe_gluon_matmul import SHAPES  # noqa: E402
 from alignzoo.common.matmul import gluon_kernel  # noqa: E402
 from alignzoo.common.matmul import kernel as mm  # noqa: E402
 
-SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288),
-          "qkv": (6144, 4096), "gate_up": (24576, 4096)}
 TAILS = {"s128x64": dict(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4),
          "s64x128": dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
          "s64x64": dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)}

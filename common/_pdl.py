@@ -91,8 +91,6 @@ def pdl_pair(device: torch.device, rows: int) -> tuple[dict, dict]:
     it), and its trigger lets the consumer launch during its last wave, where
     the consumer's programs wait for its end.  H200, session 9: k/v at M =
     256 went 0.785 -> 0.830x cuBLAS (benchmarks/results/2026-11-30-h200-session9-runs.md)."""
-    if rows <= PDL_MAX_ROWS or pdl_options(device, 1) is _OFF:
-        opts = pdl_options(device, rows)
-        return opts, opts
-    return _TRIGGER, _ON
-
+    if pdl_options(device, 1) is _OFF:
+        return _OFF, _OFF
+    return (_ON, _ON) if rows <= PDL_MAX_ROWS else (_TRIGGER, _ON)

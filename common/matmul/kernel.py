@@ -335,7 +335,18 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluo
 
 
 SCHEDULES = ("fused", "split", "tma", "gluon", "tma_split")
-_GLUON_DEFAULT = {"schedule": "gluon", "BLOCK_M": 128, "BLOCK_N": 192, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+
+
+def _schedule_default(schedule: str, M: int, N: int, n_seg: int, sms: int) -> dict:
+    """An explicit schedule's tile where ``launch_config`` picked another
+    schedule: the first TMA tile, the 192-wide Gluon tile, the split tiles."""
+    if schedule == "tma":
+        return _tma_config(*_TMA_TILES[0])
+    if schedule == "gluon":
+        return _tma_config(*_TMA_TILES[1], gluon=True)
+    if schedule == "tma_split":
+        return _tma_split_config(M, N, n_seg, sms)
+    return _split_config(M, N, n_seg, sms)
 
 
 def column_blocks(BN: int) -> tuple[int, int]:
@@ -360,9 +371,7 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
     if schedule is None:
         schedule = lc["schedule"]
     elif schedule != lc["schedule"]:  # an explicit schedule takes that schedule's default tile
-        lc = {"tma": _tma_config(*_TMA_TILES[0]), "gluon": _GLUON_DEFAULT,
-              "tma_split": _tma_split_config(M, N, cdiv(K, seg_k), sms)}.get(
-            schedule, _split_config(M, N, cdiv(K, seg_k), sms))
+        lc = _schedule_default(schedule, M, N, cdiv(K, seg_k), sms)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     BM, BN, BK = block_m or lc["BLOCK_M"], block_n or lc["BLOCK_N"], block_k or lc["BLOCK_K"]
