@@ -349,6 +349,17 @@ print("ok")
 """
 
 
+def _run_interpreted(script: str) -> None:
+    """Run ``script`` under Triton's interpreter in a fresh process; it prints "ok" when its checks pass."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
+
+
 def test_tma_kernel_keeps_the_segment_order_interpreted():
     """The TMA kernel's source (one k-loop restarting the chain after each
     segment's last step; 96- and 192-wide tiles of two column blocks with a
@@ -356,13 +367,7 @@ def test_tma_kernel_keeps_the_segment_order_interpreted():
     numpy reference of the contract's order: p_s chains from zero, added left
     to right.  K not a multiple of SEG_K, M and N not multiples of the tile.
     (Carrying the chain across a segment end fails this test.)"""
-    import os
-    import subprocess
-    import sys
-
-    run = subprocess.run([sys.executable, "-c", _TMA_INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
+    _run_interpreted(_TMA_INTERPRETED)
 
 
 _TMA_SPLIT_INTERPRETED = """
@@ -389,10 +394,4 @@ def test_tma_split_kernel_writes_the_split_kernels_partials_interpreted():
     merge kernel: Triton's interpreter, fp32 CPU tensors, ragged M, N and K.
     (A chain carried across segments, or a segment's steps started anywhere
     but its first, fails this test.)"""
-    import os
-    import subprocess
-    import sys
-
-    run = subprocess.run([sys.executable, "-c", _TMA_SPLIT_INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
+    _run_interpreted(_TMA_SPLIT_INTERPRETED)
