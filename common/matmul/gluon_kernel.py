@@ -62,6 +62,7 @@ except ImportError:  # a Triton without Gluon: launch_config never picks this sc
 BLOCK_M = 128  # two warpgroups of 64 rows
 NUM_WARPS = 8
 MAX_BLOCK_N = 192
+WS_MAXNREG = 168  # the warp-specialized kernel's 12 warps (8 + a producer rounded up to a warpgroup) share 64K registers
 
 
 def available() -> bool:
@@ -199,6 +200,112 @@ if gluon is not None:
         tma.store_wait(0)
 
 
+    @gluon.jit
+    def _ws_loads(d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, empty, M, N, N_K, NUM_PROGS,
+                  BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr):
+        """Producer partition (one warp): every (tile, k-step) of this program in
+        order, each into the next ring stage once the MMA side has released it."""
+        BM: gl.constexpr = d_x.block_type.shape[0]
+        BK: gl.constexpr = d_x.block_type.shape[1]
+        n_m = gl.cdiv(M, BM)
+        n_n = gl.cdiv(N, d_w.block_type.shape[0] + BN2)
+        s = 0
+        phase = 0
+        for tile in range(gl.program_id(0), n_m * n_n, NUM_PROGS):
+            i_m, i_n = _tile_coords(tile, n_m, n_n, GROUP_M)
+            for k in range(N_K):
+                mbarrier.wait(empty.index(s), phase ^ 1)  # a fresh barrier passes phase 1: the ring starts empty
+                _issue(True, s, i_m, i_n, k * BK, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, BN2)
+                s, phase = _next_stage(s, phase, NUM_BUF)
+
+    @gluon.jit
+    def _ws_mma(d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, NUM_PROGS,
+                SEG_STEPS: gl.constexpr, BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr,
+                layout: gl.constexpr, layout2: gl.constexpr):
+        """MMA partition (the kernel's warps): ``_mm_pipe_kernel``'s per-step
+        arithmetic, releasing each stage as soon as its wgmmas have retired."""
+        BM: gl.constexpr = c_smem.shape[0]
+        BN: gl.constexpr = c_smem.shape[1]
+        W2: gl.constexpr = c_smem2.shape[1]
+        dtype: gl.constexpr = c_smem.dtype
+        n_m = gl.cdiv(M, BM)
+        n_n = gl.cdiv(N, BN + BN2)
+        s = 0
+        phase = 0
+        prev = 0
+        first = True
+        acc = gl.zeros([BM, BN], gl.float32, layout)
+        acc2 = gl.zeros([BM, W2], gl.float32, layout2)
+        for tile in range(gl.program_id(0), n_m * n_n, NUM_PROGS):
+            total = gl.zeros([BM, BN], gl.float32, layout)
+            total2 = gl.zeros([BM, W2], gl.float32, layout2)
+            for k in range(N_K):
+                mbarrier.wait(ready.index(s), phase)
+                chain = (k % SEG_STEPS) != 0  # False: a segment's first step starts from zero
+                acc = warpgroup_mma(bufs_x.index(s), bufs_w.index(s).permute((1, 0)), acc, use_acc=chain,
+                                    is_async=True)
+                if BN2 == 0:
+                    acc = warpgroup_mma_wait(1, deps=(acc, ))
+                else:
+                    acc2 = warpgroup_mma(bufs_x.index(s), bufs_w2.index(s).permute((1, 0)), acc2, use_acc=chain,
+                                         is_async=True)
+                    acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
+                mbarrier.arrive(empty.index(prev), pred=not first)  # the previous step's wgmmas are done
+                first = False
+                prev = s
+                if (k + 1) % SEG_STEPS == 0:  # a segment's last step: add its chains to the totals
+                    if BN2 == 0:
+                        acc = warpgroup_mma_wait(0, deps=(acc, ))
+                    else:
+                        acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
+                        total2 += acc2
+                    total += acc
+                s, phase = _next_stage(s, phase, NUM_BUF)
+            i_m, i_n = _tile_coords(tile, n_m, n_n, GROUP_M)
+            tma.store_wait(0)  # the previous tile's stores have left c_smem
+            c_smem.store(total.to(dtype))
+            if BN2 != 0:
+                c_smem2.store(total2.to(dtype))
+            fence_async_shared()
+            _tma_store(d_y, [i_m * BM, i_n * (BN + BN2)], c_smem)
+            if BN2 != 0:
+                _tma_store(d_y2, [i_m * BM, i_n * (BN + BN2) + BN], c_smem2)
+        tma.store_wait(0)
+
+    @gluon.jit(do_not_specialize=["M"])
+    def _mm_ws_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, N_K, NUM_PROGS, SEG_STEPS: gl.constexpr,
+                      BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+        """``_mm_pipe_kernel``'s arithmetic, warp-specialized: one producer warp
+        issues every TMA load (ready / empty barrier pair per ring stage), the
+        kernel's warps only wait, issue wgmmas, release stages and store tiles."""
+        BM: gl.constexpr = d_x.block_type.shape[0]
+        BK: gl.constexpr = d_x.block_type.shape[1]
+        BN: gl.constexpr = d_w.block_type.shape[0]
+        W2: gl.constexpr = d_w2.block_type.shape[0]
+        R2: gl.constexpr = NUM_BUF if BN2 else 1
+        dtype: gl.constexpr = d_x.dtype
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 16])
+        layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, W2, 16])
+        bufs_x = gl.allocate_shared_memory(dtype, [NUM_BUF, BM, BK], d_x.layout)
+        bufs_w = gl.allocate_shared_memory(dtype, [NUM_BUF, BN, BK], d_w.layout)
+        bufs_w2 = gl.allocate_shared_memory(dtype, [R2, W2, BK], d_w2.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        c_smem = gl.allocate_shared_memory(dtype, [BM, BN], d_y.layout)
+        c_smem2 = gl.allocate_shared_memory(dtype, [BM if BN2 else 8, W2], d_y2.layout)
+        gl.warp_specialize([
+            (_ws_mma, (d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, NUM_PROGS,
+                       SEG_STEPS, BN2, GROUP_M, NUM_BUF, layout, layout2)),
+            (_ws_loads, (d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2, ready, empty, M, N, N_K, NUM_PROGS,
+                         BN2, GROUP_M, NUM_BUF)),
+        ], [1], [40])
+
+
 @functools.lru_cache(maxsize=None)
 def _layout(rows: int, cols: int):
     """A box's shared-memory layout (~20 µs to derive in Python: cached, as it is
@@ -211,7 +318,7 @@ def _desc(t: torch.Tensor, box: list[int]):
 
 
 def matmul_fwd_gluon(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k: int, n_seg: int, BN: int,
-                     BK: int, stages: int, sms: int, group_m: int = 8) -> torch.Tensor:
+                     BK: int, stages: int, sms: int, group_m: int = 8, ws: bool = False) -> torch.Tensor:
     """y = x · wᵀ into ``y`` (bf16, TMA-able: checked by the caller) with the
     segment-chain bits; BN a power of two up to 128 or 1.5 times one (192, 96),
     ``seg_k`` a multiple of BK with ``n_seg · seg_k`` ≥ K."""
@@ -222,7 +329,8 @@ def matmul_fwd_gluon(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k
     bn, bn2 = column_blocks(BN)
     w2 = bn2 or 16  # placeholder descriptors for a one-block tile
     progs = min(sms, cdiv(M, BLOCK_M) * cdiv(N, BN))
-    _mm_pipe_kernel[(progs,)](_desc(x, [BLOCK_M, BK]), _desc(w, [bn, BK]), _desc(w, [w2, BK]),
+    kernel, extra = (_mm_ws_kernel, {"maxnreg": WS_MAXNREG}) if ws else (_mm_pipe_kernel, {})
+    kernel[(progs,)](_desc(x, [BLOCK_M, BK]), _desc(w, [bn, BK]), _desc(w, [w2, BK]),
                               _desc(y, [BLOCK_M, bn]), _desc(y, [BLOCK_M, w2]), M, N, n_seg * seg_k // BK, progs,
-                              SEG_STEPS=seg_k // BK, BN2=bn2, GROUP_M=group_m, NUM_BUF=stages, num_warps=NUM_WARPS)
+                              SEG_STEPS=seg_k // BK, BN2=bn2, GROUP_M=group_m, NUM_BUF=stages, num_warps=NUM_WARPS, **extra)
     return y
