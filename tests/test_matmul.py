@@ -23,11 +23,13 @@ def _launch_configs(device):
             {"block_m": 128, "block_n": 64, "schedule": "fused", "num_stages": 2}, {"schedule": "tma"},
             {"block_m": 128, "block_n": 192, "schedule": "tma"}, {"block_m": 64, "block_n": 96, "schedule": "tma"},
             {"schedule": "gluon"}, {"block_n": 96, "schedule": "gluon"},
-            {"block_n": 128, "block_k": 128, "schedule": "gluon"}, {"schedule": "tma_split"},
+            {"block_n": 128, "block_k": 128, "schedule": "gluon"}, {"schedule": "gluon_ws"},
+            {"block_n": 96, "schedule": "gluon_ws"}, {"block_n": 128, "block_k": 128, "schedule": "gluon_ws"},
+            {"schedule": "tma_split"},
             {"schedule": "tma_split", "block_n": 32, "num_stages": 4}]
 
 
-_TMA_SCHEDULES = ("tma", "gluon", "tma_split")  # TMA descriptors: bf16 with 16-byte aligned rows
+_TMA_SCHEDULES = ("tma", "gluon", "gluon_ws", "tma_split")  # TMA descriptors: bf16 with 16-byte aligned rows
 
 
 def _inputs(M, K, N, device, dtype=torch.bfloat16):
@@ -122,14 +124,15 @@ def test_bad_input_is_named():
 @pytest.mark.gpu
 def test_gpu_graph_launches_equal_eager_defaults():
     """Inside ``graph_launches()`` (warm-up, then a captured graph) the default
-    launch is the Gluon kernel at qkv / gate/up / gate_up, M = 256 (its 96,
-    192 and 128-wide tiles) and ragged M = 200; outside, Triton's: the rows
-    are the same bits."""
+    launch is the Gluon kernel at qkv / gate/up / gate_up, M = 256 (its
+    warp-specialized 96 and 192-wide tiles), ragged M = 200, and q/o at M =
+    512 (its one-partition 128-wide tile); outside, Triton's: the rows are the
+    same bits."""
     from alignzoo.common.matmul import graph_launches
     from alignzoo.common.matmul.kernel import launch_config
 
     dev = torch.device("cuda")
-    for N, M in ((6144, 256), (12288, 256), (24576, 256), (12288, 200)):
+    for N, M in ((6144, 256), (12288, 256), (24576, 256), (12288, 200), (4096, 512)):
         x, w = _inputs(M, 4096, N, dev)
         eager = matmul_fwd(x, w)
         with graph_launches():
@@ -139,7 +142,7 @@ def test_gpu_graph_launches_equal_eager_defaults():
                 out = matmul_fwd(x, w)
         graph.replay()
         torch.cuda.synchronize()
-        assert launch_config(M, N, 4096)["schedule"] == "gluon"
+        assert launch_config(M, N, 4096)["schedule"] == ("gluon" if N == 4096 else "gluon_ws")
         assert torch.equal(warm, eager) and torch.equal(out, eager), (N, M)
 
 
@@ -199,9 +202,11 @@ def test_launch_resolution_fits_the_h200_and_keeps_wgmma():
 def test_gluon_schedule_routing(monkeypatch):
     """128-row TMA tiles up to 192 wide go to the Gluon kernel where Triton
     has Gluon (session 8's H200 probe: 0.81-0.82x cuBLAS at M = 256 where
-    Triton's kernel gave 0.73-0.80x), the 96-wide tile only there; 128 x 256
-    and 64-row tiles stay on Triton's; without Gluon the routing is the old
-    one.  The schedule never changes a bit (GPU tests)."""
+    Triton's kernel gave 0.73-0.80x), the 96-wide tile only there; its
+    two-column-block tiles (192, 96) run warp-specialized (session 10: 1.02-1.20x
+    the one-partition form), 128 x 128 one-partition; 128 x 256 and 64-row
+    tiles stay on Triton's; without Gluon the routing is the old one.  The
+    schedule never changes a bit (GPU tests)."""
     from alignzoo.common.matmul import gluon_kernel
     from alignzoo.common.matmul.kernel import launch_config, resolve_launch
 
@@ -209,8 +214,15 @@ def test_gluon_schedule_routing(monkeypatch):
         pytest.skip("this Triton has no Gluon")
     pick = {(M, N): launch_config(M, N, 4096) for M in (256, 4096) for N in (6144, 12288, 24576)}
     assert [(c["schedule"], c["BLOCK_N"]) for c in pick.values()] == [
-        ("gluon", 96), ("gluon", 192), ("gluon", 128), ("tma", 256), ("tma", 256), ("tma", 256)]
-    assert (pick[256, 24576]["BLOCK_K"], pick[256, 24576]["num_stages"]) == (128, 3)  # ring + output tile fit
+        ("gluon_ws", 96), ("gluon_ws", 192), ("gluon_ws", 192), ("tma", 256), ("tma", 256), ("tma", 256)]
+    # the warp-specialized tiles where 128-row tiles fill whole waves: q/o and down at M = 384 (129 tiles
+    # 96 wide), q/o at 768 (132 tiles 192 wide); 128 x 128 where it fills them better (q/o at 512)
+    for (M, N, K), tile in (((384, 4096, 4096), ("gluon_ws", 96)), ((384, 4096, 12288), ("gluon_ws", 96)),
+                            ((768, 4096, 4096), ("gluon_ws", 192)), ((512, 4096, 4096), ("gluon", 128))):
+        c = launch_config(M, N, K)
+        assert (c["schedule"], c["BLOCK_N"]) == tile, (M, N, K, c)
+    q = launch_config(512, 4096, 4096)
+    assert (q["BLOCK_K"], q["num_stages"]) == (128, 3)  # ring + output tile fit
     assert launch_config(256, 4096, 4096)["BLOCK_M"] == 64 and launch_config(256, 4096, 4096)["schedule"] == "tma"
     for bn, bk in ((192, 64), (96, 64), (128, 128), (64, 64)):
         ns = gluon_kernel.pipeline_stages(bn, bk)
@@ -219,6 +231,11 @@ def test_gluon_schedule_routing(monkeypatch):
         resolve_launch(256, 4096, 4096, 2, 132, True, seg_k=1024, block_n=256, schedule="gluon")
     with pytest.raises(ValueError, match="128-row tiles at most 192 wide"):
         resolve_launch(256, 4096, 4096, 2, 132, True, seg_k=1024, block_m=64, schedule="gluon")
+    with pytest.raises(ValueError, match="'gluon_ws' runs 128-row tiles"):
+        resolve_launch(256, 4096, 4096, 2, 132, True, seg_k=1024, block_n=256, schedule="gluon_ws")
+    # an explicit form keeps its kernel at the other form's default tile
+    assert resolve_launch(256, 24576, 4096, 2, 132, True, seg_k=1024, schedule="gluon")[:3] == ("gluon", 128, 192)
+    assert resolve_launch(512, 4096, 4096, 2, 132, True, seg_k=1024, schedule="gluon_ws")[:3] == ("gluon_ws", 128, 192)
     monkeypatch.setattr(gluon_kernel, "available", lambda: False)
     assert [(c["schedule"], c["BLOCK_N"]) for c in (launch_config(256, N, 4096) for N in (6144, 12288, 24576))] == [
         ("tma", 128), ("tma", 192), ("tma", 128)]
@@ -252,11 +269,15 @@ def test_gluon_is_picked_only_inside_graph_launches():
         ("tma", 128, 192), ("tma", 128, 128), ("tma", 128, 256)]
 
 
-@pytest.mark.parametrize("bn,bk,stages", [(192, 64, 4), (96, 64, 7), (128, 128, 3)])
-def test_gluon_kernel_compiles_for_sm90_without_spills(bn, bk, stages):
-    """The Gluon kernel at each tile the router picks compiles for sm_90 with
-    this Triton, uses no local memory (spills), and fits the H200's 227 KB of
-    shared memory; its chain restarts with use_acc=False (a predicated wgmma)."""
+@pytest.mark.parametrize("ws,bn,bk,stages", [(True, 192, 64, 4), (True, 96, 64, 7), (False, 128, 128, 3),
+                                             (False, 192, 64, 4)])
+def test_gluon_kernel_compiles_for_sm90_without_spills(ws, bn, bk, stages):
+    """The Gluon kernel in each form at each tile the router picks compiles
+    for sm_90 with this Triton, uses no local memory (spills), and fits the
+    H200's 227 KB of shared memory; its chain restarts with use_acc=False (a
+    predicated wgmma).  The warp-specialized form launches at
+    ``WS_MAXNREG`` registers and hands its producer warps' share to the MMA
+    warps (setmaxnreg)."""
     import os
     import re
     import shutil
@@ -276,19 +297,22 @@ def test_gluon_kernel_compiles_for_sm90_without_spills(bn, bk, stages):
 
     bn1 = 1 << (bn.bit_length() - 1)
     bn2 = bn - bn1
-    fn = gluon_kernel._mm_pipe_kernel
+    fn = gluon_kernel._mm_ws_kernel if ws else gluon_kernel._mm_pipe_kernel
+    opts = {"num_warps": 8, **({"maxnreg": gluon_kernel.WS_MAXNREG} if ws else {})}
     sig = {"d_x": desc([128, bk]), "d_w": desc([bn1, bk]), "d_w2": desc([bn2 or 16, bk]), "d_y": desc([128, bn1]),
            "d_y2": desc([128, bn2 or 16]), "M": "i32", "N": "i32", "N_K": "i32", "NUM_PROGS": "i32"}
     consts = {"SEG_STEPS": 1024 // bk, "BN2": bn2, "GROUP_M": 8, "NUM_BUF": stages, "num_warps": 8}
     sig.update({n: "constexpr" for n in consts})
     k = triton.compile(GluonASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in consts.items()}),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+                       target=GPUTarget("cuda", 90, 32), options=opts)
     assert k.metadata.shared <= 227 << 10
+    if ws:
+        assert "setmaxnreg.inc" in k.asm["ptx"] and "setmaxnreg.dec" in k.asm["ptx"]
     assert "ld.local" not in k.asm["ptx"] and "st.local" not in k.asm["ptx"]
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n%dk16" % bn1, k.asm["ptx"])
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     if shutil.which(cuobjdump) or os.path.exists(cuobjdump):
-        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"alignzoo_gluon_{os.getpid()}_{bn}.cubin")
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"alignzoo_gluon_{os.getpid()}_{bn}_{ws}.cubin")
         with open(path, "wb") as f:
             f.write(k.asm["cubin"])
         usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout

@@ -17,8 +17,9 @@ def ladder(device: torch.device) -> list:
     if device.type == "cuda":
         from . import gluon_kernel
 
-        if gluon_kernel.available():  # the kernel CUDA graphs run inside graph_launches(): 192 and 96 wide
-            configs += [{"schedule": "gluon"}, {"block_n": 96, "schedule": "gluon"}]
+        if gluon_kernel.available():  # the kernel CUDA graphs run inside graph_launches(): both forms
+            configs += [{"schedule": "gluon"}, {"block_n": 96, "schedule": "gluon_ws"},
+                        {"block_n": 128, "block_k": 128, "schedule": "gluon"}, {"schedule": "gluon_ws"}]
     return [
         rung1_repeat("matmul", matmul_fwd, x, w),
         rung2_rows("matmul", matmul_fwd, (x,), shared={"w": w}, configs=configs),

@@ -29,6 +29,18 @@ and ...-suite-cf0d78d.json), cuBLAS time / ours at M = 256: gate/up 0.80-0.82
 x 256 (0.93-0.99) stays the pick.  Bits equal to Triton's kernel at the same
 tile, at ragged M and for rows computed alone.
 
+Warp-specialized form (``_mm_ws_kernel``, schedule "gluon_ws"): the same
+MMA steps in the kernel's 8 warps, while a producer warp (``gl.warp_specialize``)
+issues every TMA load behind a ready / empty barrier pair per ring stage, so
+no expect / load issue (and none of the CTA barriers Triton 3.6 emits around
+them) sits between the wgmmas.  H200, session 10 (run 2,
+benchmarks/results/2026-11-30-h200-session10-gluon-ws-run2.txt), against the
+one-partition form at the same tile over six Qwen3-8B shapes and M = 128-4096:
+192 wide 1.00-1.12x (median 1.05), 96 wide 1.00-1.29x (median 1.15), 128 x 128
+(BLOCK_K 128) 0.95-1.01x (median 0.99),
+bits equal everywhere; the router runs the two-block tiles in this form (q/o
+M = 384: 0.76 -> 0.85x cuBLAS; qkv M = 256: 0.80 -> 0.87x).
+
 Its launch costs more Python than Triton's (five descriptors with layouts, and
 their binding), so the defaults pick it only inside
 ``launches.graph_launches()`` (CUDA graphs replay device time only).

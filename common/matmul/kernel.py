@@ -9,7 +9,7 @@ never of M).  For each output element:
     total = ((0 + p_0) + p_1) + ... + p_{S-1}      (fp32 adds, left to right)
     y     = bf16(total)                            (the only rounding to bf16)
 
-Five schedules compute exactly that arithmetic:
+Six schedules compute exactly that arithmetic:
 
 * ``_mm_fused_kernel`` — one program per (BLOCK_M × BLOCK_N) tile walks all S
   segments and keeps ``total`` in registers;
@@ -27,8 +27,10 @@ Five schedules compute exactly that arithmetic:
   (``_pdl.pdl_pair``);
 * ``gluon_kernel._mm_pipe_kernel`` ("gluon") — the persistent TMA arithmetic
   for 128-row tiles up to 192 wide, written in Gluon so that its loads run
-  ahead across segment and tile boundaries without draining; the defaults
-  pick it only inside ``launches.graph_launches()``.
+  ahead across segment and tile boundaries without draining; its
+  warp-specialized form ``_mm_ws_kernel`` ("gluon_ws": a producer warp issues
+  the loads) runs the 192- and 96-wide tiles; the defaults pick either only
+  inside ``launches.graph_launches()``.
 
 The fused and split kernels call the same ``_segment_dot``; the schedule is
 picked for speed alone and cannot change a bit.  Every output element is the
@@ -232,12 +234,26 @@ _TMA_TILES = ((128, 256, 64, 8, 3), (128, 192, 64, 8, 4), (128, 128, 128, 8, 3),
 _TMA_SPEED = (1.0, 0.87, 0.9, 0.85, 0.65, 0.7)
 
 
+# The Gluon kernel's speed where it differs from Triton's at the same tile: the
+# two-column-block tiles run warp-specialized ("gluon_ws"): 192 wide 1.00-1.12x
+# and 96 wide 1.00-1.29x the one-partition form (session 10, run 2,
+# benchmarks/results/2026-11-30-h200-session10-gluon-ws-run2.txt; 128 x 128
+# stays one-partition: 0.95-1.01x there).  With these speeds the model picks
+# the fastest tile measured at each of that run's 48 (shape, M) cells.
+_GLUON_SPEED = {192: 0.93, 96: 0.78}
+
+
+def _gluon_schedule(bn: int) -> str:
+    """The Gluon form a tile runs: warp-specialized for the two-block tiles (192, 96)."""
+    return "gluon_ws" if column_blocks(bn)[1] else "gluon"
+
+
 def _tma_config(bm: int, bn: int, bk: int, nw: int, ns: int, gluon: bool = False) -> dict:
     """A TMA tile's launch: with ``gluon``, 128-row tiles up to 192 wide run on
-    the Gluon kernel (its pipeline never drains mid-program), the rest on
-    Triton's."""
+    the Gluon kernel (its pipeline never drains mid-program; ``_gluon_schedule``
+    picks its form), the rest on Triton's."""
     if gluon and bm == gluon_kernel.BLOCK_M and bn <= gluon_kernel.MAX_BLOCK_N:
-        return {"schedule": "gluon", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+        return {"schedule": _gluon_schedule(bn), "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
                 "num_warps": gluon_kernel.NUM_WARPS, "num_stages": gluon_kernel.pipeline_stages(bn, bk)}
     return {"schedule": "tma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
 
@@ -325,7 +341,8 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluo
         if n_seg > 1 and (tiles64 < 0.7 * sms or (tiles64 < sms and tiles64 * n_seg <= 4 * sms)):
             return _tma_split_config(M, N, n_seg, sms)
         gluon = gluon and gluon_kernel.available()
-        tiles = [(t, v) for t, v in zip(_TMA_TILES, _TMA_SPEED) if t[1] != 96 or gluon]  # 96 wide: Gluon only
+        tiles = [(t, _GLUON_SPEED.get(t[1], v) if gluon and t[0] == gluon_kernel.BLOCK_M else v)
+                 for t, v in zip(_TMA_TILES, _TMA_SPEED) if t[1] != 96 or gluon]  # 96 wide: Gluon only
         score = [v * _wave_fill(cdiv(M, bm) * cdiv(N, bn), sms) for (bm, bn, *_), v in tiles]
         return _tma_config(*tiles[score.index(max(score))][0], gluon=gluon)
     cfg = ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4} if M <= 512 else
@@ -334,7 +351,8 @@ def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluo
     return {"schedule": "split" if split else "fused", **cfg}
 
 
-SCHEDULES = ("fused", "split", "tma", "gluon", "tma_split")
+SCHEDULES = ("fused", "split", "tma", "gluon", "gluon_ws", "tma_split")
+_GLUON = ("gluon", "gluon_ws")
 
 
 def _schedule_default(schedule: str, M: int, N: int, n_seg: int, sms: int) -> dict:
@@ -342,8 +360,8 @@ def _schedule_default(schedule: str, M: int, N: int, n_seg: int, sms: int) -> di
     schedule: the first TMA tile, the 192-wide Gluon tile, the split tiles."""
     if schedule == "tma":
         return _tma_config(*_TMA_TILES[0])
-    if schedule == "gluon":
-        return _tma_config(*_TMA_TILES[1], gluon=True)
+    if schedule in _GLUON:
+        return {**_tma_config(*_TMA_TILES[1], gluon=True), "schedule": schedule}
     if schedule == "tma_split":
         return _tma_split_config(M, N, n_seg, sms)
     return _split_config(M, N, n_seg, sms)
@@ -375,13 +393,13 @@ def resolve_launch(M: int, N: int, K: int, elem: int, sms: int, tma_ok: bool, *,
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     BM, BN, BK = block_m or lc["BLOCK_M"], block_n or lc["BLOCK_N"], block_k or lc["BLOCK_K"]
-    if column_blocks(BN)[1] and schedule not in ("tma", "gluon"):
-        raise ValueError(f"block_n={BN} (not a power of two) needs schedule='tma' or 'gluon'")
-    if schedule == "gluon":
+    if column_blocks(BN)[1] and schedule not in ("tma", *_GLUON):
+        raise ValueError(f"block_n={BN} (not a power of two) needs schedule='tma', 'gluon' or 'gluon_ws'")
+    if schedule in _GLUON:
         if not gluon_kernel.available():
-            raise ValueError("schedule='gluon' needs triton.experimental.gluon (Triton >= 3.6)")
+            raise ValueError(f"schedule={schedule!r} needs triton.experimental.gluon (Triton >= 3.6)")
         if BM != gluon_kernel.BLOCK_M or BN > gluon_kernel.MAX_BLOCK_N or (num_warps or 8) != gluon_kernel.NUM_WARPS:
-            raise ValueError(f"schedule='gluon' runs {gluon_kernel.BLOCK_M}-row tiles at most "
+            raise ValueError(f"schedule={schedule!r} runs {gluon_kernel.BLOCK_M}-row tiles at most "
                              f"{gluon_kernel.MAX_BLOCK_N} wide on {gluon_kernel.NUM_WARPS} warps, "
                              f"got block_m={BM} block_n={BN} num_warps={num_warps}")
         lc = {**lc, "num_stages": gluon_kernel.pipeline_stages(BN, BK, elem)}
@@ -423,10 +441,11 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
     ieee = x.dtype == torch.float32
     tiles = cdiv(M, BM) * cdiv(N, BN)
     pdl = pdl_options(x.device, M)
-    if schedule in ("tma", "gluon", "tma_split") and not tma_ok:
+    if schedule in ("tma", *_GLUON, "tma_split") and not tma_ok:
         raise ValueError(f"schedule={schedule!r} needs bf16 operands with unit last stride and 16-byte aligned rows")
-    if schedule == "gluon":  # no PDL (it stops at 64 rows anyway): a plain launch is always safe
-        gluon_kernel.matmul_fwd_gluon(x, w, y, seg_k=seg_k, n_seg=n_seg, BN=BN, BK=BK, stages=ns, sms=sms)
+    if schedule in _GLUON:  # no PDL (it stops at 64 rows anyway): a plain launch is always safe
+        gluon_kernel.matmul_fwd_gluon(x, w, y, seg_k=seg_k, n_seg=n_seg, BN=BN, BK=BK, stages=ns, sms=sms,
+                                      ws=schedule == "gluon_ws")
     elif schedule == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
 
