@@ -124,6 +124,8 @@ def main() -> int:
     ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
     ap.add_argument("--server-kernels", choices=("aligned", "vendor"), default="aligned",
                     help="vendor: the same engine on torch's kernels (the baseline of issue 7)")
+    ap.add_argument("--overlap", choices=("on", "off"), default="on",
+                    help="off: the engine reads every step's tokens before launching the next (Engine(overlap=False))")
     ap.add_argument("--out", default="gpu_out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -133,7 +135,7 @@ def main() -> int:
     max_pos = fit_max_position(args.prompt + args.new) if args.max_position is None else args.max_position
     t0 = time.perf_counter()
     pair = load(args.config, server_kernels=args.server_kernels, max_batch_size=max(batches),
-                cuda_graphs=args.cuda_graphs == "on", max_position=max_pos)
+                cuda_graphs=args.cuda_graphs == "on", max_position=max_pos, overlap=args.overlap == "on")
     print(f"loaded {args.config} in {time.perf_counter() - t0:.1f}s; {pair.server.num_pages} KV pages", flush=True)
     rows = []
     for B in batches:
@@ -143,8 +145,8 @@ def main() -> int:
     head = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "commit": commit(), "command": " ".join(sys.argv), "config": args.config,
             "max_position": pair.config.max_position, "cuda_graphs": args.cuda_graphs,
-            "server_kernels": args.server_kernels}
-    stem = "engine" if args.server_kernels == "aligned" else "engine_vendor"
+            "server_kernels": args.server_kernels, "overlap": args.overlap}
+    stem = ("engine" if args.server_kernels == "aligned" else "engine_vendor") + ("" if args.overlap == "on" else "_sync")
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({**head, "rows": rows}, f, indent=1)
     lines = [f"# Engine throughput: qwen3 {args.config}", "", *(f"- {k}: {v}" for k, v in head.items()), "",

@@ -268,6 +268,70 @@ def test_weight_version_changes_only_between_steps(model):
     assert outs[-1].weight_versions == (7, 8, 8, 8, 8, 8)
 
 
+def _spy_launches(eng) -> list:
+    """Record the runner's launches: (launched ahead?, [(seq id, start)] of its chunks)."""
+    seen, real = [], eng.runner.launch
+
+    def spy(chunks, bm, **kw):
+        seen.append((kw.get("tokens") is not None, [(c.seq.id, c.start) for c in chunks]))
+        return real(chunks, bm, **kw)
+    eng.runner.launch = spy
+    return seen
+
+
+@pytest.mark.parametrize("pages,budget", [(64, 4096), (4, 96)], ids=["roomy", "preempting"])
+def test_overlap_gives_the_bits_of_reading_every_step(model, alone, pages, budget):
+    """Decode steps launched before the previous step's tokens are read (the
+    default) give the bits of an engine that reads every step first, with
+    requests that finish by length and by stop token at different steps (a
+    stopped one rides along in the step launched ahead, whose row is
+    dropped), and in a cache small enough to preempt."""
+    params = [replace(sp, stop_token_ids=(a.tokens[len(a.tokens) // 2],)) if i % 2 else sp
+              for i, (sp, a) in enumerate(zip(PARAMS, alone))]
+    outs, seen = {}, {}
+    for overlap in (False, True):
+        eng = Engine(model, num_pages=pages, max_batch_tokens=budget, page_shuffle_seed=2, overlap=overlap)
+        seen[overlap] = _spy_launches(eng)
+        outs[overlap] = eng.generate(PROMPTS, params)
+        assert eng.block_manager.num_free == pages and not eng.has_unfinished()
+    assert not any(ahead for ahead, _ in seen[False]) and sum(ahead for ahead, _ in seen[True]) > 10
+    for got, want in zip(outs[True], outs[False]):
+        assert_same(got, want)
+    for i in (0, 2, 4):
+        assert_same(outs[True][i], alone[i])
+    stopped = [o for o in outs[True] if o.finish_reason == "stop"]
+    assert stopped
+    if pages == 64:  # the roomy run: a stopped request rode along past its stop token in a step launched ahead
+        rode = {(sid, start) for ahead, chunks in seen[True] if ahead for sid, start in chunks}
+        assert any((o.request_id, len(o.prompt) + len(o.tokens) - 1) in rode for o in stopped)
+
+
+def test_overlap_hooks_and_score_wait_for_the_step_launched_ahead(model):
+    """A step launched ahead completes under the weights it was launched
+    with: a ``between_steps`` version change lands after it, ``score`` and
+    ``update_weights`` wait for it, and the tokens are the bits of an engine
+    reading every step first."""
+    sp = SamplingParams(max_new_tokens=6, seed=3)
+    ref = Engine(model, num_pages=16, overlap=False).generate([PROMPTS[0]], sp)[0]
+    eng = Engine(model, num_pages=16)
+    eng.add_request(PROMPTS[0], sp)
+    eng.step()  # prefill + token 0: nothing launched ahead of a prefill
+    assert eng._ahead is None
+    eng.step()  # token 1, and token 2's step launched ahead under version 0
+    assert eng._ahead is not None
+    eng.between_steps(lambda: eng.set_weight_version(7))
+    outs = eng.step()  # waits for token 2 (version 0), then the hook, then token 3 (version 7)
+    assert eng.weight_version == 7 and eng._ahead is not None
+    scored = eng.score([PROMPTS[1] + [3, 4]], [len(PROMPTS[1])], sp)  # waits for token 4's step first
+    assert eng._ahead is None and len(scored[0]) == 2
+    assert eng.update_weights(lambda: None) == 8
+    while eng.has_unfinished():
+        outs += eng.step()
+    (c,) = outs
+    assert c.weight_versions == (0, 0, 0, 7, 7, 8)
+    assert_same(c, ref)
+
+
 class EagerReplay:
     """Stands in for a captured CUDA graph on the CPU: a replay runs the
     forward on the static inputs and writes the static output."""

@@ -3,6 +3,20 @@
 ``step()`` is one scheduler decision, one model forward and one sampling
 call.  Weights change only between steps (``between_steps``), and every token
 records the weight version it was sampled under.
+
+Overlap (``overlap=True``, the default): when a step is all decode rows that
+continue (no prefill, no request waiting for a free slot in the batch, a page
+for every next position), the engine launches the next step before it reads
+this one's tokens: the next step's input ids are this step's sampled ids,
+copied on the device.  The host's bookkeeping for step n (reading the ids,
+appending, stop checks) then runs while the device computes step n + 1.  A
+sequence that stops at step n rode along in step n + 1; that row is dropped,
+and its cache slot, freed with the sequence, is written only before any later
+step that could reuse the page (one stream orders them).  No bit changes: a
+row's output does not depend on the batch, and the draw on (seed, step) only.
+A step launched ahead completes under the weights it was launched with (its
+tokens carry that version): ``between_steps`` functions, ``update_weights``
+and ``score`` first wait for it and record its tokens.
 """
 from __future__ import annotations
 
@@ -19,9 +33,9 @@ from tqdm.auto import tqdm
 from ..kv_cache import PAGE_SIZE, BlockManager
 from ..sampling import SamplingParams
 from .model_api import ServeModel
-from .model_runner import ModelRunner
-from .scheduler import Scheduler
-from .sequence import Completion, Sequence, adapter_position, check_token_ids, one_each
+from .model_runner import Launched, ModelRunner
+from .scheduler import Chunk, Scheduler
+from .sequence import Completion, Sequence, Status, adapter_position, check_token_ids, one_each
 
 CPU_KV_CACHE_BYTES = 1 << 30
 CUDA_KV_CACHE_FRACTION = 0.3  # of free memory after the model loaded; the rest: the trainer (it shares the GPU), activations, logits, graphs
@@ -53,6 +67,7 @@ class Engine:
         progress: bool = False,
         kv_cache_bytes: int | None = None,
         freeze_gc: bool = True,
+        overlap: bool = True,
     ):
         """``num_pages`` None sizes the KV cache from ``kv_cache_bytes`` (default:
         30% of free GPU memory, 1 GiB on the CPU), capped at what
@@ -66,7 +81,10 @@ class Engine:
         a full pass every ~50 steps took ~63 ms, 1.3 of the 5.6 ms of host
         work per step; frozen, 4.4 ms.  Process-wide: cyclic garbage among
         objects alive now is never collected (reference counting still frees
-        the rest)."""
+        the rest).
+
+        ``overlap``: launch a decode step before reading the previous one's
+        tokens (the module docstring); False reads every step before the next."""
         if not isinstance(model, ServeModel):
             raise TypeError(f"model must implement ServeModel (vocab_size, max_position, device, kv_cache_spec, "
                             f"allocate_kv_cache, forward); got {type(model).__name__}")
@@ -93,6 +111,9 @@ class Engine:
         self._lock = threading.RLock()  # held through each step and score: weights never change inside one
         self._rejected: list[Completion] = []  # bad requests, handed out by the next step()
         self._unclaimed: list[Completion] = []  # finished inside generate() but added by add_request()
+        self.overlap = overlap
+        self._ahead: Launched | None = None  # a step launched before the previous one was read
+        self._drained: list[Completion] = []  # finished when a step launched ahead was waited for outside step()
         if freeze_gc:
             _freeze_gc()
 
@@ -112,14 +133,17 @@ class Engine:
         """Run ``fn`` once, before the next step (or score) touches the model,
         and return at once: the place to swap weights (in place: captured
         graphs keep their pointers) and call ``set_weight_version``.  Safe to
-        call from another thread."""
+        call from another thread.  A step already launched ahead (overlap)
+        is waited for first and keeps the version it was launched under."""
         self._hooks.append(fn)
 
     def update_weights(self, fn: Callable[[], None]) -> int:
         """Run ``fn`` (it writes the new weights into the model's tensors, in
         place) between two steps and bump the weight version; return the new
-        version.  From another thread it waits for the running step to end."""
+        version.  From another thread it waits for the running step to end,
+        and for a step launched ahead (overlap)."""
         with self._lock:
+            self._drain()
             fn()
             self.weight_version += 1
             return self.weight_version
@@ -142,7 +166,7 @@ class Engine:
         return seq.id
 
     def has_unfinished(self) -> bool:
-        return not self.scheduler.idle or bool(self._rejected or self._unclaimed)
+        return not self.scheduler.idle or bool(self._rejected or self._unclaimed or self._drained)
 
     def step(self) -> list[Completion]:
         """One engine step; returns the requests that finished in it."""
@@ -188,6 +212,7 @@ class Engine:
         on bad input, naming the sequence."""
         seqs = self._score_sequences(sequences, prompt_lens, sampling, adapters, chunk_tokens)
         with self._lock:
+            self._drain()
             self._run_hooks()
             sched = Scheduler(self.block_manager, self.max_batch_tokens, self.max_batch_size, chunk_tokens)
             for seq in seqs:
@@ -211,23 +236,63 @@ class Engine:
     # ------------------------------------------------------------ internals
     def _step(self) -> list[Completion]:
         with self._lock:
-            self._run_hooks()
-            done, self._rejected = self._rejected, []
-            if self.scheduler.idle:
-                return done
-            chunks = self.scheduler.schedule()
+            if self._hooks:
+                self._drain()
+                self._run_hooks()
+            done, self._rejected, self._drained = self._rejected + self._drained, [], []
+            launched, self._ahead = self._ahead, None
             with torch.inference_mode():
-                results = self.runner.run(chunks, self.block_manager)
-            finished = []
-            for c, res in zip(chunks, results):
-                seq = c.seq
-                seq.num_cached = c.end
-                for tok, lp in res:
-                    seq.append(tok, lp, self.weight_version)
-                if seq.finish_reason is not None:
-                    finished.append(seq)
-            self.scheduler.retire(finished)
-            return done + [s.completion() for s in finished]
+                if launched is None:
+                    if self.scheduler.idle:
+                        return done
+                    launched = self.runner.launch(self.scheduler.schedule(), self.block_manager,
+                                                  version=self.weight_version)
+                self._ahead = self._launch_ahead(launched)
+            return done + self._finish(launched)
+
+    def _finish(self, launched: Launched) -> list[Completion]:
+        """Wait for a launched step and record its tokens; retire what finished."""
+        finished = []
+        for c, res in zip(launched.chunks, launched.read()):
+            seq = c.seq
+            if seq.status is Status.FINISHED:  # it stopped at the step before: this row rode along
+                continue
+            seq.num_cached = c.end
+            for tok, lp in res:
+                seq.append(tok, lp, launched.version)
+            if seq.finish_reason is not None:
+                finished.append(seq)
+        self.scheduler.retire(finished)
+        return [s.completion() for s in finished]
+
+    def _drain(self) -> None:
+        """Wait for a step launched ahead and record it (its finished requests
+        are handed out by the next step)."""
+        if self._ahead is not None:
+            launched, self._ahead = self._ahead, None
+            self._drained += self._finish(launched)
+
+    def _launch_ahead(self, launched: Launched) -> Launched | None:
+        """Launch the step after ``launched`` before it is read, when that step
+        is fixed already: every chunk a drawn decode row of a running sequence,
+        the whole batch (no request waiting for a free batch slot), a page for
+        each next position.  Sequences whose token of ``launched`` is their
+        last by length are left out; ones that stop on a stop token ride along."""
+        sched, bm, chunks = self.scheduler, self.block_manager, launched.chunks
+        if not self.overlap or self._hooks or not chunks or launched.tokens is None:
+            return None
+        if len(chunks) != len(sched.running) or (sched.waiting and len(sched.running) < sched.max_batch_size):
+            return None
+        if any(c.end - c.start != 1 or c.seq.teacher_forced or c.end != c.seq.num_tokens for c in chunks):
+            return None
+        keep = [i for i, c in enumerate(chunks) if len(c.seq.tokens) + 1 < c.seq.sampling.max_new_tokens]
+        if not keep or sum(bm.pages_needed(chunks[i].seq.id, 1) for i in keep) > bm.num_free:
+            return None
+        nxt = [Chunk(chunks[i].seq, chunks[i].end, chunks[i].end + 1, bm.append(chunks[i].seq.id, 1)) for i in keep]
+        ids = launched.tokens if len(keep) == len(chunks) else \
+            launched.tokens[torch.tensor(keep, dtype=torch.int64).to(launched.tokens.device, non_blocking=True)]
+        return self.runner.launch(nxt, bm, tokens=ids, steps=[len(chunks[i].seq.tokens) + 1 for i in keep],
+                                  version=self.weight_version)
 
     def _score_sequences(self, sequences, prompt_lens, sampling, adapters, chunk_tokens) -> list[Sequence]:
         if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):

@@ -92,11 +92,40 @@ def capture_decode_graphs(model: ServeModel, kv_cache, batch_sizes: list[int], w
     return DecodeGraphs(static, dict(sorted(graphs.items())), logits)
 
 
-def _draw_params(seqs: list, V: int) -> tuple[dict, int]:
+def _draw_params(seqs: list, V: int, steps: list[int] | None = None) -> tuple[dict, int]:
     """Host tensors of the draw's parameters (``params_to_tensors``: each
-    sequence's sampling and step) and their ``head_width`` (host: no sync)."""
-    params = params_to_tensors([s.sampling for s in seqs], [s.step for s in seqs])
+    sequence's sampling and step, or ``steps`` for a step launched before the
+    previous one's tokens were appended) and their ``head_width`` (host: no sync)."""
+    params = params_to_tensors([s.sampling for s in seqs], [s.step for s in seqs] if steps is None else steps)
     return params, head_width(params["temperature"], params["top_k"], V)
+
+
+@dataclass
+class Launched:
+    """A step whose forward and sampling are enqueued on the device.
+
+    ``tokens`` (R,) int64 on the device: each logit row's token (drawn, or
+    the given one of a scored row), in row order; it may be a sampler graph's
+    output, so it is valid as an input only until the next step's sampler
+    runs (a copy enqueued before that reads it in stream order).  ``read``
+    waits for the step's host copies and returns, per chunk, the (token,
+    log-prob) of each of its logit rows."""
+
+    chunks: list[Chunk]
+    rows: list[int]  # the chunk of each logit row
+    tokens: torch.Tensor | None
+    version: int
+    host: tuple[torch.Tensor, torch.Tensor] | None
+    event: torch.cuda.Event | None
+
+    def read(self) -> list[list[tuple[int, float]]]:
+        if self.event is not None:
+            self.event.synchronize()
+        results: list[list[tuple[int, float]]] = [[] for _ in self.chunks]
+        if self.rows:
+            for i, tok, lp in zip(self.rows, self.host[0].tolist(), self.host[1].tolist()):
+                results[i].append((tok, lp))
+        return results
 
 
 class SampleGraphs:
@@ -194,86 +223,114 @@ class ModelRunner:
         """Forward the chunks as one batch; per chunk, the (token, log-prob)
         of each logit row: the sampled token of a generated sequence, or the
         given next token of a teacher-forced one."""
-        tokens, positions, slots, seq_lens, cu, rows, wanted, adapters = [], [], [], [], [0], [], [], []
+        return self.launch(chunks, block_manager).read()
+
+    def launch(self, chunks: list[Chunk], block_manager: BlockManager, *, tokens: torch.Tensor | None = None,
+               steps: list[int] | None = None, version: int = 0) -> Launched:
+        """``run`` without the wait: enqueue the forward, the sampling and the
+        copies of the sampled rows to the host.  ``tokens`` (one per chunk, on
+        the device) and ``steps`` (the sampler step of each chunk's sequence)
+        stand in for a decode step's inputs that the host does not know yet:
+        the tokens the previous step is still drawing (``Launched.tokens``)."""
+        toks, positions, slots, seq_lens, cu, rows, wanted, adapters = [], [], [], [], [0], [], [], []
         for i, c in enumerate(chunks):
             seq = c.seq
-            tokens += seq.token_ids(c.start, c.end)
+            if tokens is None:
+                toks += seq.token_ids(c.start, c.end)
             positions += range(c.start, c.end)
             slots += c.slots
             adapters += [seq.adapter_id] * (c.end - c.start)
-            for p in seq.logit_positions(c.start, c.end):
+            # a chunk ahead of its own last token (device ids) wants its one row: the host does not know that token yet
+            for p in (seq.logit_positions(c.start, c.end) if tokens is None else (c.end - 1,)):
                 rows.append(cu[-1] + p - c.start)
                 wanted.append((i, p))
             cu.append(cu[-1] + c.end - c.start)
             seq_lens.append(c.end)
+        if tokens is not None and not (len(tokens) == len(positions) == len(chunks)):
+            raise ValueError(f"device tokens stand in for one token per chunk: {len(tokens)} tokens, "
+                             f"{len(positions)} positions, {len(chunks)} chunks")
         tables = [block_manager.table_view(c.seq.id) for c in chunks]
         B = len(chunks)
-        bucket = self.graphs.bucket(B) if self.graphs is not None and len(tokens) == len(rows) == B else None
+        bucket = self.graphs.bucket(B) if self.graphs is not None and len(positions) == len(rows) == B else None
         staged = None
         if bucket is not None:
-            staged = self._stage_sampler(bucket, [c.seq for c in chunks])  # before the forward is launched
+            staged = self._stage_sampler(bucket, [c.seq for c in chunks], steps)  # before the forward is launched
             pad = bucket - B
-            logits = self._replay(bucket, tokens + [0] * pad, positions + [0] * pad, seq_lens + [1] * pad,
-                                  slots + [-1] * pad, adapters + [-1] * pad,
+            logits = self._replay(bucket, toks + [0] * pad if tokens is None else tokens, positions + [0] * pad,
+                                  seq_lens + [1] * pad, slots + [-1] * pad, adapters + [-1] * pad,
                                   self._block_table(tables, bucket, self.graph_width))[:B]
         else:
             batch = ForwardBatch(
-                tokens=self._to_device(tokens, torch.int64),
+                tokens=self._to_device(toks, torch.int64) if tokens is None else tokens,
                 positions=self._to_device(positions, torch.int64),
                 cu_seqlens_q=self._to_device(cu, torch.int32),
                 seq_lens=self._to_device(seq_lens, torch.int32),
                 block_table=self._block_table(tables, B, max(map(len, tables))).to(self.device, non_blocking=True),
                 slot_mapping=self._to_device(slots, torch.int64),
                 # a step of prefill chunks only still asks for one row: no model meets R = 0
-                logit_rows=self._to_device(rows or [len(tokens) - 1], torch.int64),
+                logit_rows=self._to_device(rows or [len(positions) - 1], torch.int64),
                 adapter_ids=self._to_device(adapters, torch.int64),
                 max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
             )
             logits = self.model.forward(batch, self.kv_cache)  # (R, V) fp32
-        results: list[list[tuple[int, float]]] = [[] for _ in chunks]
-        if rows:
-            for (i, _), tok, lp in zip(wanted, *self._sample(logits, [(chunks[i].seq, p) for i, p in wanted],
-                                                            staged)):
-                results[i].append((tok, lp))
-        return results
+        if not rows:
+            return Launched(chunks, [], None, version, None, None)
+        tok, lp = self._sample(logits, [(chunks[i].seq, p, i) for i, p in wanted], staged, steps)
+        host = (torch.empty(tok.shape, dtype=tok.dtype, pin_memory=self._pin),
+                torch.empty(lp.shape, dtype=lp.dtype, pin_memory=self._pin))
+        host[0].copy_(tok, non_blocking=self._pin)
+        host[1].copy_(lp, non_blocking=self._pin)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return Launched(chunks, [i for i, _ in wanted], tok, version, host, event)
 
-    def _stage_sampler(self, bucket: int, seqs: list) -> tuple[int, int] | None:
+    def _stage_sampler(self, bucket: int, seqs: list, steps: list[int] | None = None) -> tuple[int, int] | None:
         """A decode step whose rows are all drawn, in a bucket with a sampler
         graph: stage its parameters (before the decode graph is launched, so
         nothing but the sampler graph follows it)."""
         if self.sample_graphs is None or bucket not in self.sample_graphs.buckets or \
                 any(s.teacher_forced for s in seqs):
             return None
-        return self.sample_graphs.stage(bucket, *_draw_params(seqs, self.graphs.logits[bucket].shape[1]))
+        return self.sample_graphs.stage(bucket, *_draw_params(seqs, self.graphs.logits[bucket].shape[1], steps))
 
-    def _sample(self, logits: torch.Tensor, wanted: list, staged: tuple | None = None) -> tuple[list[int], list[float]]:
-        """Per logit row (its sequence, its position): draw a generated
-        sequence's next token, or replay a teacher-forced one's given next
-        token (the same program, so the same bits for the same row).
-        ``staged``: the rows' sampler graph, parameters already in."""
-        tokens, lps = [0] * len(wanted), [0.0] * len(wanted)
-        gen = [r for r, (s, _) in enumerate(wanted) if not s.teacher_forced]
-        forced = [r for r, (s, _) in enumerate(wanted) if s.teacher_forced]
+    def _sample(self, logits: torch.Tensor, wanted: list, staged: tuple | None = None,
+                steps: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per logit row (its sequence, its position, its chunk): draw a
+        generated sequence's next token, or replay a teacher-forced one's given
+        next token (the same program, so the same bits for the same row).
+        ``staged``: the rows' sampler graph, parameters already in.  ->
+        (tokens int64, log-probs fp32), (R,) each, on the device."""
+        R = len(wanted)
+        gen = [r for r, (s, _, _) in enumerate(wanted) if not s.teacher_forced]
+        forced = [r for r, (s, _, _) in enumerate(wanted) if s.teacher_forced]
+        tok = lp = None
         if gen:
             if staged is not None:  # every row is drawn
-                tok, lp = self.sample_graphs.replay(staged, len(wanted))
+                tok, lp = self.sample_graphs.replay(staged, R)
             else:
-                params, head = _draw_params([wanted[r][0] for r in gen], logits.shape[1])
+                params, head = _draw_params([wanted[r][0] for r in gen], logits.shape[1],
+                                            None if steps is None else [steps[wanted[r][2]] for r in gen])
                 params = {k: v.to(self.device, non_blocking=True) for k, v in params.items()}
-                lg = logits if len(gen) == len(wanted) else logits[self._to_device(gen, torch.int64)]
+                lg = logits if len(gen) == R else logits[self._to_device(gen, torch.int64)]
                 tok, lp = sample_fwd(lg, **params, head=head)
-            for r, t, l in zip(gen, tok.tolist(), lp.tolist()):
-                tokens[r], lps[r] = t, l
-        if forced:
-            targets = [s.token_ids(p + 1, p + 2)[0] for s, p in (wanted[r] for r in forced)]
-            params = params_to_tensors([wanted[r][0].sampling for r in forced], [0] * len(forced))
-            head = head_width(params["temperature"], params["top_k"], logits.shape[1])  # host tensors: no sync
-            params = {k: params[k].to(self.device, non_blocking=True) for k in ("temperature", "top_k", "top_p", "min_p")}
-            lg = logits if len(forced) == len(wanted) else logits[self._to_device(forced, torch.int64)]
-            lp = sampling_logprobs_fwd(lg, self._to_device(targets, torch.int64), **params, head=head)[0]
-            for r, t, l in zip(forced, targets, lp.tolist()):
-                tokens[r], lps[r] = t, l
-        return tokens, lps
+            if not forced:
+                return tok, lp
+        tok_all = torch.empty(R, dtype=torch.int64, device=logits.device)
+        lp_all = torch.empty(R, dtype=torch.float32, device=logits.device)
+        if gen:
+            at = self._to_device(gen, torch.int64)
+            tok_all[at], lp_all[at] = tok, lp
+        targets = [s.token_ids(p + 1, p + 2)[0] for s, p, _ in (wanted[r] for r in forced)]
+        params = params_to_tensors([wanted[r][0].sampling for r in forced], [0] * len(forced))
+        head = head_width(params["temperature"], params["top_k"], logits.shape[1])  # host tensors: no sync
+        params = {k: params[k].to(self.device, non_blocking=True) for k in ("temperature", "top_k", "top_p", "min_p")}
+        lg = logits if len(forced) == R else logits[self._to_device(forced, torch.int64)]
+        at, given = self._to_device(forced, torch.int64), self._to_device(targets, torch.int64)
+        tok_all[at] = given
+        lp_all[at] = sampling_logprobs_fwd(lg, given, **params, head=head)[0]
+        return tok_all, lp_all
 
     def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, pin_memory=self._pin).to(self.device, non_blocking=True)
@@ -288,8 +345,14 @@ class ModelRunner:
         return torch.tensor(flat, dtype=torch.int32, pin_memory=self._pin).view(rows, width)
 
     def _replay(self, bs, tokens, positions, seq_lens, slots, adapters, block_table) -> torch.Tensor:
+        """``tokens``: bs ids (host list), or the real rows' ids on the device (pad rows get 0)."""
         s = first_rows(self.graphs.static, bs)
-        for dst, data, dtype in ((s.tokens, tokens, torch.int64), (s.positions, positions, torch.int64),
+        if isinstance(tokens, torch.Tensor):
+            s.tokens[:len(tokens)].copy_(tokens)
+            s.tokens[len(tokens):].zero_()
+        else:
+            s.tokens.copy_(torch.tensor(tokens, dtype=torch.int64, pin_memory=self._pin), non_blocking=True)
+        for dst, data, dtype in ((s.positions, positions, torch.int64),
                                  (s.seq_lens, seq_lens, torch.int32), (s.slot_mapping, slots, torch.int64),
                                  (s.adapter_ids, adapters, torch.int64)):
             dst.copy_(torch.tensor(data, dtype=dtype, pin_memory=self._pin), non_blocking=True)
