@@ -151,7 +151,6 @@ class SampleGraphs:
         self.buckets = [b for b in decode.graphs if b <= max_batch]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.params: dict[int, dict[str, torch.Tensor]] = {}
-        self._staging: dict[int, dict[str, torch.Tensor]] = {}
         self._pool = None
 
     HEAD_CLASSES = (64, 1024)  # then V
@@ -171,13 +170,13 @@ class SampleGraphs:
         if bs not in self.params:
             self.params[bs] = {k: torch.full((bs,), v, dtype=host[k].dtype, device=logits.device)
                                for k, v in self._PAD.items()}
-            self._staging[bs] = {k: torch.full((bs,), v, dtype=host[k].dtype, pin_memory=logits.is_cuda)
-                                 for k, v in self._PAD.items()}
         B = host["temperature"].shape[0]
         for k in _SAMPLE_KEYS:
-            self._staging[bs][k][:B].copy_(host[k])
-            self._staging[bs][k][B:].fill_(self._PAD[k])
-            self.params[bs][k].copy_(self._staging[bs][k], non_blocking=True)
+            # a fresh pinned buffer per step: with overlap, the previous step's copy may still be queued
+            # behind its forward, and refilling a buffer it reads from would hand it this step's params
+            staging = torch.full((bs,), self._PAD[k], dtype=host[k].dtype, pin_memory=logits.is_cuda)
+            staging[:B].copy_(host[k])
+            self.params[bs][k].copy_(staging, non_blocking=True)
         return bs, self.head_class(head, logits.shape[1])
 
     def replay(self, key: tuple[int, int], B: int) -> tuple[torch.Tensor, torch.Tensor]:
