@@ -124,8 +124,8 @@ def main() -> int:
     ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
     ap.add_argument("--server-kernels", choices=("aligned", "vendor"), default="aligned",
                     help="vendor: the same engine on torch's kernels (the baseline of issue 7)")
-    ap.add_argument("--overlap", choices=("on", "off"), default="on",
-                    help="off: the engine reads every step's tokens before launching the next (Engine(overlap=False))")
+    ap.add_argument("--overlap", choices=("on", "off"), default="off",
+                    help="on: Engine(overlap=True), a decode step launched before the previous one's tokens are read")
     ap.add_argument("--out", default="gpu_out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -146,7 +146,7 @@ def main() -> int:
             "commit": commit(), "command": " ".join(sys.argv), "config": args.config,
             "max_position": pair.config.max_position, "cuda_graphs": args.cuda_graphs,
             "server_kernels": args.server_kernels, "overlap": args.overlap}
-    stem = ("engine" if args.server_kernels == "aligned" else "engine_vendor") + ("" if args.overlap == "on" else "_sync")
+    stem = ("engine" if args.server_kernels == "aligned" else "engine_vendor") + ("_overlap" if args.overlap == "on" else "")
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({**head, "rows": rows}, f, indent=1)
     lines = [f"# Engine throughput: qwen3 {args.config}", "", *(f"- {k}: {v}" for k, v in head.items()), "",

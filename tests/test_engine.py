@@ -74,9 +74,10 @@ def test_batch_and_order_do_not_change_bits(model, alone):
         assert_same(got, want)
 
 
-def test_requests_join_and_finish_mid_decode(model, alone):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_requests_join_and_finish_mid_decode(model, alone, overlap):
     # A small budget also mixes prefill chunks and decode rows in one step.
-    eng = Engine(model, num_pages=64, max_batch_tokens=48, page_shuffle_seed=5)
+    eng = Engine(model, num_pages=64, max_batch_tokens=48, page_shuffle_seed=5, overlap=overlap)
     ids, done = {}, {}
     for i in range(len(PROMPTS)):
         ids[eng.add_request(PROMPTS[i], PARAMS[i])] = i
@@ -281,8 +282,8 @@ def _spy_launches(eng) -> list:
 
 @pytest.mark.parametrize("pages,budget", [(64, 4096), (4, 96)], ids=["roomy", "preempting"])
 def test_overlap_gives_the_bits_of_reading_every_step(model, alone, pages, budget):
-    """Decode steps launched before the previous step's tokens are read (the
-    default) give the bits of an engine that reads every step first, with
+    """Decode steps launched before the previous step's tokens are read
+    (``overlap=True``) give the bits of an engine that reads every step first, with
     requests that finish by length and by stop token at different steps (a
     stopped one rides along in the step launched ahead, whose row is
     dropped), and in a cache small enough to preempt."""
@@ -313,7 +314,7 @@ def test_overlap_hooks_and_score_wait_for_the_step_launched_ahead(model):
     reading every step first."""
     sp = SamplingParams(max_new_tokens=6, seed=3)
     ref = Engine(model, num_pages=16, overlap=False).generate([PROMPTS[0]], sp)[0]
-    eng = Engine(model, num_pages=16)
+    eng = Engine(model, num_pages=16, overlap=True)
     eng.add_request(PROMPTS[0], sp)
     eng.step()  # prefill + token 0: nothing launched ahead of a prefill
     assert eng._ahead is None
@@ -382,7 +383,7 @@ def test_adapters_share_a_batch(lora_model):
     plain = solo(m, PROMPTS[1], LORA_PARAMS[1])  # the base model: another draw
     assert plain.adapter is None and not torch.equal(plain.logprobs, alone[1].logprobs)
     # one batch, chunked prefill beside decode rows, then reversed order with preemption
-    eng = Engine(m, num_pages=64, max_batch_tokens=48, page_shuffle_seed=2)
+    eng = Engine(m, num_pages=64, max_batch_tokens=48, page_shuffle_seed=2, overlap=True)  # LoRA ids ride ahead too
     for got, want in zip(eng.generate(PROMPTS, LORA_PARAMS, adapters=LORA_PICK), alone):
         assert_same(got, want)
         assert got.adapter == want.adapter
@@ -433,12 +434,13 @@ def test_unknown_adapter_fails_alone(model, lora_model, alone):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_matches_eager():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_graph_decode_matches_eager(overlap):
     model = ToyServeModel(device="cuda")
     prompts = PROMPTS + [prompt(700, 3), prompt(9, 4)]
     params = PARAMS + [RICH, SamplingParams(max_new_tokens=40, seed=9)]
     eager = Engine(model, num_pages=64, max_batch_size=8, cuda_graphs=False).generate(prompts, params)
-    graph_eng = Engine(model, num_pages=64, max_batch_size=8, cuda_graphs=True, page_shuffle_seed=1)
+    graph_eng = Engine(model, num_pages=64, max_batch_size=8, cuda_graphs=True, page_shuffle_seed=1, overlap=overlap)
     assert sorted(graph_eng.runner.graphs.graphs) == [1, 2, 4, 8]
     replays = []
     real = graph_eng.runner._replay

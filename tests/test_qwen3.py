@@ -181,12 +181,15 @@ def test_bad_input(pair):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_long_0p6b_shapes():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_graph_decode_long_0p6b_shapes(overlap):
     """qwen3-0.6b shapes, random weights, a 4100-token sequence: trainer ==
-    server prefill == eager decode == CUDA-graph decode."""
+    server prefill == eager decode == CUDA-graph decode, with decode steps
+    launched ahead (``overlap``) or not; the eager server reads every step."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pair = alignzoo.load_pair("qwen3", config="qwen3-0.6b", device="cuda", max_batch_size=8, kv_cache_bytes=8 << 30)
+    pair = alignzoo.load_pair("qwen3", config="qwen3-0.6b", device="cuda", max_batch_size=8, kv_cache_bytes=8 << 30,
+                              overlap=overlap)
     eager = alignzoo.load_pair("qwen3", config="qwen3-0.6b", device="cuda", max_batch_size=8, kv_cache_bytes=8 << 30,
                                cuda_graphs=False)
     prompts = prompts_of([4000, 333, 17], pair.config.vocab_size, seed=4)
