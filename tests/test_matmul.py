@@ -1,6 +1,7 @@
 """matmul: rungs 1-2 (bitwise), accuracy vs float64, gradients, bad input."""
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from alignzoo.common.ladder import bitwise_equal, rel_err, rung1_repeat, rung2_rows
 from alignzoo.common.matmul import fixed_order_dot, matmul, matmul_bwd, matmul_fwd, matmul_ref
@@ -374,17 +375,6 @@ print("ok")
 """
 
 
-def _run_interpreted(script: str) -> None:
-    """Run ``script`` under Triton's interpreter in a fresh process; it prints "ok" when its checks pass."""
-    import os
-    import subprocess
-    import sys
-
-    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-4000:]
-
-
 def test_tma_kernel_keeps_the_segment_order_interpreted():
     """The TMA kernel's source (one k-loop restarting the chain after each
     segment's last step; 96- and 192-wide tiles of two column blocks with a
@@ -392,7 +382,7 @@ def test_tma_kernel_keeps_the_segment_order_interpreted():
     numpy reference of the contract's order: p_s chains from zero, added left
     to right.  K not a multiple of SEG_K, M and N not multiples of the tile.
     (Carrying the chain across a segment end fails this test.)"""
-    _run_interpreted(_TMA_INTERPRETED)
+    run_interpreted(_TMA_INTERPRETED, expect="ok")
 
 
 _TMA_SPLIT_INTERPRETED = """
@@ -419,4 +409,4 @@ def test_tma_split_kernel_writes_the_split_kernels_partials_interpreted():
     merge kernel: Triton's interpreter, fp32 CPU tensors, ragged M, N and K.
     (A chain carried across segments, or a segment's steps started anywhere
     but its first, fails this test.)"""
-    _run_interpreted(_TMA_SPLIT_INTERPRETED)
+    run_interpreted(_TMA_SPLIT_INTERPRETED, expect="ok")

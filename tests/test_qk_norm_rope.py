@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from alignzoo.common.kv_cache import PAGE_SIZE, BlockManager, allocate_kv_cache
 from alignzoo.common.ladder import bitwise_equal, rel_err, rows_differing, rung1_repeat, rung2_rows
@@ -336,14 +337,7 @@ def test_triton_kernel_equals_the_unfused_kernels_interpreted():
     fp32), of itself under other heads per program, and in fp32 of the CPU
     path: at head_dim 24 (padded tree), 64 and 128, T = 1, 7, 9, positions past
     2048, a row-strided qkv and a skipped slot."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    run_ = subprocess.run([sys.executable, "-c", _INTERPRETED], env={**os.environ, "TRITON_INTERPRET": "1"},
-                          capture_output=True, text=True, timeout=600)
-    assert run_.returncode == 0 and "ok" in run_.stdout, run_.stderr[-3000:]
+    run_interpreted(_INTERPRETED, expect="ok")
 
 
 # ---------------------------------------------------------------- CUDA graphs and PDL (H200)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreted import run_interpreted
 
 from alignzoo.common.ladder import rel_err, rows_differing, rung1_repeat, rung2_rows
 from alignzoo.common.rmsnorm import (
@@ -255,15 +256,7 @@ def test_triton_kernels_add_in_the_cpu_order_interpreted():
     forward and backward, at widths of one chunk and of several (256-lane
     chunks, a padded last one): the row tree's order in kernel.py is cpu.py's
     in CI too, not only on the GPU (``test_cuda_and_cpu_add_in_the_same_order``)."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED_ORDER], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_interpreted(_INTERPRETED_ORDER)
 
 
 # ---------------------------------------------------------------- the checks can fail

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from alignzoo.common.ladder import bitwise_equal, rel_err, rung1_repeat, rung2_rows
 from alignzoo.common.sampling import (
@@ -427,16 +428,10 @@ def test_cuda_head_is_the_full_sorts_head_interpreted():
     to V, odd V, in CI (``test_gpu_cuda_head_is_the_full_sorts_head`` at
     the real vocabulary)."""
     import os
-    import subprocess
-    import sys
 
-    pytest.importorskip("triton")
     calls = ["_check_cuda_head('cpu', 1000, 8, (1, 7, 50, 999, 1000))",
              "_check_cuda_head('cpu', 4099, 9, (1, 50, 1024, 4098, 4099))"]
-    script = _INTERPRETED_HEAD.format(tests=os.path.dirname(__file__), calls="\n".join(calls))
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_interpreted(_INTERPRETED_HEAD.format(tests=os.path.dirname(__file__), calls="\n".join(calls)))
 
 
 def test_support_kernel_passes_equal_a_plain_reference_interpreted():
@@ -446,16 +441,10 @@ def test_support_kernel_passes_equal_a_plain_reference_interpreted():
     the passes written plainly in numpy, every chunk, no early exit.  V up to
     three 4096-wide chunks, the last one partial."""
     import os
-    import subprocess
-    import sys
 
-    pytest.importorskip("triton")
     calls = [f"_check_support_against_reference({V}, {seed})" for V in (97, 5000, 9000) for seed in (0, 1)]
-    script = _INTERPRETED_HEAD.format(tests=os.path.dirname(__file__), calls="\n".join(calls)).replace(
-        "import _check_cuda_head", "import _check_support_against_reference")
-    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_interpreted(_INTERPRETED_HEAD.format(tests=os.path.dirname(__file__), calls="\n".join(calls)).replace(
+        "import _check_cuda_head", "import _check_support_against_reference"))
 
 
 ALL_PATHS = (("values", True), ("keys", True), ("values", False))
@@ -463,15 +452,9 @@ ALL_PATHS = (("values", True), ("keys", True), ("values", False))
 
 def _run_interpreted(calls: list[str]) -> None:
     import os
-    import subprocess
-    import sys
 
-    pytest.importorskip("triton")
-    script = _INTERPRETED_HEAD.format(tests=os.path.dirname(__file__), calls="\n".join(calls)).replace(
-        "import _check_cuda_head", "import _check_full_sort_paths, ALL_PATHS")
-    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_interpreted(_INTERPRETED_HEAD.format(tests=os.path.dirname(__file__), calls="\n".join(calls)).replace(
+        "import _check_cuda_head", "import _check_full_sort_paths, ALL_PATHS"))
 
 
 def test_full_sort_paths_are_todays_bits_interpreted():

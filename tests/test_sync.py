@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from alignzoo.sync import (CorruptPayload, DirectoryTransport, DistTransport, EndStateMismatch, InProcessTransport,
                            LayoutMismatch, Publisher, Receiver, VersionSkew, apply_between_steps, tensor_checksum,
@@ -207,19 +208,12 @@ def test_checksum_kernel_interpreted_equals_torch_passes():
     """The CUDA checksum kernel's source, run by Triton's interpreter on the
     CPU, sums to the torch passes' value (a partial last block included): CI
     checks the kernel's arithmetic, the gpu test its compiled form."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
     code = ("import torch\nfrom alignzoo.sync import checksum as C\n"
             "g = torch.Generator().manual_seed(0)\n"
             "for n in (1, 4095, 4096, 9001):\n"
             "    w = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g)\n"
             "    assert int(C._word_sum_cuda(w)) == int(C._word_sum_torch(w)), n\n")
-    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_interpreted(code)
 
 
 def test_views_and_expert_stacks():
