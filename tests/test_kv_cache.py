@@ -35,6 +35,21 @@ def test_free_and_reuse():
         bm.length(0)
 
 
+def test_append_one_is_append_of_one():
+    """The decode fast path: ``append_one`` gives ``append(seq, 1)``'s slot and
+    state across page boundaries (shuffled pages), and None with nothing
+    changed when a page is needed and none is free, or the sequence is new."""
+    a, b = BlockManager(3, shuffle_seed=5), BlockManager(3, shuffle_seed=5)
+    a.append("x", 60)
+    b.append("x", 60)
+    for _ in range(132):  # to the last free slot: 192 positions fill the 3 pages
+        assert a.append_one("x") == b.append("x", 1)[0]
+        assert a.block_table("x") == b.block_table("x") and a.length("x") == b.length("x")
+    assert a.num_free == 0 and a.length("x") == 192
+    assert a.append_one("x") is None and a.length("x") == 192 and a.block_table("x") == b.block_table("x")
+    assert a.append_one("new") is None and "new" not in a
+
+
 def test_shuffled_free_order_and_tables():
     a, b = BlockManager(16, shuffle_seed=0), BlockManager(16, shuffle_seed=1)
     a.append("x", 300)

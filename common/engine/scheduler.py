@@ -60,6 +60,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_fed - seq.num_cached, budget, self.max_chunk)
+            if n == 1:  # a decode row: one call when its page has room or one is free
+                slot = bm.append_one(seq.id)
+                if slot is not None:
+                    chunks.append(Chunk(seq, seq.num_cached, seq.num_cached + 1, [slot]))
+                    budget -= 1
+                    i += 1
+                    continue
             fits = bm.can_append(seq.id, n)
             while not fits and self.running[-1] is not seq:
                 self._preempt(self.running.pop())

@@ -101,6 +101,22 @@ class BlockManager:
         self._lens[seq_id] = start + n
         return self._slots(table, start, start + n)  # slots() without its bounds check: [start, start + n) is new
 
+    def append_one(self, seq_id: Hashable) -> int | None:
+        """``append(seq_id, 1)``'s slot for a sequence already here, or None
+        (and nothing changed) when that needs a page and none is free, or the
+        sequence is not here: a decode step's one call per sequence."""
+        table = self._tables.get(seq_id)
+        if table is None:
+            return None
+        n = self._lens[seq_id]
+        off = n % self.page_size
+        if not off:
+            if not self._free:
+                return None
+            table.append(self._free.popleft())
+        self._lens[seq_id] = n + 1
+        return table[-1] * self.page_size + off
+
     def free(self, seq_id: Hashable) -> None:
         """Return a finished sequence's pages to the free list."""
         for page in self._tables.pop(self._known(seq_id)):
