@@ -129,6 +129,70 @@ if gluon is not None:
             i_m, i_n = _tile_coords(tile, n_m, n_n, GROUP_M)
         return k, tile, i_m, i_n
 
+    @gluon.jit
+    def _alloc_ring(d_x, d_w, d_w2, d_y, d_y2, BN2: gl.constexpr, NUM_BUF: gl.constexpr, WS: gl.constexpr):
+        """The operand ring (NUM_BUF stages of x, w and w2 tiles), a ready
+        barrier per stage (with ``WS`` an empty one too; else ``empty`` is
+        ``ready``, unused), and the output tiles the epilogue stores from."""
+        BM: gl.constexpr = d_x.block_type.shape[0]
+        BK: gl.constexpr = d_x.block_type.shape[1]
+        W2: gl.constexpr = d_w2.block_type.shape[0]  # BN2, or the placeholder's width
+        dtype: gl.constexpr = d_x.dtype
+        bufs_x = gl.allocate_shared_memory(dtype, [NUM_BUF, BM, BK], d_x.layout)
+        bufs_w = gl.allocate_shared_memory(dtype, [NUM_BUF, d_w.block_type.shape[0], BK], d_w.layout)
+        bufs_w2 = gl.allocate_shared_memory(dtype, [NUM_BUF if BN2 else 1, W2, BK], d_w2.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        if WS:
+            empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        else:
+            empty = ready
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(ready.index(i), count=1)
+            if WS:
+                mbarrier.init(empty.index(i), count=1)
+        c_smem = gl.allocate_shared_memory(dtype, [BM, d_w.block_type.shape[0]], d_y.layout)
+        c_smem2 = gl.allocate_shared_memory(dtype, [BM if BN2 else 8, W2], d_y2.layout)
+        return bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2
+
+    @gluon.jit
+    def _mma_step(s, chain, acc, acc2, bufs_x, bufs_w, bufs_w2, BN2: gl.constexpr):
+        """Stage s's wgmmas (a chain restarts from zero where ``chain`` is
+        False), then wait for the previous step's: its stage is free after."""
+        acc = warpgroup_mma(bufs_x.index(s), bufs_w.index(s).permute((1, 0)), acc, use_acc=chain, is_async=True)
+        if BN2 == 0:
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+        else:
+            acc2 = warpgroup_mma(bufs_x.index(s), bufs_w2.index(s).permute((1, 0)), acc2, use_acc=chain,
+                                 is_async=True)
+            acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
+        return acc, acc2
+
+    @gluon.jit
+    def _segment_end(acc, acc2, total, total2, BN2: gl.constexpr):
+        """A segment's last step: wait for its chains and add them to the totals."""
+        if BN2 == 0:
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+        else:
+            acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
+            total2 += acc2
+        total += acc
+        return acc, acc2, total, total2
+
+    @gluon.jit
+    def _store_tile(total, total2, c_smem, c_smem2, d_y, d_y2, i_m, i_n, BN2: gl.constexpr):
+        """Round the totals to bf16 once and store tile (i_m, i_n) by TMA,
+        after the previous tile's stores have left the output tiles."""
+        BM: gl.constexpr = c_smem.shape[0]
+        BN: gl.constexpr = c_smem.shape[1]
+        tma.store_wait(0)
+        c_smem.store(total.to(c_smem.dtype))
+        if BN2 != 0:
+            c_smem2.store(total2.to(c_smem.dtype))
+        fence_async_shared()
+        _tma_store(d_y, [i_m * BM, i_n * (BN + BN2)], c_smem)
+        if BN2 != 0:
+            _tma_store(d_y2, [i_m * BM, i_n * (BN + BN2) + BN], c_smem2)
+
     @gluon.jit(do_not_specialize=["M"])
     def _mm_pipe_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, N_K, NUM_PROGS, SEG_STEPS: gl.constexpr,
                         BN2: gl.constexpr, GROUP_M: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
@@ -137,20 +201,12 @@ if gluon is not None:
         BK: gl.constexpr = d_x.block_type.shape[1]
         BN: gl.constexpr = d_w.block_type.shape[0]
         W2: gl.constexpr = d_w2.block_type.shape[0]  # BN2, or the placeholder's width
-        R2: gl.constexpr = NUM_BUF if BN2 else 1
-        dtype: gl.constexpr = d_x.dtype
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BN, 16])
         layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                           instr_shape=[16, W2, 16])
-        bufs_x = gl.allocate_shared_memory(dtype, [NUM_BUF, BM, BK], d_x.layout)
-        bufs_w = gl.allocate_shared_memory(dtype, [NUM_BUF, BN, BK], d_w.layout)
-        bufs_w2 = gl.allocate_shared_memory(dtype, [R2, W2, BK], d_w2.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(ready.index(i), count=1)
-        c_smem = gl.allocate_shared_memory(dtype, [BM, BN], d_y.layout)
-        c_smem2 = gl.allocate_shared_memory(dtype, [BM if BN2 else 8, W2], d_y2.layout)
+        bufs_x, bufs_w, bufs_w2, ready, _, c_smem, c_smem2 = _alloc_ring(d_x, d_w, d_w2, d_y, d_y2, BN2, NUM_BUF,
+                                                                         False)
         n_m = gl.cdiv(M, BM)
         n_n = gl.cdiv(N, BN + BN2)
         pid = gl.program_id(0)
@@ -173,36 +229,19 @@ if gluon is not None:
         acc2 = gl.zeros([BM, W2], gl.float32, layout2)
         for g in range(total_steps):
             mbarrier.wait(ready.index(s), phase)
-            chain = (k % SEG_STEPS) != 0  # False: a segment's first step starts from zero
-            acc = warpgroup_mma(bufs_x.index(s), bufs_w.index(s).permute((1, 0)), acc, use_acc=chain, is_async=True)
-            if BN2 == 0:
-                acc = warpgroup_mma_wait(1, deps=(acc, ))
-            else:
-                acc2 = warpgroup_mma(bufs_x.index(s), bufs_w2.index(s).permute((1, 0)), acc2, use_acc=chain,
-                                     is_async=True)
-                acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
+            # chain False: a segment's first step starts from zero
+            acc, acc2 = _mma_step(s, (k % SEG_STEPS) != 0, acc, acc2, bufs_x, bufs_w, bufs_w2, BN2)
             # step g - 1 is done: its stage (ls) takes step g + NUM_BUF - 1
             _issue(g + NUM_BUF - 1 < total_steps, ls, l_m, l_n, lk * BK, d_x, d_w, d_w2, bufs_x, bufs_w, bufs_w2,
                    ready, BN2)
             ls = s
             lk, l_tile, l_m, l_n = _advance(lk, l_tile, l_m, l_n, N_K, n_m, n_n, GROUP_M, NUM_PROGS)
             if (k + 1) % SEG_STEPS == 0:  # a segment's last step: add its chains to the totals
-                if BN2 == 0:
-                    acc = warpgroup_mma_wait(0, deps=(acc, ))
-                else:
-                    acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
-                    total2 += acc2
-                total += acc
+                acc, acc2, total, total2 = _segment_end(acc, acc2, total, total2, BN2)
             if k == N_K - 1:  # the tile's last step: store it (overlapping the next tile), start the next
                 i_m, i_n = _tile_coords(c_tile, n_m, n_n, GROUP_M)
-                tma.store_wait(0)  # the previous tile's stores have left c_smem
-                c_smem.store(total.to(dtype))
+                _store_tile(total, total2, c_smem, c_smem2, d_y, d_y2, i_m, i_n, BN2)
                 if BN2 != 0:
-                    c_smem2.store(total2.to(dtype))
-                fence_async_shared()
-                _tma_store(d_y, [i_m * BM, i_n * (BN + BN2)], c_smem)
-                if BN2 != 0:
-                    _tma_store(d_y2, [i_m * BM, i_n * (BN + BN2) + BN], c_smem2)
                     total2 = gl.zeros([BM, BN2], gl.float32, layout2)
                 total = gl.zeros([BM, BN], gl.float32, layout)
                 c_tile += NUM_PROGS
@@ -239,7 +278,6 @@ if gluon is not None:
         BM: gl.constexpr = c_smem.shape[0]
         BN: gl.constexpr = c_smem.shape[1]
         W2: gl.constexpr = c_smem2.shape[1]
-        dtype: gl.constexpr = c_smem.dtype
         n_m = gl.cdiv(M, BM)
         n_n = gl.cdiv(N, BN + BN2)
         s = 0
@@ -253,35 +291,16 @@ if gluon is not None:
             total2 = gl.zeros([BM, W2], gl.float32, layout2)
             for k in range(N_K):
                 mbarrier.wait(ready.index(s), phase)
-                chain = (k % SEG_STEPS) != 0  # False: a segment's first step starts from zero
-                acc = warpgroup_mma(bufs_x.index(s), bufs_w.index(s).permute((1, 0)), acc, use_acc=chain,
-                                    is_async=True)
-                if BN2 == 0:
-                    acc = warpgroup_mma_wait(1, deps=(acc, ))
-                else:
-                    acc2 = warpgroup_mma(bufs_x.index(s), bufs_w2.index(s).permute((1, 0)), acc2, use_acc=chain,
-                                         is_async=True)
-                    acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
+                # chain False: a segment's first step starts from zero
+                acc, acc2 = _mma_step(s, (k % SEG_STEPS) != 0, acc, acc2, bufs_x, bufs_w, bufs_w2, BN2)
                 mbarrier.arrive(empty.index(prev), pred=not first)  # the previous step's wgmmas are done
                 first = False
                 prev = s
                 if (k + 1) % SEG_STEPS == 0:  # a segment's last step: add its chains to the totals
-                    if BN2 == 0:
-                        acc = warpgroup_mma_wait(0, deps=(acc, ))
-                    else:
-                        acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
-                        total2 += acc2
-                    total += acc
+                    acc, acc2, total, total2 = _segment_end(acc, acc2, total, total2, BN2)
                 s, phase = _next_stage(s, phase, NUM_BUF)
             i_m, i_n = _tile_coords(tile, n_m, n_n, GROUP_M)
-            tma.store_wait(0)  # the previous tile's stores have left c_smem
-            c_smem.store(total.to(dtype))
-            if BN2 != 0:
-                c_smem2.store(total2.to(dtype))
-            fence_async_shared()
-            _tma_store(d_y, [i_m * BM, i_n * (BN + BN2)], c_smem)
-            if BN2 != 0:
-                _tma_store(d_y2, [i_m * BM, i_n * (BN + BN2) + BN], c_smem2)
+            _store_tile(total, total2, c_smem, c_smem2, d_y, d_y2, i_m, i_n, BN2)
         tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=["M"])
@@ -290,26 +309,12 @@ if gluon is not None:
         """``_mm_pipe_kernel``'s arithmetic, warp-specialized: one producer warp
         issues every TMA load (ready / empty barrier pair per ring stage), the
         kernel's warps only wait, issue wgmmas, release stages and store tiles."""
-        BM: gl.constexpr = d_x.block_type.shape[0]
-        BK: gl.constexpr = d_x.block_type.shape[1]
-        BN: gl.constexpr = d_w.block_type.shape[0]
-        W2: gl.constexpr = d_w2.block_type.shape[0]
-        R2: gl.constexpr = NUM_BUF if BN2 else 1
-        dtype: gl.constexpr = d_x.dtype
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BN, 16])
+                                                         instr_shape=[16, d_w.block_type.shape[0], 16])
         layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                          instr_shape=[16, W2, 16])
-        bufs_x = gl.allocate_shared_memory(dtype, [NUM_BUF, BM, BK], d_x.layout)
-        bufs_w = gl.allocate_shared_memory(dtype, [NUM_BUF, BN, BK], d_w.layout)
-        bufs_w2 = gl.allocate_shared_memory(dtype, [R2, W2, BK], d_w2.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        c_smem = gl.allocate_shared_memory(dtype, [BM, BN], d_y.layout)
-        c_smem2 = gl.allocate_shared_memory(dtype, [BM if BN2 else 8, W2], d_y2.layout)
+                                                          instr_shape=[16, d_w2.block_type.shape[0], 16])
+        bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2 = _alloc_ring(d_x, d_w, d_w2, d_y, d_y2, BN2,
+                                                                             NUM_BUF, True)
         gl.warp_specialize([
             (_ws_mma, (d_y, d_y2, bufs_x, bufs_w, bufs_w2, ready, empty, c_smem, c_smem2, M, N, N_K, NUM_PROGS,
                        SEG_STEPS, BN2, GROUP_M, NUM_BUF, layout, layout2)),
