@@ -278,12 +278,14 @@ def test_gpu_free_launch_knobs_same_bits():
 def test_gpu_segments_same_bits(d, window):
     """SEGMENT_STEPS on the GPU: decode steps across 1024 and 2048 (the split
     decode kernel, ``decode_config``'s tile) between multi-query chunks (the
-    tile kernel's in-register merge), under the free decode knobs."""
+    tile kernel's in-register merge), under the free decode knobs: one or two
+    programs walking each row's segments (``seg_programs``) instead of one
+    per segment."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     q, k, v, cu = make_inputs(SEGMENT_LENS, 8, 2, d, device="cuda", seed=12)
     o, lse = attention_fwd(q, k, v, cu, window=window)
-    for knobs in ({}, {"num_stages": 2}, {"num_stages": 4}, {"mask_all": True}):
+    for knobs in ({}, {"num_stages": 2}, {"num_stages": 4}, {"mask_all": True}, {"seg_programs": 1}, {"seg_programs": 2}):
         o_s, lse_s = serve(q, k, v, cu, SEGMENT_STEPS, window=window, shuffle_seed=5, **knobs)
         assert torch.equal(o_s, o) and torch.equal(lse_s, lse), knobs
 
@@ -303,10 +305,12 @@ def test_gpu_tile_shape_probe():
 
 
 @pytest.mark.gpu
-def test_gpu_decode_cuda_graph_replay():
+@pytest.mark.parametrize("seg_programs", [None, 1, 3])
+def test_gpu_decode_cuda_graph_replay(seg_programs):
     """Decode captured once in a CUDA graph over a fixed-width block table
     (4 segments), replayed while the sequences grow across 1024 and 2048:
-    every replay gives the packed path's rows (and eager decode's)."""
+    every replay gives the packed path's rows (and eager decode's), whether a
+    program owns one segment or walks several (``seg_programs``)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     lens = [2100, 1100, 300, 1]
@@ -325,18 +329,19 @@ def test_gpu_decode_cuda_graph_replay():
     cu_q = torch.arange(B + 1, dtype=torch.int32, device="cuda")
     q_s = q[cu[:-1].long()].clone()  # static inputs: position 0 of every sequence
     sl_s = torch.ones(B, dtype=torch.int32, device="cuda")
-    paged_attention_fwd(q_s, kc, vc, cu_q, sl_s, table, max_seqlen_q=1)  # compile outside the capture
+    kw = dict(max_seqlen_q=1, seg_programs=seg_programs)
+    paged_attention_fwd(q_s, kc, vc, cu_q, sl_s, table, **kw)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o_s, lse_s = paged_attention_fwd(q_s, kc, vc, cu_q, sl_s, table, max_seqlen_q=1)
+        o_s, lse_s = paged_attention_fwd(q_s, kc, vc, cu_q, sl_s, table, **kw)
     for p in (0, 1, 63, 64, 700, 1022, 1023, 1024, 1025, 1099, 2046, 2047, 2048, 2049, 2099):
         pos = [min(p, n - 1) for n in lens]
         rows = (cu[:-1] + torch.tensor(pos, device="cuda")).long()
         q_s.copy_(q[rows])
         sl_s.copy_(torch.tensor(pos, dtype=torch.int32, device="cuda") + 1)
         graph.replay()
-        o_e, lse_e = paged_attention_fwd(q_s, kc, vc, cu_q, sl_s, table, max_seqlen_q=1)
+        o_e, lse_e = paged_attention_fwd(q_s, kc, vc, cu_q, sl_s, table, max_seqlen_q=1)  # the default programs
         assert torch.equal(o_s, o[rows]) and torch.equal(lse_s, lse[rows]), p
         assert torch.equal(o_e, o_s) and torch.equal(lse_e, lse_s), p
 
@@ -403,6 +408,12 @@ def test_bad_paged_input(case):
     args = {**_paged_args(), **change}
     with pytest.raises((ValueError, TypeError), match=match):
         paged_attention(**args)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_bad_seg_programs(bad):
+    with pytest.raises(ValueError, match="seg_programs"):
+        paged_attention_fwd(**_paged_args(), max_seqlen_q=1, seg_programs=bad)
 
 
 def test_window_skips_freed_pages():

@@ -92,9 +92,9 @@ KERNELS = {
     "attn_decode_split": (
         attn._attn_decode_split_kernel,
         {**_ATT, "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32", "cu_q": "*i32", "seq_lens": "*i32",
-         "block_table": "*i32", **_STRIDES, "qk_scale": "fp32", "n_tok": "i32", "n_heads": "i32"},
+         "block_table": "*i32", **_STRIDES, "qk_scale": "fp32", "n_tok": "i32", "n_heads": "i32", "n_prog": "i32"},
         {**_ATT_C, "HPT": attn._tiling(G, _DEC["block_m"])[0], "MASK_ALL": False, "BLOCK_M": _DEC["block_m"],
-         "SEG_BLOCKS": attn.SEG_BLOCKS, "FINAL": False},
+         "SEG_BLOCKS": attn.SEG_BLOCKS},
         _DEC["num_warps"], _DEC["num_stages"], ("stride_bt",)),
     # delta = sum_d(o * do) (tl.sum): n_rows = T * Hq
     "attn_bwd_preprocess": (
@@ -233,21 +233,6 @@ def test_layouts_ignore_pdl(name):
     """PDL (programmatic dependent launch, on for launches of <= 64 rows only:
     a batch-dependent constexpr) adds a wait and changes no layout."""
     assert _compile(name, PDL=True) == _compile(name, PDL=False)
-
-
-def test_decode_single_segment_keeps_the_reduction_layouts():
-    """FINAL (the block table holds one 16-block segment: a batch-dependent
-    constexpr) changes only the stores, not the layout of any tt.reduce operand."""
-    fn, types, consts, nw, ns, _ = KERNELS["attn_decode_split"]
-    dns = {p.name for p in fn.params if p.do_not_specialize}
-    aligned = frozenset(n for n, t in types.items() if n not in dns and not t.startswith("fp"))
-
-    def reductions(final):
-        c = tuple(sorted({**consts, "FINAL": final}.items(), key=str))
-        return _reduce_operand_layouts(_cached_ttgir(fn, tuple(sorted(types.items())), c, aligned, nw, ns))
-
-    multi = reductions(False)
-    assert multi and multi == reductions(True)
 
 
 def test_tree_kernel_has_no_layout_ordered_reduction():

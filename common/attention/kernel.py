@@ -50,19 +50,23 @@ Two schedules compute that arithmetic:
   end (``acc_t`` is touched once per 16 blocks; ptxas may keep it in local
   memory).
 - ``_attn_decode_split_kernel`` + ``_attn_decode_merge_kernel`` (paged with
-  ``max_seqlen_q == 1``, i.e. decode): a program owns ONE segment of ONE
-  decode query x its kv head's query heads (padding to ``BLOCK_M``), computes
-  that segment's state with the same ``_segment_state`` and writes it in FP32
-  to a scratch ``(segments, tokens, Hq[, D])``; the merge kernel folds
-  segments ``lo // 1024 .. pos // 1024`` (exactly those the split kernel
-  wrote: the others hold no visible block, and merging an empty segment is the
-  identity) in increasing order with the same ``_merge``, then ``_finalize``.
-  The grid is ``(ceil(block_table.shape[1] / 16), B, Hkv * head chunks)``:
-  sized from the table's width, never from ``seq_lens``, so a CUDA graph
-  captured once replays while sequences grow; a program whose segment lies
-  outside its row's blocks returns at once.  When the table holds one
-  segment, the split kernel writes out/lse itself (``FINAL``: merging one
-  segment into the empty total is a copy) and the merge is not launched.
+  ``max_seqlen_q == 1``, i.e. decode): a program owns ONE decode query x its
+  kv head's query heads (padding to ``BLOCK_M``) and some of the row's
+  segments (every ``n_prog``-th, from its own index); it computes each
+  segment's state with the same ``_segment_state`` from the fresh state and
+  writes it in FP32 to a scratch ``(segments, tokens, Hq[, D])``; the merge
+  kernel folds segments ``lo // 1024 .. pos // 1024`` (exactly those the
+  split kernel wrote: the others hold no visible block, and merging an empty
+  segment is the identity) in increasing order with the same ``_merge``, then
+  ``_finalize``.  A row whose visible blocks lie in one segment is finalized
+  by the split kernel itself (merging one segment into the empty total is a
+  copy) and skipped by the merge; when the table holds one segment, no
+  scratch is allocated and the merge is not launched.  The grid is
+  ``(n_prog, B, Hkv * head chunks)`` with ``n_prog = decode_seg_programs``
+  (one per segment of the table, ``ceil(block_table.shape[1] / 16)``, until
+  the launch would pass ``DECODE_PROGRAMS`` programs): sized from the table's
+  width and the batch, never from ``seq_lens``, so a CUDA graph captured once
+  replays while sequences grow.
 
 Why a row gets the same bits on every path (train / prefill / decode / chunks)
 - Segments and blocks are aligned to absolute positions (multiples of 1024 and
@@ -404,28 +408,41 @@ def _attn_fwd_kernel(
     tl.store(lse + (bos + r_tok).to(tl.int64) * stride_lt + r_head, b_lse, mask=r_ok)
 
 
-@triton.jit(do_not_specialize=["n_tok"])  # no recompile per batch size (== 1, % 16)
+@triton.jit
+def _store_out(o, lse, row_t, r_head, b_m, b_l, b_acc, r_ok, o_d, m_d, stride_ot, stride_oh, stride_lt):
+    """Finalize one token's rows (heads ``r_head``) and store out (rounded
+    once to o's dtype) and lse."""
+    b_o, b_lse = _finalize(b_m, b_l, b_acc, r_ok)
+    p_o = o + row_t.to(tl.int64) * stride_ot + r_head[:, None] * stride_oh + o_d[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=r_ok[:, None] & m_d[None, :])
+    tl.store(lse + row_t.to(tl.int64) * stride_lt + r_head, b_lse, mask=r_ok)
+
+
+@triton.jit(do_not_specialize=["n_tok", "n_prog"])  # no recompile per batch size (== 1, % 16)
 def _attn_decode_split_kernel(
     q, k, v, o, lse, ws_m, ws_l, ws_acc, cu_q, seq_lens, block_table,
     stride_qt, stride_qh,
     stride_kt, stride_kh, stride_kp,
     stride_vt, stride_vh, stride_vp,
     stride_ot, stride_oh, stride_lt, stride_bt,
-    qk_scale, n_tok, n_heads,
+    qk_scale, n_tok, n_heads, n_prog,
     D: tl.constexpr, BLOCK_D: tl.constexpr,
     G: tl.constexpr, HPT: tl.constexpr, N_HC: tl.constexpr,
     WINDOW: tl.constexpr, MASK_ALL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr, FINAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """One segment of one decode query (token ``cu_q[b]`` at position
-    ``seq_lens[b] - 1``) x one kv head's query heads (rows; padding to BLOCK_M).
-    Writes the segment's (m, l, acc) to ws[i_s, token, head]; FINAL (the table
-    holds one segment) writes out/lse instead, which is what merging one
-    segment into the empty total gives.  A segment outside the row's visible
-    blocks writes nothing (the merge reads only those that hold one)."""
+    """The segments ``s_lo + i_p, s_lo + i_p + n_prog, ...`` (up to ``s_hi``)
+    of one decode query (token ``cu_q[b]`` at position ``seq_lens[b] - 1``,
+    whose visible blocks lie in segments ``s_lo .. s_hi``) x one kv head's
+    query heads (rows; padding to BLOCK_M).  Each segment's (m, l, acc) goes to
+    ws[i_s, token, head]; a row with one segment (``s_lo == s_hi``) writes
+    out/lse instead, which is what merging one segment into the empty total
+    gives (``_merge`` copies the first non-empty state).  Which program
+    computes a segment never changes its bits: ``_segment_state`` from the
+    fresh state either way."""
     wait_prior(PDL)  # PDL: first, before any global load or store
-    i_s = tl.program_id(0)
+    i_p = tl.program_id(0)
     i_b = tl.program_id(1)
     i_hc = tl.program_id(2)
     i_kvh = i_hc // N_HC
@@ -436,9 +453,9 @@ def _attn_decode_split_kernel(
     kv_len = tl.load(seq_lens + i_b)
     pos = kv_len - 1
     j_lo, j_hi, mid_lo, mid_hi = _block_ranges(pos, pos, WINDOW, MASK_ALL, BLOCK_N)
-    j0 = tl.maximum(j_lo, i_s * SEG_BLOCKS)
-    j1 = tl.minimum(j_hi + 1, i_s * SEG_BLOCKS + SEG_BLOCKS)
-    if j0 >= j1:
+    s_lo = j_lo // SEG_BLOCKS
+    s_hi = j_hi // SEG_BLOCKS
+    if s_lo + i_p > s_hi:  # more programs than the row has segments
         return
 
     o_r = tl.arange(0, BLOCK_M)
@@ -451,21 +468,21 @@ def _attn_decode_split_kernel(
     m_d = o_d < D
     p_q = q + bos.to(tl.int64) * stride_qt + r_head[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=r_ok[:, None] & m_d[None, :], other=0.0)
-    b_m, b_l, b_acc = _segment_state(
-        b_q, k, v, block_table, i_b, i_kvh, bos, kv_len, j0, j1, mid_lo, mid_hi, r_pos, r_lo, o_d, m_d,
-        stride_kt, stride_kh, stride_kp, stride_vt, stride_vh, stride_vp, stride_bt, qk_scale,
-        BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGED=True, EVEN_D=BLOCK_D == D, PRECISION=PRECISION,
-    )
-    if FINAL:
-        b_o, b_lse = _finalize(b_m, b_l, b_acc, r_ok)
-        p_o = o + bos.to(tl.int64) * stride_ot + r_head[:, None] * stride_oh + o_d[None, :]
-        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=r_ok[:, None] & m_d[None, :])
-        tl.store(lse + bos.to(tl.int64) * stride_lt + r_head, b_lse, mask=r_ok)
-    else:
-        r_w = (i_s * n_tok + bos).to(tl.int64) * n_heads + r_head  # ws row (segment, token, head)
-        tl.store(ws_m + r_w, b_m, mask=r_ok)
-        tl.store(ws_l + r_w, b_l, mask=r_ok)
-        tl.store(ws_acc + r_w[:, None] * D + o_d[None, :], b_acc, mask=r_ok[:, None] & m_d[None, :])
+    for i_s in range(s_lo + i_p, s_hi + 1, n_prog):
+        j0 = tl.maximum(j_lo, i_s * SEG_BLOCKS)
+        j1 = tl.minimum(j_hi + 1, i_s * SEG_BLOCKS + SEG_BLOCKS)
+        b_m, b_l, b_acc = _segment_state(
+            b_q, k, v, block_table, i_b, i_kvh, bos, kv_len, j0, j1, mid_lo, mid_hi, r_pos, r_lo, o_d, m_d,
+            stride_kt, stride_kh, stride_kp, stride_vt, stride_vh, stride_vp, stride_bt, qk_scale,
+            BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGED=True, EVEN_D=BLOCK_D == D, PRECISION=PRECISION,
+        )
+        if s_lo == s_hi:
+            _store_out(o, lse, bos, r_head, b_m, b_l, b_acc, r_ok, o_d, m_d, stride_ot, stride_oh, stride_lt)
+        else:
+            r_w = (i_s * n_tok + bos).to(tl.int64) * n_heads + r_head  # ws row (segment, token, head)
+            tl.store(ws_m + r_w, b_m, mask=r_ok)
+            tl.store(ws_l + r_w, b_l, mask=r_ok)
+            tl.store(ws_acc + r_w[:, None] * D + o_d[None, :], b_acc, mask=r_ok[:, None] & m_d[None, :])
 
 
 @triton.jit(do_not_specialize=["n_tok"])  # no recompile per batch size (== 1, % 16)
@@ -478,7 +495,8 @@ def _attn_decode_merge_kernel(
 ):
     """Merge decode segments in increasing order into the total (``_merge``,
     the tile kernel's arithmetic), then out/lse (``_finalize``).  One program:
-    one decode query x BLOCK_H heads (rows)."""
+    one decode query x BLOCK_H heads (rows).  A row with one segment was
+    written by the split kernel."""
     wait_prior(PDL)  # PDL: first, before any global load or store
     i_b = tl.program_id(0)
     bos = tl.load(cu_q + i_b)
@@ -486,6 +504,8 @@ def _attn_decode_merge_kernel(
         return
     pos = tl.load(seq_lens + i_b) - 1
     j_lo, j_hi, _, _ = _block_ranges(pos, pos, WINDOW, False, BLOCK_N)
+    if j_lo // SEG_BLOCKS == j_hi // SEG_BLOCKS:
+        return
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < n_heads
     o_d = tl.arange(0, BLOCK_D)
@@ -501,10 +521,7 @@ def _attn_decode_merge_kernel(
         b_ls = tl.load(ws_l + r_w, mask=m_h, other=0.0)
         b_accs = tl.load(ws_acc + r_w[:, None] * D + o_d[None, :], mask=m_hd, other=0.0)
         b_mt, b_lt, b_acct = _merge(b_mt, b_lt, b_acct, b_ms, b_ls, b_accs)
-    b_o, b_lse = _finalize(b_mt, b_lt, b_acct, m_h)
-    p_o = o + bos.to(tl.int64) * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
-    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_hd)
-    tl.store(lse + bos.to(tl.int64) * stride_lt + o_h, b_lse, mask=m_h)
+    _store_out(o, lse, bos, o_h, b_mt, b_lt, b_acct, m_h, o_d, m_d, stride_ot, stride_oh, stride_lt)
 
 
 @triton.jit
@@ -691,11 +708,26 @@ def _fwd_launch(q, k, v, cu_q, seq_lens, block_table, max_q_len, window, scale, 
     return o, lse
 
 
-def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mask_all, seg_blocks):
-    """Split decode: (segments, sequences, kv heads x head chunks) programs,
-    then the merge.  Nothing here reads a device value: the grid follows the
-    block table's width, so a CUDA graph captured once replays as sequences
-    grow."""
+# The split decode's programs per (sequence, head chunk) step down as the batch grows, so a
+# launch has about this many programs in all: one per segment of a table the width of Qwen3's
+# 40960 positions is 40 per row and kv head, and at batch 64 those 20,480 programs, nearly all
+# returning at once, cost more than the attention (H200, session 11: 10.06 vs 8.88 ms a
+# decode step at 40960 vs 768 positions).  Never a function of seq_lens (graphs replay).
+DECODE_PROGRAMS = 2048
+
+
+def decode_seg_programs(n_seg: int, n_rows: int) -> int:
+    """Programs per (sequence, kv head, head chunk) for a table of ``n_seg``
+    segments and ``n_rows`` such triples: one per segment while the launch
+    stays under ``DECODE_PROGRAMS``, else each walks several."""
+    return max(1, min(n_seg, cdiv(DECODE_PROGRAMS, max(1, n_rows))))
+
+
+def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mask_all, seg_blocks, seg_programs):
+    """Split decode: (programs per row, sequences, kv heads x head chunks)
+    programs, then the merge of the rows with more than one segment.  Nothing
+    here reads a device value: the grid follows the block table's width and
+    the batch, so a CUDA graph captured once replays as sequences grow."""
     T, hq, d = q.shape
     hkv = k.shape[-2]
     block_m, num_warps, num_stages = cfg["block_m"], cfg["num_warps"], cfg["num_stages"]
@@ -703,7 +735,8 @@ def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mas
     if T == 0 or B == 0:
         return o, lse
     n_seg = max(1, cdiv(block_table.shape[1], seg_blocks))
-    final = n_seg == 1
+    n_prog = min(n_seg, seg_programs or decode_seg_programs(n_seg, B * hkv * n_hc))
+    final = n_seg == 1  # every row has one segment: no scratch, no merge
     if final:
         ws_m = ws_l = ws_acc = lse  # unused
     else:
@@ -711,15 +744,15 @@ def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mas
         ws_l = torch.empty_like(ws_m)
         ws_acc = torch.empty(n_seg, T, hq, d, dtype=torch.float32, device=q.device)
     block_d = max(16, next_power_of_2(d))
-    _attn_decode_split_kernel[(n_seg, B, hkv * n_hc)](
+    _attn_decode_split_kernel[(n_prog, B, hkv * n_hc)](
         q, k, v, o, lse, ws_m, ws_l, ws_acc, cu_q, seq_lens, block_table,
         q.stride(0), q.stride(1),
         k.stride(1), k.stride(2), k.stride(0), v.stride(1), v.stride(2), v.stride(0),
         o.stride(0), o.stride(1), lse.stride(0), block_table.stride(0),
-        scale * _LOG2E, T, hq,
+        scale * _LOG2E, T, hq, n_prog,
         D=d, BLOCK_D=block_d, G=G, HPT=hpt, N_HC=n_hc,
         WINDOW=window, MASK_ALL=mask_all, PRECISION=_precision(q.dtype),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, SEG_BLOCKS=seg_blocks, FINAL=final,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, SEG_BLOCKS=seg_blocks,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, **pdl_options(q.device, q.shape[0]),
     )
     if not final:
@@ -748,14 +781,16 @@ def attention_fwd_cuda(q, k, v, cu_seqlens, max_seqlen, window, scale, *,
 
 
 def paged_attention_fwd_cuda(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, window, scale, *,
-                             block_m=None, num_warps=None, num_stages=None, mask_all=False, seg_blocks=SEG_BLOCKS):
+                             block_m=None, num_warps=None, num_stages=None, mask_all=False, seg_blocks=SEG_BLOCKS,
+                             seg_programs=None):
     """``max_seqlen_q == 1``: the split decode (``decode_config``); else the
     tile kernel (``fwd_config``).  ``seg_blocks`` other than SEG_BLOCKS breaks
-    the contract (decode only; the tests' counter-example)."""
+    the contract (decode only; the tests' counter-example); ``seg_programs``
+    does not (decode only; None: ``decode_seg_programs``)."""
     if max_seqlen_q == 1:
         cfg = _config(q.shape[-1], q.dtype, decode_config, block_m, num_warps, num_stages)
         return _decode_launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, window, scale, cfg, mask_all,
-                              seg_blocks)
+                              seg_blocks, seg_programs)
     cfg = _config(q.shape[-1], q.dtype, fwd_config, block_m, num_warps, num_stages)
     return _fwd_launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, window, scale, True, cfg, mask_all)
 

@@ -118,17 +118,23 @@ def paged_attention_fwd(
     num_warps: int | None = None,
     num_stages: int | None = None,
     mask_all: bool = False,
+    seg_programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged forward -> (o (T, Hq, D), lse (T, Hq) fp32).  Pass
     ``max_seqlen_q`` (1 for decode) to avoid a device sync.
 
-    On CUDA, ``max_seqlen_q == 1`` runs the split decode (one program per
-    1024-position segment, sequence and chunk of a kv head's query heads, then
-    an in-order merge); its
-    grid is sized from ``block_table.shape[1]``, never from ``seq_lens``, so a
-    captured CUDA graph replays correctly while sequences grow (keep the table's
-    width fixed across replays, as the engine's static batch does).  Longer
-    queries run the tile kernel, which merges the same segments in-register."""
+    On CUDA, ``max_seqlen_q == 1`` runs the split decode (``seg_programs``
+    programs per sequence and chunk of a kv head's query heads, each walking
+    every ``seg_programs``-th of the row's 1024-position segments, then an
+    in-order merge of the rows that have more than one); its grid is sized
+    from ``block_table.shape[1]`` and the batch, never from ``seq_lens``, so a
+    captured CUDA graph replays correctly while sequences grow (keep the
+    table's width fixed across replays, as the engine's static batch does).
+    ``seg_programs`` (default: ``kernel.decode_seg_programs``) moves work
+    between programs, never bits.  Longer queries run the tile kernel, which
+    merges the same segments in-register."""
+    if seg_programs is not None and (type(seg_programs) is not int or seg_programs < 1):
+        raise ValueError(f"seg_programs must be an int >= 1 (or None: the default), got {seg_programs!r}")
     scale = _scale(scale, q.shape[-1])
     if q.is_cuda:
         from .kernel import paged_attention_fwd_cuda
@@ -136,7 +142,7 @@ def paged_attention_fwd(
         max_seqlen_q = _max_len(cu_seqlens_q) if max_seqlen_q is None else max_seqlen_q
         return paged_attention_fwd_cuda(
             q, k_cache, v_cache, _i32(cu_seqlens_q), _i32(seq_lens), _i32(block_table), max_seqlen_q, window, scale,
-            block_m=block_m, num_warps=num_warps, num_stages=num_stages, mask_all=mask_all,
+            block_m=block_m, num_warps=num_warps, num_stages=num_stages, mask_all=mask_all, seg_programs=seg_programs,
         )
     from .cpu import paged_attention_fwd_cpu
 
