@@ -7,7 +7,7 @@ Prefill: B prompts of --prompt tokens with max_new_tokens=1 (prompt tokens / s;
 the median of 5 runs while B x prompt <= 4096 tokens, of 3 up to 8192, else one run).
 Decode: the same prompts with --new tokens each; decode tok/s = B * (new - 1) /
 (total time - the prefill time measured alone).  Writes engine.json and engine.md
-(engine_vendor.* with --server-kernels vendor).
+(engine_vendor.* with --server-kernels vendor; *_no_overlap.* with --overlap off).
 
 The model's max_position is cut to what the benchmark uses (prompt + new,
 rounded up to a page; --max-position 0 keeps the preset's): decode graphs are
@@ -124,7 +124,7 @@ def main() -> int:
     ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
     ap.add_argument("--server-kernels", choices=("aligned", "vendor"), default="aligned",
                     help="vendor: the same engine on torch's kernels (the baseline of issue 7)")
-    ap.add_argument("--overlap", choices=("on", "off"), default="off",
+    ap.add_argument("--overlap", choices=("on", "off"), default="on",
                     help="on: Engine(overlap=True), a decode step launched before the previous one's tokens are read")
     ap.add_argument("--out", default="gpu_out")
     args = ap.parse_args()
@@ -146,7 +146,7 @@ def main() -> int:
             "commit": commit(), "command": " ".join(sys.argv), "config": args.config,
             "max_position": pair.config.max_position, "cuda_graphs": args.cuda_graphs,
             "server_kernels": args.server_kernels, "overlap": args.overlap}
-    stem = ("engine" if args.server_kernels == "aligned" else "engine_vendor") + ("_overlap" if args.overlap == "on" else "")
+    stem = ("engine" if args.server_kernels == "aligned" else "engine_vendor") + ("_no_overlap" if args.overlap == "off" else "")
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({**head, "rows": rows}, f, indent=1)
     lines = [f"# Engine throughput: qwen3 {args.config}", "", *(f"- {k}: {v}" for k, v in head.items()), "",
