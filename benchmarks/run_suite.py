@@ -104,26 +104,7 @@ def bandwidth_bound(results: dict) -> dict | None:
         r = _engine_rows(results, side).get(1)
         out[side + "_step_ms"] = r["decode_step_ms"] if r else None
         out[side + "_ratio"] = bound_ms / r["decode_step_ms"] if r else None
-    out["matmul_floor_ms"] = matmul_floor(results)
     return out
-
-
-# A decode step's weight matmuls: per layer the fused qkv, o (q/o's shape), fused gate_up and down
-FLOOR_SHAPES = ("qkv (fused)", "q/o_proj", "gate_up (fused)", "down")
-
-
-def matmul_floor(results: dict) -> dict | None:
-    """{side: ms} of one batch-1 decode step's weight matmuls timed alone
-    (the M = 1 kernel rows: layers x FLOOR_SHAPES + the LM head), or None
-    when a row or the layer count is missing."""
-    layers = results.get("engine", {}).get("layers")
-    rows = {(r["op"], r["shape"].split(" N=")[0] if r["op"] == "matmul" else ""): r
-            for r in results.get("kernels", []) if r.get("M") == 1}
-    need = [("matmul", s) for s in FLOOR_SHAPES] + [("lm_head", "")]
-    if not layers or any(k not in rows or not rows[k].get("exact") for k in need):
-        return None
-    return {side: layers * sum(rows[k][key] for k in need[:-1]) + rows[need[-1]][key]
-            for side, key in (("vendor", "vendor_ms"), ("aligned", "aligned_ms"))}
 
 
 def _ms(v) -> str:
@@ -209,17 +190,7 @@ def _render_engine(results: dict) -> list[str]:
               "| aligned | " + (f"{gate} | {gate} |" if gate else
                                f"{_ms(bb['aligned_step_ms'])} | {verdict(bb['aligned_ratio'], BANDWIDTH_TARGET)} |"),
               f"| vendor | {_ms(bb['vendor_step_ms'])} | "
-              + ("—" if bb["vendor_ratio"] is None else f"{bb['vendor_ratio']:.2f}x") + " |"]
-        fl = bb["matmul_floor_ms"]
-        if fl:
-            L += [f"| cuBLAS matmuls alone | {_ms(fl['vendor'])} | {bb['bound_ms'] / fl['vendor']:.2f}x |",
-                  f"| aligned matmuls alone | {_ms(fl['aligned'])} | {bb['bound_ms'] / fl['aligned']:.2f}x |", "",
-                  "The last two rows add up the step's weight matmuls at M = 1 from the kernel rows below, each "
-                  f"timed alone with L2 flushed ({results['engine']['layers']} layers x (qkv + o + gate_up + down) "
-                  "+ the LM head): run back to back with nothing else, these GEMMs read the weights at that fraction "
-                  "of copy bandwidth. The engine's step adds attention, norms and sampling to them (PDL lets "
-                  "neighbouring kernels overlap a little)."]
-        L.append("")
+              + ("—" if bb["vendor_ratio"] is None else f"{bb['vendor_ratio']:.2f}x") + " |", ""]
     return L
 
 
@@ -359,7 +330,7 @@ def step_engine(args, emit, server_kernels: str) -> None:
 
         kv_token = eng.model.kv_cache_spec().bytes_per_page() // PAGE_SIZE
         emit("engine", {"weight_bytes": decode_weight_bytes(eng.model), "kv_bytes_per_token": kv_token,
-                        "max_position": cfg.max_position, "overlap": eng.overlap, "layers": cfg.num_layers})
+                        "max_position": cfg.max_position, "overlap": eng.overlap})
         from alignzoo.models.checks import run_ladder
 
         emit("engine.check", {"passed": None, "length": args.check_length, "batch": args.check_batch})
