@@ -281,15 +281,18 @@ def _block_ranges(pos_first, pos_last, WINDOW: tl.constexpr, MASK_ALL: tl.conste
 
 @triton.jit
 def _segment_state(
-    b_q, k, v, block_table, i_b, i_kvh, bos, kv_len, j0, j1, mid_lo, mid_hi,
+    b_q, k, v, block_table, i_b, i_kvh, bos, kv_len, i_s, j_lo, j_hi, mid_lo, mid_hi,
     r_pos, r_lo, o_d, m_d,
     stride_kt, stride_kh, stride_kp, stride_vt, stride_vh, stride_vp, stride_bt,
     qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SEG_BLOCKS: tl.constexpr,
     PAGED: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """(m, l, acc) of blocks [j0, j1) (inside one segment), from the fresh
-    state, in increasing order: masked head, interior, masked tail."""
+    """(m, l, acc) of segment ``i_s``'s blocks among the visible [j_lo, j_hi]
+    (blocks [j0, j1)), from the fresh state, in increasing order: masked head,
+    interior, masked tail."""
+    j0 = tl.maximum(j_lo, i_s * SEG_BLOCKS)
+    j1 = tl.minimum(j_hi + 1, i_s * SEG_BLOCKS + SEG_BLOCKS)
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -393,12 +396,11 @@ def _attn_fwd_kernel(
     b_lt = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acct = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for i_s in range(j_lo // SEG_BLOCKS, j_hi // SEG_BLOCKS + 1):
-        j0 = tl.maximum(j_lo, i_s * SEG_BLOCKS)
-        j1 = tl.minimum(j_hi + 1, i_s * SEG_BLOCKS + SEG_BLOCKS)
         b_m, b_l, b_acc = _segment_state(
-            b_q, k, v, block_table, i_b, i_kvh, bos, kv_len, j0, j1, mid_lo, mid_hi, r_pos, r_lo, o_d, m_d,
+            b_q, k, v, block_table, i_b, i_kvh, bos, kv_len, i_s, j_lo, j_hi, mid_lo, mid_hi, r_pos, r_lo, o_d, m_d,
             stride_kt, stride_kh, stride_kp, stride_vt, stride_vh, stride_vp, stride_bt, qk_scale,
-            BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGED=PAGED, EVEN_D=BLOCK_D == D, PRECISION=PRECISION,
+            BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, SEG_BLOCKS=SEG_BLOCKS, PAGED=PAGED,
+            EVEN_D=BLOCK_D == D, PRECISION=PRECISION,
         )
         b_mt, b_lt, b_acct = _merge(b_mt, b_lt, b_acct, b_m, b_l, b_acc)
 
@@ -469,12 +471,11 @@ def _attn_decode_split_kernel(
     p_q = q + bos.to(tl.int64) * stride_qt + r_head[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=r_ok[:, None] & m_d[None, :], other=0.0)
     for i_s in range(s_lo + i_p, s_hi + 1, n_prog):
-        j0 = tl.maximum(j_lo, i_s * SEG_BLOCKS)
-        j1 = tl.minimum(j_hi + 1, i_s * SEG_BLOCKS + SEG_BLOCKS)
         b_m, b_l, b_acc = _segment_state(
-            b_q, k, v, block_table, i_b, i_kvh, bos, kv_len, j0, j1, mid_lo, mid_hi, r_pos, r_lo, o_d, m_d,
+            b_q, k, v, block_table, i_b, i_kvh, bos, kv_len, i_s, j_lo, j_hi, mid_lo, mid_hi, r_pos, r_lo, o_d, m_d,
             stride_kt, stride_kh, stride_kp, stride_vt, stride_vh, stride_vp, stride_bt, qk_scale,
-            BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGED=True, EVEN_D=BLOCK_D == D, PRECISION=PRECISION,
+            BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, SEG_BLOCKS=SEG_BLOCKS, PAGED=True,
+            EVEN_D=BLOCK_D == D, PRECISION=PRECISION,
         )
         if s_lo == s_hi:
             _store_out(o, lse, bos, r_head, b_m, b_l, b_acc, r_ok, o_d, m_d, stride_ot, stride_oh, stride_lt)
