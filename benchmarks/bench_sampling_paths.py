@@ -2,7 +2,7 @@
 sort, support kernel walking chunks from chunk 0) against the fp32 value sort,
 the chunk partials, and both (the default), at V = 151936 with temperature 1,
 top_p 0.95, top_k 0, min_p 0 (the engine benchmark's sampling: every row takes
-the full sort).  Each path is one ``kernel.rows_cuda`` draw captured in a CUDA
+the full sort).  Each path is one ``kernel.rows_triton`` draw captured in a CUDA
 graph (as the engine's sampler graphs run it, PDL as ``pdl_options`` gives:
 on at <= 64 rows unless ALIGNZOO_PDL=0); its tokens, lp, v0, log Z and last
 keys must equal today's bitwise, eager and replayed, before it is timed.  The
@@ -30,7 +30,7 @@ from alignzoo.common.ladder import bitwise_equal
 from alignzoo.common.sampling import kernel
 
 VOCAB = 151936
-PATHS = {  # name -> rows_cuda's (sort, prepass)
+PATHS = {  # name -> rows_triton's (sort, prepass)
     "today (keys, walk)": ("keys", False),
     "keys + partials": ("keys", True),
     "values, walk": ("values", False),
@@ -79,18 +79,18 @@ def run(batches, kinds, reps: int, V: int = VOCAB, smoke: bool = False) -> list[
     for kind in kinds:
         for B in batches:
             logits, t, k, p, m, seed, step = args = _inputs(B, V, SPREAD[kind], dev)
-            ref = kernel.rows_cuda(*args, None, V, sort="keys", prepass=False)
+            ref = kernel.rows_triton(*args, None, V, sort="keys", prepass=False)
             row = {"logits": kind, "B": B, "V": V, "pdl": os.environ.get("ALIGNZOO_PDL", "1")}
             for name, (sort, prepass) in PATHS.items():
-                call = lambda: kernel.rows_cuda(*args, None, V, sort=sort, prepass=prepass)  # noqa: E731
+                call = lambda: kernel.rows_triton(*args, None, V, sort=sort, prepass=prepass)  # noqa: E731
                 assert _same(call(), ref), f"{name} B={B} {kind}: not today's bits (eager)"
                 if smoke:
                     continue
                 row[name], out = _time_graph(call, reps)
                 assert _same(out, ref), f"{name} B={B} {kind}: not today's bits (graph)"
             if not smoke:
-                row["sort: keys"] = _time_graph(lambda: kernel.sorted_head_cuda(logits, t, V), reps)[0]
-                row["sort: values"] = _time_graph(lambda: kernel.sorted_values_cuda(logits, t), reps)[0]
+                row["sort: keys"] = _time_graph(lambda: kernel.sorted_head_triton(logits, t, V), reps)[0]
+                row["sort: values"] = _time_graph(lambda: kernel.sorted_values_triton(logits, t), reps)[0]
             rows.append(row)
             print(" ".join(f"{n}={v:.4f}ms" if isinstance(v, float) else f"{n}={v}" for n, v in row.items()),
                   flush=True)

@@ -64,7 +64,7 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
 _BLOCK_WORDS = 4096  # words per program of the CUDA kernel
 
 
-def _word_sum_cuda(words: torch.Tensor) -> torch.Tensor:
+def _word_sum_triton(words: torch.Tensor) -> torch.Tensor:
     """sum over i of f(words[i] + i * K0) mod 2**64 as an int64 CUDA scalar (one kernel + a torch sum)."""
     from ._checksum_kernel import checksum_kernel
 
@@ -92,7 +92,7 @@ def _word_acc(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     if n % 4 or b.storage_offset() % 4:  # int32 words need a 4-byte multiple at a 4-byte offset
         b = torch.cat([b, b.new_zeros(-n % 4)])
     words = b.view(torch.int32)
-    return (_word_sum_cuda(words) if words.is_cuda and words.numel() else _word_sum_torch(words)), n
+    return (_word_sum_triton(words) if words.is_cuda and words.numel() else _word_sum_torch(words)), n
 
 
 def tensor_checksums(ts) -> list[int]:

@@ -13,10 +13,10 @@ from alignzoo.common.lm_head import (
     lm_head_bwd,
     lm_head_fwd,
     lm_head_logits,
-    lm_head_logits_naive,
+    lm_head_logits_ref,
     lm_head_logprobs,
-    lm_head_logprobs_naive,
-    lm_head_lse_naive,
+    lm_head_logprobs_ref,
+    lm_head_lse_ref,
 )
 from alignzoo.common.lm_head import cpu as lm_cpu
 
@@ -47,7 +47,7 @@ def make(T, K, V, dtype, device, scale=3.0, seed=0, centered=False):
     w = torch.randn(V, K, generator=g, device=on) * (scale / K**0.5)
     if centered and T:
         h[:, 0], w[:, 0] = 1.0, 0.0
-        w[:, 0] = -lm_head_lse_naive(h[:16], w).mean().float()
+        w[:, 0] = -lm_head_lse_ref(h[:16], w).mean().float()
     h, w = h.to(dtype), w.to(dtype)
     y = torch.randint(0, V, (T,), generator=g, device=on)
     edges = torch.tensor([0, 255, 256, V - 1], device=on).clamp(max=V - 1)[:T]
@@ -85,8 +85,8 @@ def test_matches_float64(device, T, K, V, dtype, scale):
     h, w, y = make(T, K, V, dtype, device, scale=scale)
     lp, lse = lm_head_fwd(h, w, y)
     assert lp.dtype == lse.dtype == torch.float32 and lp.shape == lse.shape == (T,)
-    assert rel_err(lp, lm_head_logprobs_naive(h, w, y)) <= LP_BOUND
-    assert rel_err(lse, lm_head_lse_naive(h, w)) <= LP_BOUND
+    assert rel_err(lp, lm_head_logprobs_ref(h, w, y)) <= LP_BOUND
+    assert rel_err(lse, lm_head_lse_ref(h, w)) <= LP_BOUND
     assert bool((lp <= 0).all())
 
 
@@ -102,7 +102,7 @@ def test_sampler_logits_agree_bitwise(device, T, K, V):
         assert logits.dtype == torch.float32 and logits.shape == (T, V)
         assert bitwise_equal(logits, logits2) and bitwise_equal(lse, lse2)
         assert bitwise_equal(logits.gather(1, y[:, None])[:, 0] - lse, lp)
-        assert rel_err(logits, lm_head_logits_naive(h, w)) <= LP_BOUND
+        assert rel_err(logits, lm_head_logits_ref(h, w)) <= LP_BOUND
 
 
 # (T, K, V, dtype, subset sizes); index 2 is the long batch (CPU) / Qwen3-8B head (CUDA)
@@ -144,7 +144,7 @@ def test_gradients_vs_float64(device, T, K, V, dtype):
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     lm_head_logprobs(hh, ww, y).backward(g)
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
-    lm_head_logprobs_naive(h64, w64, y).backward(g.double())
+    lm_head_logprobs_ref(h64, w64, y).backward(g.double())
     assert hh.grad.dtype == dtype and ww.grad.dtype == dtype
     assert rel_err(hh.grad, h64.grad) <= GRAD_BOUND[dtype]
     assert rel_err(ww.grad, w64.grad) <= GRAD_BOUND[dtype]

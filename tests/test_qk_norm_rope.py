@@ -283,12 +283,12 @@ def test_good_input_passes_the_checks():
 _INTERPRETED = """
 import torch
 from alignzoo.common.kv_cache import allocate_kv_cache
-from alignzoo.common.kv_cache.kernel import write_kv_cuda
+from alignzoo.common.kv_cache.kernel import write_kv_triton
 from alignzoo.common.qk_norm_rope.cpu import qk_norm_rope_kv_cpu
-from alignzoo.common.qk_norm_rope.kernel import qk_norm_rope_kv_cuda
-from alignzoo.common.rmsnorm.kernel import rmsnorm_fwd_cuda
+from alignzoo.common.qk_norm_rope.kernel import qk_norm_rope_kv_triton
+from alignzoo.common.rmsnorm.kernel import rmsnorm_fwd_triton
 from alignzoo.common.rope import RopeSpec, rope_table
-from alignzoo.common.rope.kernel import rope_rotate_cuda
+from alignzoo.common.rope.kernel import rope_rotate_triton
 
 ROT = dict(rot_offset=0, in_interleaved=False, out_interleaved=False, negate_sin=False)
 
@@ -296,10 +296,10 @@ ROT = dict(rot_offset=0, in_interleaved=False, out_interleaved=False, negate_sin
 def unfused_kernels(qkv, q_w, k_w, pos, cos, sin, kc, vc, slots, Hq, Hkv):
     T, D = qkv.shape[0], q_w.shape[0]
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-    q = rmsnorm_fwd_cuda(q.reshape(T * Hq, D).contiguous(), q_w, 1e-6)[0].view(T, Hq, D)
-    k = rmsnorm_fwd_cuda(k.reshape(T * Hkv, D).contiguous(), k_w, 1e-6)[0].view(T, Hkv, D)
-    q, k = rope_rotate_cuda(q, pos, cos, sin, **ROT), rope_rotate_cuda(k, pos, cos, sin, **ROT)
-    write_kv_cuda(k, v.reshape(T, Hkv, D).contiguous(), kc, vc, slots)
+    q = rmsnorm_fwd_triton(q.reshape(T * Hq, D).contiguous(), q_w, 1e-6)[0].view(T, Hq, D)
+    k = rmsnorm_fwd_triton(k.reshape(T * Hkv, D).contiguous(), k_w, 1e-6)[0].view(T, Hkv, D)
+    q, k = rope_rotate_triton(q, pos, cos, sin, **ROT), rope_rotate_triton(k, pos, cos, sin, **ROT)
+    write_kv_triton(k, v.reshape(T, Hkv, D).contiguous(), kc, vc, slots)
     return q
 
 
@@ -319,7 +319,7 @@ for Hq, Hkv, D, T in ((4, 2, 24, 7), (6, 3, 64, 1), (4, 2, 128, 9)):
         q_w, k_w = ((1 + 0.1 * torch.randn(D, generator=g)).to(dtype) for _ in range(2))
         args = (qkv, q_w, k_w, 1e-6, pos, cos, sin)
         caches = [tuple(c.fill_(float("nan")) for c in allocate_kv_cache(3, Hkv, D, dtype=dtype)) for _ in range(5)]
-        outs = [qk_norm_rope_kv_cuda(*args, *caches[i], slots, Hq, Hkv, heads_per_program=bh)
+        outs = [qk_norm_rope_kv_triton(*args, *caches[i], slots, Hq, Hkv, heads_per_program=bh)
                 for i, bh in enumerate((None, 1, 4))]
         outs.append(unfused_kernels(qkv, q_w, k_w, pos, cos, sin, *caches[3], slots, Hq, Hkv))
         if dtype == torch.float32:  # the interpreter's bf16 casts are not the GPU's; fp32 ones are

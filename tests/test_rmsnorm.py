@@ -237,14 +237,14 @@ def test_cuda_and_cpu_add_in_the_same_order(H):
 _INTERPRETED_ORDER = """
 import torch
 from alignzoo.common.rmsnorm.cpu import rmsnorm_bwd_cpu, rmsnorm_fwd_cpu
-from alignzoo.common.rmsnorm.kernel import rmsnorm_bwd_cuda, rmsnorm_fwd_cuda
+from alignzoo.common.rmsnorm.kernel import rmsnorm_bwd_triton, rmsnorm_fwd_triton
 g = torch.Generator().manual_seed(0)
 for H in (100, 1000, 4097):
     x, r, dy = (torch.randn(7, H, generator=g) * 3 for _ in range(3))
     w = torch.randn(H, generator=g)
-    fwd = rmsnorm_fwd_cuda(x, w, 1e-6, r)
+    fwd = rmsnorm_fwd_triton(x, w, 1e-6, r)
     assert all(torch.equal(a, b) for a, b in zip(fwd, rmsnorm_fwd_cpu(x, w, 1e-6, r))), H
-    bwd = rmsnorm_bwd_cuda(dy, fwd[1], w, fwd[2], dres=dy)
+    bwd = rmsnorm_bwd_triton(dy, fwd[1], w, fwd[2], dres=dy)
     ref = rmsnorm_bwd_cpu(dy, fwd[1], w, fwd[2], dres=dy)
     assert all(a is None or torch.equal(a, b) for a, b in zip(bwd, ref)), H
 """

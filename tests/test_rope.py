@@ -14,7 +14,7 @@ from alignzoo.common.rope import (
     rope,
     rope_bwd,
     rope_fwd,
-    rope_naive,
+    rope_ref,
     rope_table,
 )
 from alignzoo.common.rope import table as rope_table_mod
@@ -271,7 +271,7 @@ def test_accuracy_vs_float64(device, name, T, H, dtype):
     x, pos = _x(T, H, D, dtype, device), _positions(T, device)
     y = rope(x, pos, spec)
     assert y.dtype == dtype and y.shape == x.shape
-    assert rel_err(y, rope_naive(x, pos, spec)) <= BOUND[dtype]
+    assert rel_err(y, rope_ref(x, pos, spec)) <= BOUND[dtype]
     off, R = spec.rotary_offset(D), spec.rotary_dim
     # pass-through channels are bit-exact copies
     assert bitwise_equal(y[..., :off], x[..., :off]) and bitwise_equal(y[..., off + R :], x[..., off + R :])
@@ -288,7 +288,7 @@ def test_grad_vs_float64_autograd(device, name, conjugate, dtype):
     xg = x.clone().requires_grad_()
     rope(xg, pos, spec, conjugate=conjugate).backward(dy)
     x64 = x.double().requires_grad_()
-    rope_naive(x64, pos, spec, conjugate=conjugate).backward(dy.double())
+    rope_ref(x64, pos, spec, conjugate=conjugate).backward(dy.double())
     assert xg.grad.dtype == dtype
     assert rel_err(xg.grad, x64.grad) <= BOUND[dtype]
     off, R = spec.rotary_offset(D), spec.rotary_dim
@@ -372,7 +372,7 @@ def test_empty_and_single_token(device):
     assert rope(x, torch.empty(0, dtype=torch.int64, device=device), spec).shape == (0, 4, D)
     x1 = _x(1, 1, D, torch.bfloat16, device)
     p1 = torch.tensor([MAXP - 1], device=device)
-    assert rel_err(rope(x1, p1, spec), rope_naive(x1, p1, spec)) <= BOUND[torch.bfloat16]
+    assert rel_err(rope(x1, p1, spec), rope_ref(x1, p1, spec)) <= BOUND[torch.bfloat16]
     p32 = torch.tensor([3001], dtype=torch.int32, device=device)
     assert bitwise_equal(rope(x1, p32, spec), rope(x1, p32.long(), spec))
 

@@ -13,8 +13,8 @@ from alignzoo.common.ladder import bitwise_equal, rel_err, rung1_repeat, rung2_r
 from alignzoo.common.sampling import (
     SamplingParams,
     head_width,
-    naive_sampling_logprobs,
-    naive_transformed_logprobs,
+    sampling_logprobs_ref,
+    transformed_logprobs_ref,
     params_to_tensors,
     sample,
     sample_fwd,
@@ -113,9 +113,9 @@ def test_sorted_head_gives_the_full_sorts_bits(device, monkeypatch):
     logits, t, k, p, m = (x.to(device) for x in (logits, t, k, p, m))
     seed, step = torch.arange(B, device=device), torch.full((B,), 3, device=device)
     widths = []
-    if device.type == "cuda":  # CUDA forms its head from the logits (kernel.sorted_head_cuda)
+    if device.type == "cuda":  # CUDA forms its head from the logits (kernel.sorted_head_triton)
         import alignzoo.common.sampling.kernel as owner
-        name = "sorted_head_cuda"
+        name = "sorted_head_triton"
     else:
         owner, name = op, "sorted_head"
     real = getattr(owner, name)
@@ -127,13 +127,13 @@ def test_sorted_head_gives_the_full_sorts_bits(device, monkeypatch):
 
     monkeypatch.setattr(owner, name, record)
     if device.type == "cuda":  # its full sort sorts the values (kernel.FULL_SORT): all V positions
-        real_values = owner.sorted_values_cuda
+        real_values = owner.sorted_values_triton
 
         def record_values(*args):
             widths.append(V)
             return real_values(*args)
 
-        monkeypatch.setattr(owner, "sorted_values_cuda", record_values)
+        monkeypatch.setattr(owner, "sorted_values_triton", record_values)
 
     def run():
         tok, lp = sample_fwd(logits, t, k, p, m, seed, step)
@@ -206,9 +206,9 @@ def _cut_rows(B: int, V: int, head: int, seed: int) -> tuple[torch.Tensor, torch
 
 
 def _check_cuda_head(device, V: int, B: int, heads) -> None:
-    """For each head: ``kernel.sorted_head_cuda`` == ``op.sorted_head`` of the
+    """For each head: ``kernel.sorted_head_triton`` == ``op.sorted_head`` of the
     full keys (without building them when head < V and head <= op._HEAD_MAX;
-    larger heads take the full sort), and ``rows_cuda``'s draw
+    larger heads take the full sort), and ``rows_triton``'s draw
     and replays (drawn tokens, random tokens) with that head == with the full
     sort (head = V) through the same support kernel; the replay's key (from
     the logit) gives ``rules.chosen_logprob``'s bits.  On CUDA, or on CPU
@@ -231,14 +231,14 @@ def _check_cuda_head(device, V: int, B: int, heads) -> None:
         others = torch.randint(0, V, (B,), generator=g)
         l, t, k, p, m, seed, step, others = (x.to(device) for x in (logits, temp, k, p, m, seed, step, others))
 
-        no_keys = mock.patch.object(kernel, "order_keys_cuda", side_effect=AssertionError("(B, V) keys"))
+        no_keys = mock.patch.object(kernel, "order_keys_triton", side_effect=AssertionError("(B, V) keys"))
         with no_keys if head < V and head <= op._HEAD_MAX else contextlib.nullcontext():
-            got = kernel.sorted_head_cuda(l, t, head)
-            runs = [kernel.rows_cuda(l, t, k, p, m, seed, step, None, head)]
-            runs += [kernel.rows_cuda(l, t, k, p, m, None, None, tok, head) for tok in (runs[0][0], others)]
+            got = kernel.sorted_head_triton(l, t, head)
+            runs = [kernel.rows_triton(l, t, k, p, m, seed, step, None, head)]
+            runs += [kernel.rows_triton(l, t, k, p, m, None, None, tok, head) for tok in (runs[0][0], others)]
         assert torch.equal(got.cpu(), sorted_head(keys, head)), f"V={V} head={head}"
-        full = kernel.rows_cuda(l, t, k, p, m, seed, step, None, V)
-        fulls = [full] + [kernel.rows_cuda(l, t, k, p, m, None, None, tok, V) for tok in (full[0], others)]
+        full = kernel.rows_triton(l, t, k, p, m, seed, step, None, V)
+        fulls = [full] + [kernel.rows_triton(l, t, k, p, m, None, None, tok, V) for tok in (full[0], others)]
         for run, ref in zip(runs, fulls):
             assert all(bitwise_equal(a, b) for a, b in zip(run, ref)), f"V={V} head={head}"
         for tok, lp, v0, logz, last in runs:
@@ -284,7 +284,7 @@ def _support_reference(logits, temperature, top_k, top_p, min_p, seed, step, blo
 
 
 def _check_support_against_reference(V: int, seed: int) -> None:
-    """``rows_cuda`` (draw) on CPU tensors == ``_support_reference``, for rows
+    """``rows_triton`` (draw) on CPU tensors == ``_support_reference``, for rows
     that take each path of the kernel's passes: a top-p cut in chunk 0 and in
     a later chunk, a min-p cut alone, no cut at all, a top-k cut, greedy."""
     from alignzoo.common.sampling import kernel
@@ -300,7 +300,7 @@ def _check_support_against_reference(V: int, seed: int) -> None:
     top_p = torch.tensor([0.5, 0.9, 1.0, 1.0, 0.8, 1e-6, 0.95, 1.0])
     min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.01, 0.0, 0.1, 0.0])
     seed_t, step = torch.randint(-(2**62), 2**62, (B,), generator=g), torch.randint(0, 10**6, (B,), generator=g)
-    got = kernel.rows_cuda(logits, temperature, top_k, top_p, min_p, seed_t, step, None, V)
+    got = kernel.rows_triton(logits, temperature, top_k, top_p, min_p, seed_t, step, None, V)
     ref = _support_reference(logits, temperature, top_k, top_p, min_p, seed_t, step)
     for name, a, b in zip(("token", "lp", "v0", "logz", "last"), got, ref):
         assert bitwise_equal(a, b) if a.is_floating_point() else torch.equal(a, b), (V, seed, name)
@@ -358,26 +358,26 @@ def _path_rows(B: int, V: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _check_full_sort_paths(device, V: int, B: int, seed: int, variants=(("values", True),)) -> None:
-    """The full sort's paths (``kernel.rows_cuda``'s ``sort`` "keys" or
+    """The full sort's paths (``kernel.rows_triton``'s ``sort`` "keys" or
     "values", ``prepass`` off or on) against today's (int64 keys, chunks
     walked from chunk 0): the same token, lp, v0, log Z and last key bits,
     for the draw and for replays of the drawn tokens and of random ones, on
-    ``_path_rows``.  Also ``sorted_values_cuda`` == the sorted keys' values
+    ``_path_rows``.  Also ``sorted_values_triton`` == the sorted keys' values
     and ids.  On CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
     from alignzoo.common.sampling import kernel
 
     c = {n: x.to(device) for n, x in _path_rows(B, V, seed).items()}
     args = [c[n] for n in ("logits", "temperature", "top_k", "top_p", "min_p")]
-    keys = kernel.sorted_head_cuda(c["logits"], c["temperature"], V)  # (B, V): today's sorted keys
-    vals, ids = kernel.sorted_values_cuda(c["logits"], c["temperature"])
+    keys = kernel.sorted_head_triton(c["logits"], c["temperature"], V)  # (B, V): today's sorted keys
+    vals, ids = kernel.sorted_values_triton(c["logits"], c["temperature"])
     assert vals.shape[1] == ids.shape[1] == kernel.key_row_stride(V)
     assert torch.equal(ids[:, :V], key_ids(keys)), f"V={V} B={B}: the value sort's permutation"
     assert bitwise_equal(vals[:, :V], key_values(keys)), f"V={V} B={B}"
     assert bool((ids[:, V:] >= V).all()) and bool((vals[:, V:] == float("-inf")).all())
 
     def run(sort, prepass):
-        draw = kernel.rows_cuda(*args, c["seed"], c["step"], None, V, sort=sort, prepass=prepass)
-        return [draw] + [kernel.rows_cuda(*args, None, None, tok, V, sort=sort, prepass=prepass)
+        draw = kernel.rows_triton(*args, c["seed"], c["step"], None, V, sort=sort, prepass=prepass)
+        return [draw] + [kernel.rows_triton(*args, None, None, tok, V, sort=sort, prepass=prepass)
                          for tok in (draw[0], c["others"])]
 
     ref = run("keys", False)
@@ -589,7 +589,7 @@ def test_replay_equals_sampler_bitwise(device, name, t, k, p, m, ties):
     other = torch.randint(0, V, (B,), device=device)
     assert bitwise_equal(sampling_logprobs(c["logits"], other, **_params(c)), lp_all.gather(1, other[:, None]).squeeze(1))
     # the support is the float64 reference's
-    ref = naive_transformed_logprobs(c["logits"].cpu(), *[x.cpu() for x in _params(c).values()])
+    ref = transformed_logprobs_ref(c["logits"].cpu(), *[x.cpu() for x in _params(c).values()])
     _assert_same_support(lp_all, ref, device)
 
 
@@ -677,7 +677,7 @@ def test_empirical_frequencies_follow_the_transformed_distribution(device, name,
         c["seed"], c["step"] = torch.full_like(c["seed"], 12345), torch.arange(N, device=device)
     tokens, _ = sample_fwd(*_rows(c))
     freq = torch.bincount(tokens.cpu(), minlength=V).double() / N
-    prob = naive_transformed_logprobs(row, *[x[:1].cpu() for x in _params(c).values()])[0].exp()
+    prob = transformed_logprobs_ref(row, *[x[:1].cpu() for x in _params(c).values()])[0].exp()
     bound = 4.5 * (prob * (1 - prob) / N).sqrt() + 1.0 / N
     assert bool(((freq - prob).abs() <= bound).all()), (freq, prob)
     assert bool((freq[prob == 0] == 0).all())
@@ -692,7 +692,7 @@ def test_accuracy_against_float64(device, B, V):
     up to 151936 terms, largest first)."""
     c = random_case(B, V, device, seed=21)
     got = transformed_logprobs_fwd(c["logits"], *_params(c).values()).cpu()
-    ref = naive_transformed_logprobs(c["logits"].cpu(), *[x.cpu() for x in _params(c).values()])
+    ref = transformed_logprobs_ref(c["logits"].cpu(), *[x.cpu() for x in _params(c).values()])
     _assert_same_support(got, ref, device)
     fin = torch.isfinite(ref) & torch.isfinite(got)
     assert rel_err(got[fin], ref[fin]) < 2e-6
@@ -708,7 +708,7 @@ def test_gradients_against_float64_autograd(device, B, V):
     logits = c["logits"].clone().requires_grad_()
     (sampling_logprobs(logits, tokens, **_params(c)) * w).sum().backward()
     ref_logits = c["logits"].cpu().double().requires_grad_()
-    (naive_sampling_logprobs(ref_logits, tokens.cpu(), *[x.cpu() for x in _params(c).values()]) * w.cpu()).sum().backward()
+    (sampling_logprobs_ref(ref_logits, tokens.cpu(), *[x.cpu() for x in _params(c).values()]) * w.cpu()).sum().backward()
     assert logits.grad.dtype == torch.float32
     assert rel_err(logits.grad.cpu(), ref_logits.grad) < 1e-5
     # outside the support the gradient is exactly zero
@@ -876,15 +876,15 @@ def test_sampling_params_to_tensors_drive_the_sampler(device):
 def test_gpu_keys_and_uniforms_are_the_cpu_bits():
     """The Triton key kernel (tl.div_rn) gives torch's CPU division bits, and
     the support kernel's integer hash gives rules.uniform01's bits."""
-    from alignzoo.common.sampling.kernel import order_keys_cuda, uniform01_cuda
+    from alignzoo.common.sampling.kernel import order_keys_triton, uniform01_triton
 
     c = random_case(8, QWEN_VOCAB, torch.device("cpu"), seed=9)
     greedy, tau, *_ = _prepare(c["temperature"], c["top_k"], c["top_p"], c["min_p"], QWEN_VOCAB)
-    gpu = order_keys_cuda(c["logits"].cuda(), c["temperature"].cuda()).cpu()
+    gpu = order_keys_triton(c["logits"].cuda(), c["temperature"].cuda()).cpu()
     assert torch.equal(gpu, order_keys(c["logits"] / tau[:, None]))
     seed = torch.cat([torch.tensor([-(2**63), 2**63 - 1, 0, -1]), torch.randint(-(2**62), 2**62, (5000,))])
     step = torch.cat([torch.tensor([2**63 - 1, -(2**63), 0, 1]), torch.randint(0, 2**40, (5000,))])
-    assert torch.equal(uniform01_cuda(seed.cuda(), step.cuda()).cpu(), uniform01(seed, step))
+    assert torch.equal(uniform01_triton(seed.cuda(), step.cuda()).cpu(), uniform01(seed, step))
     assert torch.equal(uniform01(seed.cuda(), step.cuda()).cpu(), uniform01(seed, step))
 
 
@@ -973,12 +973,12 @@ def test_gpu_full_sort_in_a_cuda_graph_is_todays_bits(B):
     dev = torch.device("cuda")
     c = {n: x.to(dev) for n, x in _path_rows(B, QWEN_VOCAB, seed=B).items()}
     args = [c[n] for n in ("logits", "temperature", "top_k", "top_p", "min_p", "seed", "step")]
-    ref = kernel.rows_cuda(*args, None, QWEN_VOCAB, sort="keys", prepass=False)
-    kernel.rows_cuda(*args, None, QWEN_VOCAB)  # compile outside the capture
+    ref = kernel.rows_triton(*args, None, QWEN_VOCAB, sort="keys", prepass=False)
+    kernel.rows_triton(*args, None, QWEN_VOCAB)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kernel.rows_cuda(*args, None, QWEN_VOCAB)
+        out = kernel.rows_triton(*args, None, QWEN_VOCAB)
     for _ in range(2):
         graph.replay()
         torch.cuda.synchronize()

@@ -212,7 +212,7 @@ def test_checksum_kernel_interpreted_equals_torch_passes():
             "g = torch.Generator().manual_seed(0)\n"
             "for n in (1, 4095, 4096, 9001):\n"
             "    w = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g)\n"
-            "    assert int(C._word_sum_cuda(w)) == int(C._word_sum_torch(w)), n\n")
+            "    assert int(C._word_sum_triton(w)) == int(C._word_sum_torch(w)), n\n")
     run_interpreted(code)
 
 

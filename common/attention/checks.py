@@ -137,9 +137,9 @@ def resegmented_decode(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table,
                                    max_seqlen_q=max_seqlen_q, window=window, scale=scale, **kw)
     args = (q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table)
     if q.is_cuda:
-        from .kernel import paged_attention_fwd_cuda
+        from .kernel import paged_attention_fwd_triton
 
-        return paged_attention_fwd_cuda(*args, 1, window, _scale(scale, q.shape[-1]), seg_blocks=seg_blocks, **kw)
+        return paged_attention_fwd_triton(*args, 1, window, _scale(scale, q.shape[-1]), seg_blocks=seg_blocks, **kw)
     from .cpu import paged_attention_fwd_cpu
 
     return paged_attention_fwd_cpu(*args, window, _scale(scale, q.shape[-1]), seg_blocks=seg_blocks, **kw)

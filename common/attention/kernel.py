@@ -775,13 +775,13 @@ def _config(head_dim: int, dtype: torch.dtype, default, block_m, num_warps, num_
     return cfg
 
 
-def attention_fwd_cuda(q, k, v, cu_seqlens, max_seqlen, window, scale, *,
+def attention_fwd_triton(q, k, v, cu_seqlens, max_seqlen, window, scale, *,
                        block_m=None, num_warps=None, num_stages=None, mask_all=False):
     cfg = _config(q.shape[-1], q.dtype, fwd_config, block_m, num_warps, num_stages)
     return _fwd_launch(q, k, v, cu_seqlens, None, None, max_seqlen, window, scale, False, cfg, mask_all)
 
 
-def paged_attention_fwd_cuda(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, window, scale, *,
+def paged_attention_fwd_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, window, scale, *,
                              block_m=None, num_warps=None, num_stages=None, mask_all=False, seg_blocks=SEG_BLOCKS,
                              seg_programs=None):
     """``max_seqlen_q == 1``: the split decode (``decode_config``); else the
@@ -796,7 +796,7 @@ def paged_attention_fwd_cuda(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_
     return _fwd_launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, window, scale, True, cfg, mask_all)
 
 
-def attention_bwd_cuda(q, k, v, o, lse, do, cu_seqlens, max_seqlen, window, scale, *,
+def attention_bwd_triton(q, k, v, o, lse, do, cu_seqlens, max_seqlen, window, scale, *,
                        block_m=None, num_warps=None, num_stages=None):
     T, hq, d = q.shape
     hkv = k.shape[1]

@@ -66,10 +66,10 @@ def attention_fwd(
     """Packed varlen forward -> (o (T, Hq, D) in q.dtype, lse (T, Hq) fp32)."""
     scale = _scale(scale, q.shape[-1])
     if q.is_cuda:
-        from .kernel import attention_fwd_cuda
+        from .kernel import attention_fwd_triton
 
         max_seqlen = _max_len(cu_seqlens) if max_seqlen is None else max_seqlen
-        return attention_fwd_cuda(q, k, v, _i32(cu_seqlens), max_seqlen, window, scale,
+        return attention_fwd_triton(q, k, v, _i32(cu_seqlens), max_seqlen, window, scale,
                                   block_m=block_m, num_warps=num_warps, num_stages=num_stages, mask_all=mask_all)
     from .cpu import attention_fwd_cpu
 
@@ -93,10 +93,10 @@ def attention_bwd(
     scale = _scale(scale, q.shape[-1])
     do = do.to(o.dtype).contiguous()
     if q.is_cuda:
-        from .kernel import attention_bwd_cuda
+        from .kernel import attention_bwd_triton
 
         max_seqlen = _max_len(cu_seqlens) if max_seqlen is None else max_seqlen
-        return attention_bwd_cuda(q, k, v, o, lse, do, _i32(cu_seqlens), max_seqlen, window, scale)
+        return attention_bwd_triton(q, k, v, o, lse, do, _i32(cu_seqlens), max_seqlen, window, scale)
     from .cpu import attention_bwd_cpu
 
     return attention_bwd_cpu(q, k, v, o, lse, do, cu_seqlens, window, scale)
@@ -137,10 +137,10 @@ def paged_attention_fwd(
         raise ValueError(f"seg_programs must be an int >= 1 (or None: the default), got {seg_programs!r}")
     scale = _scale(scale, q.shape[-1])
     if q.is_cuda:
-        from .kernel import paged_attention_fwd_cuda
+        from .kernel import paged_attention_fwd_triton
 
         max_seqlen_q = _max_len(cu_seqlens_q) if max_seqlen_q is None else max_seqlen_q
-        return paged_attention_fwd_cuda(
+        return paged_attention_fwd_triton(
             q, k_cache, v_cache, _i32(cu_seqlens_q), _i32(seq_lens), _i32(block_table), max_seqlen_q, window, scale,
             block_m=block_m, num_warps=num_warps, num_stages=num_stages, mask_all=mask_all, seg_programs=seg_programs,
         )

@@ -35,7 +35,7 @@ def _write_kv_kernel(
     tl.store(v_cache + i_slot * stride_cs + i_h * stride_ch + o_d, b_v, mask=m_d)
 
 
-def write_kv_cuda(
+def write_kv_triton(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     n, h, d = k.shape

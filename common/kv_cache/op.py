@@ -41,9 +41,9 @@ def write_kv_fwd(
     if k.shape[0] == 0:
         return
     if k.is_cuda:
-        from .kernel import write_kv_cuda
+        from .kernel import write_kv_triton
 
-        write_kv_cuda(k, v, k_cache, v_cache, slot_mapping)
+        write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     else:
         from .cpu import write_kv_cpu
 

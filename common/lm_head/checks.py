@@ -7,7 +7,7 @@ import torch
 
 from alignzoo.common.ladder import RungResult, accuracy, rung1_repeat, rung2_rows
 
-from .naive import lm_head_logprobs_naive, lm_head_lse_naive
+from .naive import lm_head_logprobs_ref, lm_head_lse_ref
 from .op import lm_head_bwd, lm_head_fwd, lm_head_logits
 
 NAME = "lm_head"
@@ -48,7 +48,7 @@ def _inputs(T, K, V, device, centered):
         # Feature 0 as a bias that puts the LSE near 0, where its FP32 ulp is
         # finest: a regrouped sum then shows in the bits instead of rounding away.
         h[:, 0], w[:, 0] = 1.0, 0.0
-        w[:, 0] = -lm_head_lse_naive(h[:16], w).mean().float()
+        w[:, 0] = -lm_head_lse_ref(h[:16], w).mean().float()
     else:
         w *= 3.0  # logits with std ~3, a realistic spread for the accuracy rows
     y = torch.randint(0, V, (T,), generator=g)
@@ -76,7 +76,7 @@ def ladder(device: torch.device) -> list[RungResult]:
     h, w, y = _inputs(T, K, V, device, centered=False)
     lp, _ = lm_head_fwd(h, w, y)
     h64 = h.double().requires_grad_()
-    ref = lm_head_logprobs_naive(h64, w, y)
+    ref = lm_head_logprobs_ref(h64, w, y)
     ref.sum().backward()
     return rows + [
         accuracy(NAME, lp, ref.detach(), LP_BOUND, f"logprobs vs float64 (T={T} K={K} V={V})"),

@@ -287,13 +287,13 @@ def _fwd_launch(h, w, targets, block_m, write_logits, want_stats):
     return lp, lse, logits
 
 
-def lm_head_fwd_cuda(h, w, targets, *, block_m=None):
+def lm_head_fwd_triton(h, w, targets, *, block_m=None):
     """(T, K), (V, K), (T,) int64 -> (logprobs (T,), lse (T,)), FP32."""
     lp, lse, _ = _fwd_launch(h, w, targets, block_m, write_logits=False, want_stats=True)
     return lp, lse
 
 
-def lm_head_logits_cuda(h, w, *, return_lse=False, block_m=None):
+def lm_head_logits_triton(h, w, *, return_lse=False, block_m=None):
     """(T, K), (V, K) -> FP32 logits (T, V) by the forward's projection (and its LSE)."""
     _, lse, logits = _fwd_launch(h, w, None, block_m, write_logits=True, want_stats=return_lse)
     return (logits, lse) if return_lse else logits
@@ -309,7 +309,7 @@ def _gemm(a, a_strides, b, b_strides, c, c_strides, M, N, L, accumulate):
     )
 
 
-def lm_head_bwd_cuda(h, w, targets, lse, grad, *, block_m=None, vocab_chunk=None):
+def lm_head_bwd_triton(h, w, targets, lse, grad, *, block_m=None, vocab_chunk=None):
     """Gradients of sum_t grad[t]·logprob[t] -> (dh (T, K) h.dtype, dW (V, K) w.dtype)."""
     T, K = h.shape
     V = w.shape[0]

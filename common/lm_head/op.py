@@ -60,18 +60,18 @@ def lm_head_fwd(h, weight, targets, *, block_m=None, vocab_chunk=None, check_ran
     _check_inputs(h, weight, targets, check_range)
     _check_knobs(h.device, block_m, vocab_chunk)
     if h.is_cuda:
-        from .kernel import lm_head_fwd_cuda
+        from .kernel import lm_head_fwd_triton
 
-        return lm_head_fwd_cuda(h, weight, targets, block_m=block_m)
+        return lm_head_fwd_triton(h, weight, targets, block_m=block_m)
     return lm_head_fwd_cpu(h, weight, targets, block_m=block_m, vocab_chunk=vocab_chunk)
 
 
 def lm_head_logits_fwd(h, weight, *, return_lse=False, block_m=None, vocab_chunk=None):
     """The server's launcher of ``lm_head_logits`` (no checks, no autograd)."""
     if h.is_cuda:
-        from .kernel import lm_head_logits_cuda
+        from .kernel import lm_head_logits_triton
 
-        return lm_head_logits_cuda(h, weight, return_lse=return_lse, block_m=block_m)
+        return lm_head_logits_triton(h, weight, return_lse=return_lse, block_m=block_m)
     return lm_head_logits_cpu(h, weight, return_lse=return_lse, block_m=block_m, vocab_chunk=vocab_chunk)
 
 
@@ -124,9 +124,9 @@ def lm_head_bwd(h, weight, targets, lse, grad, *, block_m=None, vocab_chunk=None
     check_dim("grad", grad.shape[0], h.shape[0], "length")
     _check_knobs(h.device, block_m, vocab_chunk)
     if h.is_cuda:
-        from .kernel import lm_head_bwd_cuda
+        from .kernel import lm_head_bwd_triton
 
-        return lm_head_bwd_cuda(h, weight, targets, lse, grad, block_m=block_m, vocab_chunk=vocab_chunk)
+        return lm_head_bwd_triton(h, weight, targets, lse, grad, block_m=block_m, vocab_chunk=vocab_chunk)
     return lm_head_bwd_cpu(h, weight, targets, lse, grad, block_m=block_m, vocab_chunk=vocab_chunk)
 
 

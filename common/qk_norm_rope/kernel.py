@@ -139,7 +139,7 @@ def default_heads_per_program(num_kv_heads: int, T: int) -> int:
     return min(4 if T <= 64 else 8, next_power_of_2(num_kv_heads))
 
 
-def qk_norm_rope_kv_cuda(qkv, q_w, k_w, eps, positions, cos, sin, k_cache, v_cache, slot_mapping,
+def qk_norm_rope_kv_triton(qkv, q_w, k_w, eps, positions, cos, sin, k_cache, v_cache, slot_mapping,
                          num_heads, num_kv_heads, heads_per_program=None, num_warps=None):
     """qkv (T, (Hq + 2 Hkv) D), unit column stride -> q (T, Hq, D); k/v to the cache."""
     T, D = qkv.shape[0], q_w.shape[0]

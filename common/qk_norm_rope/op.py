@@ -67,9 +67,9 @@ def qk_norm_rope_kv_fwd(
     cos, sin = rope_table(spec, qkv.device)
     args = (qkv, q_w, k_w, eps, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
     if qkv.is_cuda:
-        from .kernel import qk_norm_rope_kv_cuda
+        from .kernel import qk_norm_rope_kv_triton
 
-        return qk_norm_rope_kv_cuda(*args, heads_per_program, num_warps)
+        return qk_norm_rope_kv_triton(*args, heads_per_program, num_warps)
     if qkv.shape[0] == 0:
         return qkv.new_empty(0, num_heads, q_w.shape[0])
     return qk_norm_rope_kv_cpu(*args)

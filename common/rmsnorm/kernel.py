@@ -312,7 +312,7 @@ def _fwd_config(H: int, M: int) -> tuple[int, int]:
     return (4, 2) if M <= 4096 else (16, 4)
 
 
-def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warps=None):
+def rmsnorm_fwd_triton(x, w, eps, residual=None, z=None, block_rows=None, num_warps=None):
     """x, residual, z: (M, H) contiguous; w: (H,) -> (y, new_residual or None, rstd (M,) fp32)."""
     M, H = x.shape
     bm, nw = _fwd_config(H, M)
@@ -346,7 +346,7 @@ def rmsnorm_fwd_cuda(x, w, eps, residual=None, z=None, block_rows=None, num_warp
     return y, new_res, rstd
 
 
-def rmsnorm_bwd_cuda(dy, x, w, rstd, dres=None, z=None, num_warps=None):
+def rmsnorm_bwd_triton(dy, x, w, rstd, dres=None, z=None, num_warps=None):
     """Backward of the three variants -> (dx, dz or None, dw); see ``cpu.rmsnorm_bwd_cpu``."""
     M, H = x.shape
     chunks = _chunks(H)

@@ -42,9 +42,9 @@ def rmsnorm_fwd(
     r2 = None if residual is None else residual.reshape(-1, H)
     z2 = None if z is None else z.reshape(-1, H)
     if x.is_cuda:
-        from .kernel import rmsnorm_fwd_cuda
+        from .kernel import rmsnorm_fwd_triton
 
-        y, new_res, rstd = rmsnorm_fwd_cuda(x2, w, eps, r2, z2, block_rows, num_warps)
+        y, new_res, rstd = rmsnorm_fwd_triton(x2, w, eps, r2, z2, block_rows, num_warps)
     else:
         y, new_res, rstd = rmsnorm_fwd_cpu(x2, w, eps, r2, z2, block_rows)
     return y.view(shape), None if new_res is None else new_res.view(shape), rstd.view(shape[:-1])
@@ -76,9 +76,9 @@ def rmsnorm_bwd(
         None if z is None else z.reshape(-1, H),
     )
     if x.is_cuda:
-        from .kernel import rmsnorm_bwd_cuda
+        from .kernel import rmsnorm_bwd_triton
 
-        dx, dz, dw = rmsnorm_bwd_cuda(*args)
+        dx, dz, dw = rmsnorm_bwd_triton(*args)
     else:
         dx, dz, dw = rmsnorm_bwd_cpu(*args)
     return dx.view(shape), None if dz is None else dz.view(shape), dw

@@ -1,5 +1,5 @@
 """Rotary position embedding: FP32 CPU-built table, FP32 rotation, one rounding."""
-from .naive import rope_naive
+from .naive import rope_ref
 from .op import rope, rope_bwd, rope_fwd
 from .table import RopeSpec, Yarn, build_table, clear_rope_tables, inv_freq_and_attention_factor, rope_table
 
@@ -12,6 +12,6 @@ __all__ = [
     "rope",
     "rope_bwd",
     "rope_fwd",
-    "rope_naive",
+    "rope_ref",
     "rope_table",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..ladder import RungResult, accuracy, rung1_repeat, rung2_rows
-from .naive import rope_naive
+from .naive import rope_ref
 from .op import rope_bwd, rope_fwd
 from .table import RopeSpec, Yarn
 
@@ -40,8 +40,8 @@ def ladder(device: torch.device) -> list[RungResult]:
             rung1_repeat("rope", fwd, x, positions),
             rung2_rows("rope", fwd, [x, positions], configs=_configs(device)),
             rung2_rows("rope", bwd, [x, positions], configs=_configs(device)),
-            accuracy("rope", fwd(x, positions), rope_naive(x, positions, spec), bound=4e-3, what="bf16 vs float64"),
-            accuracy("rope", fwd(x32, positions), rope_naive(x32, positions, spec), bound=1e-6, what="fp32 vs float64"),
+            accuracy("rope", fwd(x, positions), rope_ref(x, positions, spec), bound=4e-3, what="bf16 vs float64"),
+            accuracy("rope", fwd(x32, positions), rope_ref(x32, positions, spec), bound=1e-6, what="fp32 vs float64"),
         ]
         rows[2].check += " (bwd)"
         for r in rows:

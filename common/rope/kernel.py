@@ -108,7 +108,7 @@ def default_block_rows(rotary_dim: int, head_dim: int) -> int:
     return max(1, min(128, 4096 // width))
 
 
-def rope_rotate_cuda(
+def rope_rotate_triton(
     x: torch.Tensor,  # (T, H, D)
     positions: torch.Tensor,  # (T,) int
     cos: torch.Tensor,  # (P, R/2) fp32

@@ -11,7 +11,7 @@ import torch
 from .table import RopeSpec, inv_freq_and_attention_factor
 
 
-def rope_naive(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec, conjugate: bool = False) -> torch.Tensor:
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec, conjugate: bool = False) -> torch.Tensor:
     """x: (T, H, D) any float dtype, positions: (T,) -> (T, H, D) float64."""
     inv_freq, scale = inv_freq_and_attention_factor(spec.rotary_dim, spec.base, spec.yarn)
     angle = positions.double().cpu()[:, None] * inv_freq.double()[None, :]  # (T, R/2)

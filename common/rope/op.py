@@ -42,9 +42,9 @@ def _rotate(x, positions, spec, *, forward: bool, conjugate: bool, block_rows: i
         negate_sin=conjugate == forward,
     )
     if x.is_cuda:
-        from .kernel import rope_rotate_cuda
+        from .kernel import rope_rotate_triton
 
-        return rope_rotate_cuda(x, positions, cos, sin, block_rows=block_rows, **kw)
+        return rope_rotate_triton(x, positions, cos, sin, block_rows=block_rows, **kw)
     return rope_rotate_cpu(x, positions, cos, sin, row_chunk=block_rows, **kw)
 
 

@@ -1,7 +1,7 @@
 """Sampling transforms (temperature -> top-k -> top-p -> min-p), the seeded
 draw, and the trainer's bitwise replay of the drawn token's log-probability.
 The per-row program and its rules are in ``op.py``'s docstring."""
-from .naive import naive_sampling_logprobs, naive_transformed_logprobs
+from .naive import sampling_logprobs_ref, transformed_logprobs_ref
 from .op import (
     check_sampling_tensors,
     head_width,
@@ -19,8 +19,8 @@ __all__ = [
     "SamplingParams",
     "check_sampling_tensors",
     "head_width",
-    "naive_sampling_logprobs",
-    "naive_transformed_logprobs",
+    "sampling_logprobs_ref",
+    "transformed_logprobs_ref",
     "params_to_tensors",
     "sample",
     "sample_fwd",

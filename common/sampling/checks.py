@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..ladder import RungResult, accuracy, bitwise_equal, rung1_repeat, rung2_rows
-from .naive import naive_transformed_logprobs
+from .naive import transformed_logprobs_ref
 from .op import sample_fwd, sampling_logprobs_fwd, transformed_logprobs_fwd
 
 PARAM_NAMES = ("temperature", "top_k", "top_p", "min_p")
@@ -61,7 +61,7 @@ def ladder(device: torch.device) -> list[RungResult]:
     # themselves may differ only by an edge token whose cut lies within fp32
     # error of its threshold (none on the CPU for this case)
     got = transformed_logprobs_fwd(c["logits"], *params).cpu()
-    ref = naive_transformed_logprobs(c["logits"].cpu(), *[x.cpu() for x in params])
+    ref = transformed_logprobs_ref(c["logits"].cpu(), *[x.cpu() for x in params])
     both = torch.isfinite(ref) & torch.isfinite(got)
     r = accuracy("sampling", got[both], ref[both], 2e-6, "support log-probs vs float64")
     edge = (torch.isfinite(ref) != torch.isfinite(got)).sum(1)

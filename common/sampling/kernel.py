@@ -1,6 +1,6 @@
 """Triton kernels of the sampling transforms, and their CUDA launchers.
 
-The GPU path of one block of rows (``rows_cuda``) forms the sorted head the
+The GPU path of one block of rows (``rows_triton``) forms the sorted head the
 rows read, then runs the support kernel:
 
     head < V and head <= ``op._HEAD_MAX`` (``op.partial_head``; ``op.head_width``
@@ -541,7 +541,7 @@ def key_row_stride(n: int) -> int:
     return cdiv(n, KEY_ROW_ALIGN) * KEY_ROW_ALIGN
 
 
-def order_keys_cuda(logits: torch.Tensor, temperature: torch.Tensor, *, padded: bool = False) -> torch.Tensor:
+def order_keys_triton(logits: torch.Tensor, temperature: torch.Tensor, *, padded: bool = False) -> torch.Tensor:
     """logits (B, V) fp32, temperature (B,) fp32 (0 = greedy) -> keys (B, V)
     int64; ``padded``: (B, key_row_stride(V)), INT64_MAX past V (sorts last)."""
     B, V = logits.shape
@@ -555,20 +555,20 @@ def order_keys_cuda(logits: torch.Tensor, temperature: torch.Tensor, *, padded: 
     return keys
 
 
-def sorted_head_cuda(logits: torch.Tensor, temperature: torch.Tensor, head: int) -> torch.Tensor:
+def sorted_head_triton(logits: torch.Tensor, temperature: torch.Tensor, head: int) -> torch.Tensor:
     """logits (B, V) fp32, temperature (B,) fp32 (0 = greedy) ->
     (B, min(head, V)) int64: ``op.sorted_head`` of the rows' sort keys, the
     same bits, as a view whose row stride is a multiple of ``KEY_ROW_ALIGN``
     (what the support kernel reads).  ``op.partial_head`` (head < V, head <=
     ``op._HEAD_MAX``: what ``head_width`` gives): from torch.topk's head + 1
     largest logits and ``_head_keys_kernel`` (no (B, V) keys); else a sort of
-    ``order_keys_cuda``'s padded keys (the candidates are one program's tile:
+    ``order_keys_triton``'s padded keys (the candidates are one program's tile:
     at head = V - 1 it was 262144 wide)."""
     from .op import partial_head
 
     B, V = logits.shape
     if not partial_head(head, V):
-        return torch.sort(order_keys_cuda(logits, temperature, padded=True), dim=-1).values[:, :min(head, V)]
+        return torch.sort(order_keys_triton(logits, temperature, padded=True), dim=-1).values[:, :min(head, V)]
     logits = logits.contiguous()  # _head_keys_kernel reads rows of stride V
     vals, ids = torch.topk(logits, head + 1, dim=-1, sorted=True)  # (B, head + 1)
     cs = key_row_stride(head + 1)
@@ -580,7 +580,7 @@ def sorted_head_cuda(logits: torch.Tensor, temperature: torch.Tensor, head: int)
     return torch.sort(cand, dim=-1).values[:, :head]
 
 
-def sorted_values_cuda(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sorted_values_triton(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, V) fp32, temperature (B,) fp32 (0 = greedy) -> (values
     (B, W) fp32, ids (B, W) int64), W = key_row_stride(V): the rows' full
     sort as the sorted keys' values and ids (``key_values`` / ``key_ids`` of
@@ -605,15 +605,15 @@ def _check_rows(t: torch.Tensor, what: str) -> None:
                              f"{KEY_ROW_ALIGN} and 16-byte rows (its layout, and so its bits, would change)")
 
 
-def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head, *, sort: str | None = None,
+def rows_triton(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head, *, sort: str | None = None,
               prepass: bool | None = None):
     """The per-row program on CUDA rows: the sorted head, (partials), support kernel.
 
     tokens None: draw (needs seed, step); else score the given tokens.  ``head``
     (``op.head_width``) bounds the sorted positions formed: a partial head
-    (``op.partial_head``) is ``sorted_head_cuda``'s keys; a full sort is
-    ``sorted_values_cuda`` (``sort`` "values", the default ``FULL_SORT``) or
-    ``sorted_head_cuda``'s int64 keys ("keys").  ``prepass``: pass 1 by
+    (``op.partial_head``) is ``sorted_head_triton``'s keys; a full sort is
+    ``sorted_values_triton`` (``sort`` "values", the default ``FULL_SORT``) or
+    ``sorted_head_triton``'s int64 keys ("keys").  ``prepass``: pass 1 by
     ``_chunk_partials_kernel``; default (None) where a row's k' can span
     several chunks (more than BLOCK_V sorted positions).  Every choice gives
     the same bits (module docstring); the arguments are there to compare them.
@@ -634,11 +634,11 @@ def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head
     last = torch.empty(B, dtype=torch.int64, device=dev)
     values = not partial_head(head, V) and (sort or FULL_SORT) == "values"
     if values:
-        svals, sids = sorted_values_cuda(logits, temperature)  # (B, key_row_stride(V)) each
+        svals, sids = sorted_values_triton(logits, temperature)  # (B, key_row_stride(V)) each
         _check_rows(svals, "values")
         skeys, width = tok, svals.shape[1]  # skeys: unused
     else:
-        skeys = sorted_head_cuda(logits, temperature, head)  # (B, min(head, V)): the sorted positions any row reads
+        skeys = sorted_head_triton(logits, temperature, head)  # (B, min(head, V)): the sorted positions any row reads
         _check_rows(skeys, "keys")
         svals, sids, width = lp, tok, skeys.shape[1]  # svals, sids: unused
     pre = PREPASS and width > BLOCK_V if prepass is None else prepass
@@ -662,7 +662,7 @@ def rows_cuda(logits, temperature, top_k, top_p, min_p, seed, step, tokens, head
     return (tok if draw else tokens), lp, v0, logz, last
 
 
-def uniform01_cuda(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+def uniform01_triton(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """The kernel's own uniforms, exposed so tests can hold them to rules.uniform01."""
     u = torch.empty(seed.shape[0], dtype=torch.float32, device=seed.device)
     if seed.shape[0]:
@@ -670,7 +670,7 @@ def uniform01_cuda(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return u
 
 
-def replay_bwd_cuda(logits, tau, tokens, v0, logz, last_key, coef):
+def replay_bwd_triton(logits, tau, tokens, v0, logz, last_key, coef):
     B, V = logits.shape
     logits, tau, tokens, v0, logz, last_key, coef = (
         t.contiguous() for t in (logits, tau, tokens, v0, logz, last_key, coef))

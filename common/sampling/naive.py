@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 
-def naive_transformed_logprobs(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
+def transformed_logprobs_ref(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
     """(R, V) float64 log-probabilities of the transformed distribution
     (-inf outside the support).  Greedy rows: 0 at the argmax (ties to the
     smaller id), -inf elsewhere."""
@@ -37,7 +37,7 @@ def naive_transformed_logprobs(logits, temperature, top_k, top_p, min_p) -> torc
     return torch.stack(rows)
 
 
-def naive_sampling_logprobs(logits, tokens, temperature, top_k, top_p, min_p) -> torch.Tensor:
+def sampling_logprobs_ref(logits, tokens, temperature, top_k, top_p, min_p) -> torch.Tensor:
     """(T,) float64 log-probs of the given tokens; differentiable w.r.t. logits."""
-    lp = naive_transformed_logprobs(logits, temperature, top_k, top_p, min_p)
+    lp = transformed_logprobs_ref(logits, temperature, top_k, top_p, min_p)
     return lp.gather(1, tokens.long()[:, None]).squeeze(1)

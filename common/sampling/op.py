@@ -14,9 +14,9 @@ The per-row program (each row reads only its own logits and parameters):
    row are distinct (any correct selection agrees): on the CPU by
    ``torch.topk`` of the keys, on CUDA from ``torch.topk`` of the raw logits
    with an id-order scan where a tie straddles the cut, without keys for the
-   whole row (``kernel.sorted_head_cuda``).  CUDA's full sort is a stable
+   whole row (``kernel.sorted_head_triton``).  CUDA's full sort is a stable
    descending sort of s itself, the keys' permutation with half their bits
-   (``kernel.sorted_values_cuda``).
+   (``kernel.sorted_values_triton``).
 3. weights e[i] = exp(v[i] - v[0]) and fixed-order inclusive prefix sums S[i]
    over sorted positions (order: cpu.py / kernel.py docstrings).
 4. top-k: k' = top_k if 0 < top_k < V else V (0 or >= V is off); the first k'
@@ -104,7 +104,7 @@ def _prepare(temperature, top_k, top_p, min_p, V):
 def sorted_head(keys: torch.Tensor, head: int) -> torch.Tensor:
     """The first ``head`` positions of each row's ascending sort of its
     distinct int64 keys (all of them when ``head`` >= V) -> (B, min(head, V)).
-    The CPU path's head; ``kernel.sorted_head_cuda`` gives the same bits from
+    The CPU path's head; ``kernel.sorted_head_triton`` gives the same bits from
     the logits without the (B, V) keys when ``head`` < V."""
     if head >= keys.shape[1]:
         return torch.sort(keys, dim=-1).values
@@ -147,7 +147,7 @@ def _rows(logits, temperature, top_k, top_p, min_p, seed, step, tokens, row_chun
     """Dispatch on the device; rows in blocks of ``row_chunk`` (bits unchanged).
     ``head``: see ``sample_fwd``; resolved here once for every block."""
     if logits.is_cuda:
-        from .kernel import rows_cuda as fn
+        from .kernel import rows_triton as fn
     else:
         fn = _rows_cpu
     R, V = logits.shape
@@ -198,9 +198,9 @@ def transformed_logprobs_fwd(logits, temperature, top_k, top_p, min_p, *, row_ch
     _, _, v0, logz, last_key = _rows(logits, temperature, top_k, top_p, min_p, None, None, zeros, row_chunk)
     greedy = temperature == 0
     if logits.is_cuda:
-        from .kernel import order_keys_cuda
+        from .kernel import order_keys_triton
 
-        keys = order_keys_cuda(logits, temperature)
+        keys = order_keys_triton(logits, temperature)
     else:
         keys = order_keys(logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None])
     return chosen_logprob(keys, v0[:, None], logz[:, None], last_key[:, None], greedy[:, None])
@@ -214,9 +214,9 @@ def sampling_logprobs_bwd(logits, tokens, temperature, lp, v0, logz, last_key, g
     coef = torch.where(valid, grad_lp.float() / tau, torch.zeros_like(tau))
     tokens = tokens.to(torch.int64)
     if logits.is_cuda:
-        from .kernel import replay_bwd_cuda
+        from .kernel import replay_bwd_triton
 
-        return replay_bwd_cuda(logits, tau, tokens, v0, logz, last_key, coef)
+        return replay_bwd_triton(logits, tau, tokens, v0, logz, last_key, coef)
     s = logits / tau[:, None]
     keys = order_keys(s)
     prob = torch.exp((key_values(keys) - v0[:, None]) - logz[:, None])

@@ -106,7 +106,7 @@ def _config(I: int, block_rows, block_cols):
     return bm, bn
 
 
-def swiglu_fwd_cuda(gate, up, lim, block_rows=None, block_cols=None, num_warps=None):
+def swiglu_fwd_triton(gate, up, lim, block_rows=None, block_cols=None, num_warps=None):
     """gate, up: (M, I) with unit column stride; lim: the bound in the input
     dtype, or None -> y (M, I) contiguous."""
     M, I = gate.shape
@@ -123,7 +123,7 @@ def swiglu_fwd_cuda(gate, up, lim, block_rows=None, block_cols=None, num_warps=N
     return y
 
 
-def swiglu_bwd_cuda(dy, gate, up, lim, dgate, dup, block_rows=None, block_cols=None, num_warps=None):
+def swiglu_bwd_triton(dy, gate, up, lim, dgate, dup, block_rows=None, block_cols=None, num_warps=None):
     """Writes dgate, dup (M, I), unit column stride (may be halves of one buffer)."""
     M, I = gate.shape
     if M == 0 or I == 0:

@@ -39,10 +39,10 @@ def swiglu_fwd(
     shape = gate.shape
     g2, u2 = _rows(gate), _rows(up)
     if gate.is_cuda:
-        from .kernel import swiglu_fwd_cuda
+        from .kernel import swiglu_fwd_triton
 
         lim = None if limit is None else limit_in(gate.dtype, limit)
-        y = swiglu_fwd_cuda(g2, u2, lim, block_rows, block_cols, num_warps)
+        y = swiglu_fwd_triton(g2, u2, lim, block_rows, block_cols, num_warps)
     else:
         y = swiglu_fwd_cpu(g2, u2, limit, block_rows)
     return y.view(shape)
@@ -62,10 +62,10 @@ def swiglu_bwd(
         out = (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device), torch.empty(up.shape, dtype=up.dtype, device=up.device))
     dgate, dup = out
     if gate.is_cuda:
-        from .kernel import swiglu_bwd_cuda
+        from .kernel import swiglu_bwd_triton
 
         lim = None if limit is None else limit_in(gate.dtype, limit)
-        swiglu_bwd_cuda(_rows(dy), _rows(gate), _rows(up), lim, _rows(dgate), _rows(dup))
+        swiglu_bwd_triton(_rows(dy), _rows(gate), _rows(up), lim, _rows(dgate), _rows(dup))
     else:
         dg, du = swiglu_bwd_cpu(_rows(dy), _rows(gate), _rows(up), limit)
         _rows(dgate).copy_(dg)
