@@ -334,6 +334,44 @@ def test_host_integer_helpers_equal_tritons():
     assert all(next_power_of_2(n) == triton.next_power_of_2(n) for n in range(0, 1 << 17))
 
 
+# The interpreter's tl.dot is the host's np.matmul, whose BLAS may sum a (BM, BK) x (BK, BN) step in any order
+# (it picks kernels by shape and CPU).  So every step's dot is made exact: small integers (|v| <= 8, <= 32 terms
+# of <= 64: far inside fp32's 24 bits) sharing one power-of-two scale per BK-wide step of K.  Any BLAS then gives
+# each step's bits, while the scales (2^-12 .. 2^12 across steps) make the adds *between* steps round, so the
+# order of the chain across steps and segments is still what the test sees.
+_EXACT_STEPS = """
+def exact_step_inputs(M, N, K, BK, g):
+    x = torch.randint(-8, 9, (M, K), generator=g).float()
+    w = torch.randint(-8, 9, (N, K), generator=g).float()
+    scale = 2.0 ** torch.randint(-12, 13, (-(-K // BK),), generator=g).float()
+    return x * scale.repeat_interleave(BK)[:K], w
+"""
+
+# Another host's BLAS, stood in for: the interpreter's dots sum K in reverse, one rank-1 update at a time.
+_REVERSED_BLAS = """
+import numpy as np
+import triton.runtime.interpreter as _interp
+
+
+def _reversed_matmul(a, b, dtype=None, **kw):
+    out = np.zeros((a.shape[0], b.shape[1]), np.float32)
+    for k in range(a.shape[1] - 1, -1, -1):
+        out = out + np.outer(a[:, k], b[k, :]).astype(np.float32)
+    return out.astype(dtype or np.float32)
+
+
+class _Numpy:
+    matmul = staticmethod(_reversed_matmul)
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+_interp.np = _Numpy()
+"""
+_BLAS = {"host": "", "reversed": _REVERSED_BLAS}
+
+
 _TMA_INTERPRETED = """
 import numpy as np, torch, triton
 from triton.tools.tensor_descriptor import TensorDescriptor as D
@@ -363,7 +401,7 @@ def reference(x, w, seg, bk, bm, bn, bn2):
 
 g = torch.Generator().manual_seed(0)
 for M, N, K, BM, BN, BK, SEG in [(70, 200, 160, 32, 96, 16, 64), (33, 100, 100, 16, 32, 16, 32), (40, 64, 96, 16, 64, 32, 32)]:
-    x, w = (torch.randn(r, K, generator=g).bfloat16().float() for r in (M, N))  # bf16 values: exact in tf32
+    x, w = exact_step_inputs(M, N, K, BK, g)
     y = torch.full((M, N), float("nan"))
     bn, bn2 = column_blocks(BN)
     dw, dy = D.from_tensor(w, [bn, BK]), D.from_tensor(y, [BM, bn])
@@ -375,14 +413,15 @@ print("ok")
 """
 
 
-def test_tma_kernel_keeps_the_segment_order_interpreted():
+@pytest.mark.parametrize("blas", list(_BLAS))
+def test_tma_kernel_keeps_the_segment_order_interpreted(blas):
     """The TMA kernel's source (one k-loop restarting the chain after each
     segment's last step; 96- and 192-wide tiles of two column blocks with a
     loop per segment) run by Triton's interpreter on fp32 CPU tensors equals a
     numpy reference of the contract's order: p_s chains from zero, added left
     to right.  K not a multiple of SEG_K, M and N not multiples of the tile.
     (Carrying the chain across a segment end fails this test.)"""
-    run_interpreted(_TMA_INTERPRETED, expect="ok")
+    run_interpreted(_BLAS[blas] + _EXACT_STEPS + _TMA_INTERPRETED, expect="ok")
 
 
 _TMA_SPLIT_INTERPRETED = """
@@ -392,7 +431,7 @@ from alignzoo.common.matmul.kernel import _mm_tma_split_kernel, _mm_split_kernel
 
 g = torch.Generator().manual_seed(0)
 for M, N, K, BM, BN, BK, SEG in [(37, 100, 100, 16, 32, 16, 32), (70, 64, 160, 32, 16, 32, 64), (5, 40, 96, 16, 16, 16, 16)]:
-    x, w = (torch.randn(r, K, generator=g).bfloat16().float() for r in (M, N))
+    x, w = exact_step_inputs(M, N, K, BK, g)
     S, grid = triton.cdiv(K, SEG), (triton.cdiv(M, BM), triton.cdiv(N, BN))
     a, b = torch.full((S, M, N), float("nan")), torch.full((S, M, N), float("nan"))
     _mm_tma_split_kernel[(*grid, S)](D.from_tensor(x, [BM, BK]), D.from_tensor(w, [BN, BK]), a, M, N, SEG_K=SEG,
@@ -403,10 +442,11 @@ print("ok")
 """
 
 
-def test_tma_split_kernel_writes_the_split_kernels_partials_interpreted():
+@pytest.mark.parametrize("blas", list(_BLAS))
+def test_tma_split_kernel_writes_the_split_kernels_partials_interpreted(blas):
     """The TMA split kernel (TMA loads, zero past the edges) writes the
     pointer-load split kernel's fp32 segment partials, byte for byte, for the
     merge kernel: Triton's interpreter, fp32 CPU tensors, ragged M, N and K.
     (A chain carried across segments, or a segment's steps started anywhere
     but its first, fails this test.)"""
-    run_interpreted(_TMA_SPLIT_INTERPRETED, expect="ok")
+    run_interpreted(_BLAS[blas] + _EXACT_STEPS + _TMA_SPLIT_INTERPRETED, expect="ok")
