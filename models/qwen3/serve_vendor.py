@@ -3,16 +3,15 @@
 The same engine interface and weights as ``serve.py``, but the arithmetic of
 a typical serving stack: ``F.linear`` (batch-shape-dependent GEMM tiling),
 transformers-style RMSNorm and RoPE (cos/sin computed in fp32 on the device
-from inverse frequencies built once), and ``scaled_dot_product_attention``
-over K/V gathered from the paged cache.  Its log-probs differ from the
-trainer's (K3 > 0): used by the RL example's ``--unaligned`` mode and as the
-vendor baseline of the engine benchmark.
+from inverse frequencies built once), and torch's fast attention paths
+(``common/attention/vendor.py``: flash varlen for packed prefill, compiled
+flex_attention over the paged cache for decode; SDPA on the CPU).  Its
+log-probs differ from the trainer's (K3 > 0): used by the RL example's
+``--unaligned`` mode and as the vendor baseline of the engine benchmark.
 
-Like the aligned server, ``forward`` never reads the batch on the host, so
-decode is captured into CUDA graphs.  Attention gathers the whole block-table
-width per sequence (B, W * 64 keys): in a captured decode graph that width is
-the engine's ``max_position / 64`` pages, whatever the context, so
-``benchmarks/bench_engine.py`` cuts max_position to the benchmark's length.
+Like the aligned server, ``forward`` never reads the batch on the host in
+decode, so decode is captured into CUDA graphs (an eager prefill reads its
+key count once, as a vendor stack's metadata does).
 """
 from __future__ import annotations
 
@@ -20,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ...common.engine.model_api import ForwardBatch
-from ...common.kv_cache import PAGE_SIZE, write_kv_fwd
+from ...common.attention.vendor import VendorAttention
+from ...common.kv_cache import write_kv_fwd
 from ...common.rope import inv_freq_and_attention_factor
 from .serve import Qwen3Server
 
@@ -35,21 +35,6 @@ def _rope(x, cos, sin):
     x1, x2 = x.chunk(2, dim=-1)
     rot = torch.cat((-x2, x1), dim=-1)
     return (x * cos[:, None].to(x.dtype) + rot * sin[:, None].to(x.dtype))
-
-
-def _attention(q, k, v, mask):
-    """q: (B, L, Hq, D); k, v: (B, S, Hkv, D); mask: (B, L, S) bool, True = attend -> (B, L, Hq, D).
-
-    The G = Hq / Hkv query heads sharing a kv head are folded into the query
-    length (G * L rows against Hkv heads), so SDPA sees equal head counts and
-    takes the mask without K/V repeated G times."""
-    B, L, Hq, D = q.shape
-    Hkv, S = k.shape[2], k.shape[1]
-    G = Hq // Hkv
-    qf = q.reshape(B, L, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, L * G, D)
-    m = mask[:, None, :, None, :].expand(B, 1, L, G, S).reshape(B, 1, L * G, S)
-    o = F.scaled_dot_product_attention(qf, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m)  # (B, Hkv, L*G, D)
-    return o.reshape(B, Hkv, L, G, D).permute(0, 2, 1, 3, 4).reshape(B, L, Hq, D)
 
 
 class Qwen3VendorServer(Qwen3Server):
@@ -73,18 +58,8 @@ class Qwen3VendorServer(Qwen3Server):
         T, Hq, Hkv, D = batch.tokens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         cos, sin = self._cos_sin(batch.positions)
-        B, Lq = batch.seq_lens.shape[0], batch.max_seqlen_q
-        pages = batch.block_table.long()
-        kpos = torch.arange(pages.shape[1] * PAGE_SIZE, device=self.device)
-        if Lq == 1:  # decode: one new token per sequence, T == B
-            mask = kpos[None, None, :] < batch.seq_lens.long()[:, None, None]  # (B, 1, Lk)
-        else:  # packed new tokens -> (B, Lq) rows, causal over cached + new keys
-            t = torch.arange(T, device=self.device)
-            b_of = torch.searchsorted(batch.cu_seqlens_q[1:].long(), t, right=True).clamp(max=B - 1)
-            j_of = t - batch.cu_seqlens_q[b_of].long()
-            q_len = (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).long()
-            qpos = (batch.seq_lens.long() - q_len)[:, None] + torch.arange(Lq, device=self.device)[None]  # (B, Lq)
-            mask = kpos[None, None, :] <= qpos[:, :, None]  # (B, Lq, Lk): keys past seq_len are after qpos
+        attend = VendorAttention(batch.cu_seqlens_q, batch.seq_lens, batch.block_table, batch.max_seqlen_q,
+                                 kv_cache[0][0].shape[0], n_tokens=T)
         x = self.w("embed.weight")[batch.tokens]
         residual = x
         for i, (k_cache, v_cache) in enumerate(kv_cache):
@@ -94,16 +69,10 @@ class Qwen3VendorServer(Qwen3Server):
             h = _rmsnorm(residual, self.w(p + "attn_norm.weight"), eps)
             q, k, v = F.linear(h, self.w(p + "qkv.weight")).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
             q = _rope(_rmsnorm(q.reshape(T, Hq, D), self.w(p + "q_norm.weight"), eps), cos, sin)
-            k = _rope(_rmsnorm(k.reshape(T, Hkv, D), self.w(p + "k_norm.weight"), eps), cos, sin)
-            write_kv_fwd(k.contiguous(), v.reshape(T, Hkv, D).contiguous(), k_cache, v_cache, batch.slot_mapping)
-            K = k_cache[pages].flatten(1, 2)  # (B, Lk, Hkv, D)
-            V = v_cache[pages].flatten(1, 2)
-            if Lq == 1:
-                o = _attention(q[:, None], K, V, mask).reshape(T, Hq * D)
-            else:
-                Q = q.new_zeros(B, Lq, Hq, D)
-                Q[b_of, j_of] = q
-                o = _attention(Q, K, V, mask)[b_of, j_of].reshape(T, Hq * D)
+            k = _rope(_rmsnorm(k.reshape(T, Hkv, D), self.w(p + "k_norm.weight"), eps), cos, sin).contiguous()
+            v = v.reshape(T, Hkv, D).contiguous()
+            write_kv_fwd(k, v, k_cache, v_cache, batch.slot_mapping)
+            o = attend(q.contiguous(), k, v, k_cache, v_cache).reshape(T, Hq * D)
             residual = F.linear(o, self.w(p + "o.weight")) + residual
             h = _rmsnorm(residual, self.w(p + "mlp_norm.weight"), eps)
             gate, up = F.linear(h, self.w(p + "gate_up.weight")).chunk(2, dim=-1)
