@@ -12,7 +12,7 @@ their contract; ``list_models()`` names only those.
 __version__ = "0.1.0"
 
 
-from .common.sampling.params import SamplingParams  # noqa: E402  (DESIGN §6: alignzoo.SamplingParams)
+from .common.sampling.params import SamplingParams  # noqa: E402  (public API: alignzoo.SamplingParams)
 
 
 def list_models() -> list[str]:

@@ -13,13 +13,9 @@ Right after the wait a program lets the next kernel launch
 (``griddepcontrol.launch_dependents``).  The next kernel launches only once
 every program of this one has started and triggered (or exited), so its
 waiting programs take SM slots in this kernel's last wave at the earliest.
-Measured on the H200 (session 6, the qwen3-8b decode graph at batch 1):
-replay 5.75 ms without PDL, 5.66 ms waiting but never triggering (the next
-kernel then launched as this one's programs exited), 5.43 ms with the
-trigger; at batch 8: 6.24, 6.23 and 6.09 ms; at batch 64 7.63 and 7.54 ms
-(off, on); but at batch 256 11.24 and 11.67 ms, so launches of more than
-``PDL_MAX_ROWS`` rows (tokens) go without it, prefill included (not measured
-side by side with it yet).
+On the H200 the qwen3-8b batch-1 decode graph replays in 5.43 ms with the
+trigger, 5.66 ms waiting alone, 5.75 ms without PDL.  Launches of more than
+``PDL_MAX_ROWS`` rows (tokens) go without it, prefill included.
 
 ``pdl_options(device, rows)`` gives a launch's keyword arguments: the ``PDL``
 constexpr and Triton's ``launch_pdl`` together (never ``launch_pdl`` without the
@@ -53,7 +49,7 @@ def wait_prior(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-PDL_MAX_ROWS = 64
+PDL_MAX_ROWS = 64  # at batch 256 PDL cost 3.8% of the qwen3-8b decode replay on the H200 (11.67 vs 11.24 ms)
 _OFF = {"PDL": False}
 _ON = {"PDL": True, "launch_pdl": True}
 _TRIGGER = {"PDL": True}  # compiled with the wait and the trigger, launched plainly: see pdl_pair
@@ -89,8 +85,8 @@ def pdl_pair(device: torch.device, rows: int) -> tuple[dict, dict]:
     producer is compiled with ``wait_prior`` but launched plainly.  Its wait
     then finds the kernel before it finished (a plain launch starts after
     it), and its trigger lets the consumer launch during its last wave, where
-    the consumer's programs wait for its end.  H200, session 9: k/v at M =
-    256 went 0.785 -> 0.830x cuBLAS (benchmarks/results/2026-11-30-h200-session9-runs.md)."""
+    the consumer's programs wait for its end: on the H200 the PDL-launched
+    merge takes the k/v split at M = 256 from 0.785 to 0.830x cuBLAS."""
     if pdl_options(device, 1) is _OFF:
         return _OFF, _OFF
     return (_ON, _ON) if rows <= PDL_MAX_ROWS else (_TRIGGER, _ON)

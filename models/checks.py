@@ -1,4 +1,5 @@
-"""Ladder rungs 1-4 (DESIGN §4) for any aligned pair: ``alignzoo check <model>``.
+"""Ladder rungs 1-4 for any aligned pair: ``alignzoo check <model>``
+(docs/DESIGN.md, "The verification ladder").
 
 1. repeat: the same batch twice, on the trainer and on the server;
 2. batch: each sequence alone, in a mixed batch, in reversed order, with a

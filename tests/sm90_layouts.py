@@ -6,9 +6,9 @@ JIT knows about the addresses, and the JIT specializes integer and pointer
 arguments on divisibility by 16.  A reduction's or a scan's association order
 follows that layout, so a kernel whose address arithmetic lets a
 batch-dependent stride reach a load feeding a float reduction compiles to
-different sums for different batches (session 6: the sampler's support kernel
-read sorted keys at row stride head + 1, and strides 1025 and 1040 gave
-different log Z bits on the H200).  The interpreter has no layouts, so only a
+different sums for different batches (the sampler's support kernel read
+sorted keys at row stride head + 1, and strides 1025 and 1040 gave different
+log Z bits on the H200).  The interpreter has no layouts, so only a
 compile shows this.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ addresses.  A reduction or a scan associates in the order of its operand's
 layout, so an integer that follows the batch (a row count, the width of a
 batch-dependent view, the block table's width, ...) and reaches the address
 arithmetic of a load feeding a float reduction would give one row different
-bits in different batches (session 6: the sampler's support kernel,
+bits in different batches (as the sampler's support kernel did on the H200,
 ``tests/test_sampling.py``).  Here each kernel with a float reduction (or a
 pointer-load ``tl.dot`` chain) is compiled for sm_90 with each of its
 batch-dependent integer arguments specialized as the JIT would for an aligned

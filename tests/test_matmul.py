@@ -61,7 +61,7 @@ def test_rows_invariant_to_batch_order_padding_and_launch(device, M, K, N):
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(4096, 4096), (12288, 4096), (4096, 12288), (1000, 100)], ids=str)
 def test_gpu_every_m_gives_the_same_rows(N, K):
-    """cuBLAS changes bits for M <= 128 (DESIGN §5); ours may not, at any M."""
+    """cuBLAS changes bits for M <= 128 (docs/DESIGN.md, "Facts on the H200"); ours may not, at any M."""
     dev = torch.device("cuda")
     x, w = _inputs(8192, K, N, dev)
     ref = matmul_fwd(x, w)
@@ -173,7 +173,7 @@ def test_launch_resolution_fits_the_h200_and_keeps_wgmma():
                         assert tma and elem == 2
     # the sweep's decode picks: k/v streams through 64x32 tiles split over K segments
     assert launch_config(1, 1024, 4096)["schedule"] == "split"
-    # k/v above 64 rows: the TMA split (session 9), 64x64 tiles on a 3-stage ring at M = 256
+    # k/v above 64 rows: the TMA split, 64x64 tiles on a 3-stage ring at M = 256
     kv = launch_config(256, 1024, 4096)
     assert (kv["schedule"], kv["BLOCK_N"], kv["BLOCK_K"], kv["num_stages"]) == ("tma_split", 64, 128, 3)
     assert launch_config(256, 1024, 4096, tma=False)["schedule"] == "split"
@@ -203,10 +203,10 @@ def test_launch_resolution_fits_the_h200_and_keeps_wgmma():
 
 def test_gluon_schedule_routing(monkeypatch):
     """128-row TMA tiles up to 192 wide go to the Gluon kernel where Triton
-    has Gluon (session 8's H200 probe: 0.81-0.82x cuBLAS at M = 256 where
-    Triton's kernel gave 0.73-0.80x), the 96-wide tile only there; its
-    two-column-block tiles (192, 96) run warp-specialized (session 10: 1.02-1.20x
-    the one-partition form), 128 x 128 one-partition; 128 x 256 and 64-row
+    has Gluon (on the H200 0.81-0.82x cuBLAS at M = 256 where Triton's
+    kernel gave 0.73-0.80x), the 96-wide tile only there; its
+    two-column-block tiles (192, 96) run warp-specialized (1.00-1.29x the
+    one-partition form), 128 x 128 one-partition; 128 x 256 and 64-row
     tiles stay on Triton's; without Gluon the routing is the old one.  The
     schedule never changes a bit (GPU tests)."""
     from alignzoo.common.matmul import gluon_kernel

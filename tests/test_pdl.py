@@ -138,7 +138,7 @@ def test_pdl_wait_precedes_memory_in_the_fused_qk_norm_rope_kernel():
 def test_gpu_pdl_levels_give_the_same_bits(monkeypatch):
     """A chain of dependent forward kernels (rmsnorm -> split-K and TMA
     matmuls -> swiglu -> matmul), eager and in a CUDA graph, with PDL off and
-    on: the same bytes (session 6 also ran it with a wait-only mode)."""
+    on: the same bytes."""
     from alignzoo.common.matmul import matmul_fwd
     from alignzoo.common.rmsnorm import rmsnorm_fwd
     from alignzoo.common.swiglu import swiglu_fwd

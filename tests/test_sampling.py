@@ -1054,7 +1054,7 @@ def test_support_kernel_layout_ignores_its_integer_arguments(values, pre):
     the JIT specializes them by % 16, and the sorted keys' row stride follows
     the batch (head + 1 on the head path, V on the full sort).  With the
     stride reaching the key loads, strides 1025 and 1040 gave different log Z
-    bits on the H200 (session 6).  Compiled here, no GPU needed."""
+    bits on the H200.  Compiled here, no GPU needed."""
     from sm90_layouts import layouts
 
     _needs_sm90()
@@ -1096,9 +1096,9 @@ def test_every_full_sort_path_scans_in_todays_layout():
     partials, draw / replay, PDL off / on) and the partials kernel (keys /
     values) compile to the layouts of today's support kernel (keys, walked),
     the 4096-wide loads and the tl.cumsum operand included: the same scan
-    tree, so the same cs bits for a chunk (session 6: a load layout of
-    sizePerThread 1 instead of 2 changed tl.cumsum's association and log Z
-    bits on the H200)."""
+    tree, so the same cs bits for a chunk (a load layout of sizePerThread 1
+    instead of 2 changed tl.cumsum's association and log Z bits on the
+    H200)."""
     from sm90_layouts import layouts
 
     _needs_sm90()

@@ -4,8 +4,9 @@ by construction because all three call one row routine, ``attend_rows``.
 Why the bits cannot depend on the path or the batch
 ---------------------------------------------------
 No torch ``mm``/``bmm``/SDPA (their blocking and threading follow the whole
-problem's shape, DESIGN §5).  Every reduction here is an explicit, fixed
-sequence of element-wise ops (``add``, ``mul``, ``maximum``, ``exp``, ``log``,
+problem's shape: docs/DESIGN.md, "Why the CPU paths are invariant by
+construction").  Every reduction here is an explicit, fixed sequence of
+element-wise ops (``add``, ``mul``, ``maximum``, ``exp``, ``log``,
 ``div``, ``where``), each of which rounds every element on its own whatever the
 tensor's shape, stride or vector width; so an output element depends only on
 its own operands and on the order of those ops, which is fixed per row:

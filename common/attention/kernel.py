@@ -80,7 +80,7 @@ Why a row gets the same bits on every path (train / prefill / decode / chunks)
   ``tl.dot``s lower to wgmma on Hopper (a tile of fewer than 64 rows could
   lower to mma.sync) with the same K order (head_dim for q.k^T, the block's 64
   positions for p.v), and a row's MMA and row-reduction results depend on its
-  own operands only (DESIGN §5: BM = 64 and 128 gave identical bits for the
+  own operands only (on the H200, BM = 64 and 128 gave identical bits for the
   same BK and K order).  ``decode_config`` takes 64 rows / 4 warps at
   head_dim <= 128 because the H200 probe (``tests/test_attention.py::
   test_gpu_tile_shape_probe``) gave those the bits of 128 / 8; the constant
@@ -710,10 +710,8 @@ def _fwd_launch(q, k, v, cu_q, seq_lens, block_table, max_q_len, window, scale, 
 
 
 # The split decode's programs per (sequence, head chunk) step down as the batch grows, so a
-# launch has about this many programs in all: one per segment of a table the width of Qwen3's
-# 40960 positions is 40 per row and kv head, and at batch 64 those 20,480 programs, nearly all
-# returning at once, cost more than the attention (H200, session 11: 10.06 vs 8.88 ms a
-# decode step at 40960 vs 768 positions).  Never a function of seq_lens (graphs replay).
+# launch has about this many programs in all; never a function of seq_lens (graphs replay).
+# 2048: at 40960 positions one per segment made 20,480 a layer at batch 64, nearly all empty.
 DECODE_PROGRAMS = 2048
 
 

@@ -2,7 +2,8 @@
 
 torch's CPU ``mm``/``linear``/``bmm`` are not batch-invariant: the BLAS picks
 blocking and threading from the whole problem's shape, so a row's sum over K
-is regrouped when M changes (DESIGN §5: 254 of 300 rows changed bits).
+is regrouped when M changes (254 of 300 rows changed bits: docs/DESIGN.md,
+"Why the CPU paths are invariant by construction").
 
 Here every output element is built by element-wise IEEE operations only:
 

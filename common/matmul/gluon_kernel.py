@@ -21,25 +21,18 @@ own (k-step, tile) counters, so the per-step path holds no integer division
 ~25%).  Epilogue: the tile goes through shared memory and a TMA store that
 overlaps the next tile's steps.
 
-H200 (session 8, benchmarks/results/2026-11-30-h200-session8-gluon-probe-run8.txt
-and ...-suite-cf0d78d.json), cuBLAS time / ours at M = 256: gate/up 0.80-0.82
-(Triton's 192 tile 0.77), qkv 0.80-0.82 with the 96 tile (Triton's best,
-128x128, 0.73), gate_up 0.81-0.82 with 128x128 (Triton's 0.77-0.80); at M =
-512-1024 its 128x128 tile is 0-3% ahead of Triton's, at M = 4096 Triton's 128
-x 256 (0.93-0.99) stays the pick.  Bits equal to Triton's kernel at the same
-tile, at ragged M and for rows computed alone.
+Bits equal Triton's kernel at the same tile, at ragged M and for rows
+computed alone.  On the H200 at M = 256 the 192 and 96 tiles reach 0.80-0.82x
+cuBLAS where Triton's tiles reach 0.73-0.77x; at M = 4096 Triton's 128 x 256
+tile stays the pick (benchmarks/results/2026-11-30-h200-matmul.md).
 
 Warp-specialized form (``_mm_ws_kernel``, schedule "gluon_ws"): the same
 MMA steps in the kernel's 8 warps, while a producer warp (``gl.warp_specialize``)
 issues every TMA load behind a ready / empty barrier pair per ring stage, so
 no expect / load issue (and none of the CTA barriers Triton 3.6 emits around
-them) sits between the wgmmas.  H200, session 10 (run 2,
-benchmarks/results/2026-11-30-h200-session10-gluon-ws-run2.txt), against the
-one-partition form at the same tile over six Qwen3-8B shapes and M = 128-4096:
-192 wide 1.00-1.12x (median 1.05), 96 wide 1.00-1.29x (median 1.15), 128 x 128
-(BLOCK_K 128) 0.95-1.01x (median 0.99),
-bits equal everywhere; the router runs the two-block tiles in this form (q/o
-M = 384: 0.76 -> 0.85x cuBLAS; qkv M = 256: 0.80 -> 0.87x).
+them) sits between the wgmmas.  The router runs the two-block tiles (192, 96)
+in this form: 1.00-1.29x the one-partition form on the H200 (median 1.05 at
+192, 1.15 at 96), same bits; at 128 x 128 it gains nothing (0.95-1.01x).
 
 Its launch costs more Python than Triton's (five descriptors with layouts, and
 their binding), so the defaults pick it only inside

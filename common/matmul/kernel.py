@@ -36,17 +36,14 @@ The fused and split kernels call the same ``_segment_dot``; the schedule is
 picked for speed alone and cannot change a bit.  Every output element is the
 same chain of k16 wgmma steps whatever the tile around it, so BLOCK_M,
 BLOCK_N, BLOCK_K (any divisor of SEG_K), num_warps and num_stages are free
-launch knobs too.  Measured on the H200: every combination of BM ∈ {64, 128},
-BN ∈ {64, 128, 256}, BK ∈ {64, 128}, 4/8 warps, 3/4 stages and the two
-pointer-load schedules gave identical bits at SEG_K = 1024, while SEG_K =
-2048 changed them (benchmarks/results/2026-11-30-h200-matmul-sweep.txt); in
-session 4, 22 schedule × tile candidates including the TMA schedule and
-64×32 tiles, at six Qwen3-8B (N, K) and M = 1…1024, all gave the default's
-bits (…-session4-matmul-sweep.txt); in session 5 the one-loop TMA kernel,
-192- and 96-wide tiles and a stream-K schedule (dropped: slower everywhere)
-did too (…-session5-matmul-sweeps.txt).  ``launch_config`` is therefore free
-to depend on M.  BLOCK_M stays ≥ 64 so Hopper always runs wgmma (smaller tiles
-lower to mma.sync, whose in-instruction summation is not promised equal).
+launch knobs too, and ``launch_config`` is free to depend on M.  Measured on
+the H200: every schedule and tile tried (BM 64 to 256, BN 32 to 384, BK 64 /
+128, 4 to 16 warps, 2 to 9 stages, at six Qwen3-8B (N, K) and M = 1…8192)
+gave the default's bits at SEG_K = 1024, while SEG_K = 2048 changed them, and
+so did Triton's ``tl.range(warp_specialize=True)`` on one tile (not used;
+benchmarks/results/2026-11-30-h200-matmul.md).  BLOCK_M stays ≥ 64 so Hopper
+always runs wgmma (smaller tiles lower to mma.sync, whose in-instruction
+summation is not promised equal).
 """
 from __future__ import annotations
 
@@ -168,9 +165,8 @@ def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
 
     One k-loop runs over all of K and restarts the chain from zero after each
     segment's last step: a loop per segment drained the software pipeline at
-    every segment boundary (4-12 times a tile; one loop measured 1.03-1.30x
-    faster, median 1.11x, over 126 tile x shape x M cells of the session-5
-    sweep).
+    every segment boundary (4-12 times a tile; one loop is 1.03-1.30x faster
+    on the H200, median 1.11x over 126 tile x shape x M cells).
 
     A tile is BLOCK_N + BLOCK_N2 columns wide: BLOCK_N2 > 0 adds a second,
     narrower column block (its own descriptors ``d_w2``/``d_y2`` and dot), so
@@ -225,21 +221,17 @@ def reduction_config(N: int, K: int) -> dict:
 
 
 # Persistent TMA tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) and each
-# one's speed relative to the 128x256 tile with every SM busy (rounded from the
-# session-5 sweeps, benchmarks/results/2026-11-30-h200-session5-matmul-sweeps.txt;
-# the 96-wide tile, which only the Gluon kernel runs, from session 8's,
-# ...-session8-gluon-probe-run8.txt: 0.62-0.68 of the 128x256 tile at M = 4096).
+# one's speed relative to the 128x256 tile with every SM busy, rounded from H200
+# sweeps at M = 4096 (benchmarks/results/2026-11-30-h200-matmul.md).
 _TMA_TILES = ((128, 256, 64, 8, 3), (128, 192, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 128, 4, 4),
               (64, 64, 128, 4, 4), (128, 96, 64, 8, 4))
 _TMA_SPEED = (1.0, 0.87, 0.9, 0.85, 0.65, 0.7)
 
 
-# The Gluon kernel's speed where it differs from Triton's at the same tile: the
-# two-column-block tiles run warp-specialized ("gluon_ws"): 192 wide 1.00-1.12x
-# and 96 wide 1.00-1.29x the one-partition form (session 10, run 2,
-# benchmarks/results/2026-11-30-h200-session10-gluon-ws-run2.txt; 128 x 128
-# stays one-partition: 0.95-1.01x there).  With these speeds the model picks
-# the fastest tile measured at each of that run's 48 (shape, M) cells.
+# The Gluon kernel's speed where it differs from Triton's at the same tile; the
+# two-column-block tiles run warp-specialized ("gluon_ws", 1.00-1.29x the
+# one-partition form).  With these speeds the model picks the fastest tile
+# measured on the H200 at each of 48 (shape, M) cells.
 _GLUON_SPEED = {192: 0.93, 96: 0.78}
 
 
@@ -273,8 +265,7 @@ def _split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
 
 
 def _tma_split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
-    """The TMA split's tile (H200, session 9, runs 2-8,
-    benchmarks/results/2026-11-30-h200-session9-runs.md):
+    """The TMA split's tile (H200 figures: benchmarks/results/2026-11-30-h200-matmul.md):
 
     * M <= 64: 64x32 with BLOCK_K 128 for N <= 2048 (k/v), else 64x128,
       4 stages (0-5% ahead of the pointer split at M = 32-64, where
@@ -314,9 +305,8 @@ def _fit_stages(stages: int, BM: int, BN: int, BK: int, elem: int) -> int:
 
 def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluon: bool = True) -> dict:
     """Bit-neutral schedule and tile for speed: any choice gives the same
-    bits (H200 sweeps of sessions 4 and 5, benchmarks/results/2026-11-30-h200-session4-matmul-sweep.txt
-    and ...-session5-matmul-sweeps.txt: every schedule x tile candidate at six
-    Qwen3-8B (N, K) and M = 1...4096 gave the default's bits).
+    bits (on the H200 every schedule x tile candidate at six Qwen3-8B (N, K)
+    and M = 1...8192 gave the default's bits).
 
     * M <= 64 (decode): 64-row tiles streaming the weight; split over the K
       segments while the tiles alone would not fill two waves, else fused;

@@ -9,7 +9,7 @@ captures).
 
 Outside it the defaults keep Triton's kernels: a Gluon launch costs more
 Python per call (five descriptors with layouts, and their binding), and on
-the H200 (session 8) routing eager prefill's M = 512 projections to it halved
+the H200 routing eager prefill's M = 512 projections to it halved
 batch-1 prefill, 16.9k -> 8.5k tok/s.  The schedule never changes a bit.
 """
 from __future__ import annotations

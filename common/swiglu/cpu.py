@@ -22,7 +22,7 @@ L is the limit rounded to the input dtype, as DeepSeek-V4's
 ``gate.clamp(max=limit)`` / ``up.clamp(min=-limit, max=limit)`` do on bf16
 tensors; the clamp is exact, so clamping in fp32 gives the same values.
 transformers then rounds SiLU(gate) to bf16 before the product; we do not
-(one rounding, as DESIGN §3 asks).
+(one rounding, at the end).
 """
 from __future__ import annotations
 
