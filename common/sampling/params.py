@@ -1,10 +1,25 @@
-"""Per-request sampling parameters (DESIGN §6) and their per-row tensors."""
+"""Per-request sampling parameters and their per-row tensors."""
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+_INT64 = (-(2**63), 2**63)
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to float32 as ``params_to_tensors`` stores it (round to nearest; too large: inf)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+_TEMPERATURE_MIN = _float32(1e-5)  # the trainer's check compares in float32
 
 
 @dataclass(frozen=True)
@@ -14,6 +29,12 @@ class SamplingParams:
     temperature 0 is greedy; top_k 0 (or >= vocabulary) is off; top_p 1.0 is
     off; min_p 0.0 is off.  The transforms run in the fixed order
     temperature -> top-k -> top-p -> min-p (``alignzoo.common.sampling.op``).
+
+    The float fields travel as float32 and the int fields as int64
+    (``params_to_tensors``): a value is refused here when the tensor would
+    not hold it, or would hold one the trainer's ``check_sampling_tensors``
+    refuses (temperature 1e300 is inf in float32, top_p 1e-300 is 0), so
+    whatever the server samples with, the trainer can replay.
     """
 
     temperature: float = 1.0
@@ -37,22 +58,38 @@ class SamplingParams:
         for name in ("top_k", "max_new_tokens", "seed"):
             if not is_int(getattr(self, name)):
                 raise TypeError(f"{name} must be an int, got {type(getattr(self, name)).__name__}")
-        t = float(self.temperature)
-        if not (t == 0.0 or 1e-5 <= t < float("inf")):
-            raise ValueError(f"temperature must be 0 (greedy) or a finite value >= 1e-5, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 or >= vocabulary size means off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1.0 means off), got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
+        for name in ("temperature", "top_p", "min_p"):
+            try:
+                float(getattr(self, name))
+            except OverflowError:
+                raise ValueError(f"{name} does not fit a float: an int of {getattr(self, name).bit_length()} bits") from None
+        t, p, m = (float(self.temperature), float(self.top_p), float(self.min_p))
+        t32, p32, m32 = _float32(t), _float32(p), _float32(m)
+        # Each rule holds for the value given and for its float32 (the rules of check_sampling_tensors).
+        if not all(v == 0.0 or (v >= bound and math.isfinite(v)) for v, bound in ((t, 1e-5), (t32, _TEMPERATURE_MIN))):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite value >= 1e-5 (in float32 too, "
+                             f"which holds {t32}), got {self.temperature}")
+        if not (0.0 < p <= 1.0 and 0.0 < p32 <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (1.0 means off; in float32 too, which holds {p32}), "
+                             f"got {self.top_p}")
+        if not (0.0 <= m <= 1.0 and 0.0 <= m32 <= 1.0):
             raise ValueError(f"min_p must be in [0, 1] (0 means off), got {self.min_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not -(2**63) <= self.seed < 2**63:
+        if not 0 <= self.top_k < _INT64[1]:
+            raise ValueError(f"top_k must be >= 0 (0 or >= vocabulary size means off) and fit in int64, "
+                             f"got {self.top_k}")
+        if not 1 <= self.max_new_tokens < _INT64[1]:
+            raise ValueError(f"max_new_tokens must be >= 1 and fit in int64, got {self.max_new_tokens}")
+        if not _INT64[0] <= self.seed < _INT64[1]:
             raise ValueError(f"seed must fit in int64, got {self.seed}")
-        ids = tuple(self.stop_token_ids)
-        if any(not is_int(i) or i < 0 for i in ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)):
+            raise TypeError(f"stop_token_ids must be a sequence of ints, got {type(self.stop_token_ids).__name__}")
+        try:
+            ids = tuple(self.stop_token_ids)
+        except TypeError:
+            raise TypeError(f"stop_token_ids must be a sequence of ints, "
+                            f"got {type(self.stop_token_ids).__name__}") from None
+        if any(not is_int(i) or not 0 <= i < _INT64[1] for i in ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints that fit in int64, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
 
 
