@@ -1,9 +1,9 @@
 """Publish/apply timings at qwen3-8b shapes (8.2B parameters, 16.4 GB bf16).
 
-    python -m alignzoo.sync.bench                 # bf16, on CUDA
-    python -m alignzoo.sync.bench --fp8           # the layer matrices as float8 codes + scales
-    python -m alignzoo.sync.bench --device cpu --small
-    python -m alignzoo.sync.bench --adam 1e-6 [--fp8]  # weights from FP32 masters after Adam steps
+    python benchmarks/bench_sync.py                 # bf16, on CUDA
+    python benchmarks/bench_sync.py --fp8           # the layer matrices as float8 codes + scales
+    python benchmarks/bench_sync.py --device cpu --small
+    python benchmarks/bench_sync.py --adam 1e-6 [--fp8]  # weights from FP32 masters after Adam steps
 
 Holds four copies of the weights on the device: trainer, shadow, server,
 and (for full payloads) the payload; ``--adam`` adds the FP32 masters (twice
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from . import Publisher, Receiver, tensor_checksum, weights_checksum
-from .layout import as_int
+from alignzoo.sync import Publisher, Receiver, tensor_checksum, weights_checksum
+from alignzoo.sync.layout import as_int
 
 
 def qwen3_like(device, fp8: bool, small: bool) -> dict[str, torch.Tensor]:
@@ -43,7 +43,7 @@ def from_masters(masters: dict[str, torch.Tensor], W: dict[str, torch.Tensor]) -
     """Requantize the shipped weights from the FP32 masters, as the trainer does
     once per optimizer step: bf16 by rounding, FP8 matrices by 128x128 blocks.
     -> the fraction of shipped elements (codes; scales not counted) whose bits changed."""
-    from ..common.fp8 import quantize_weight_fp8
+    from alignzoo.common.fp8 import quantize_weight_fp8
 
     changed = total = 0
     for n, m in masters.items():

@@ -1,6 +1,6 @@
 """benchmarks/run_suite.py's report on a synthetic result, the vendor server
-(the engine benchmark's baseline) on the CPU, and a CPU smoke run of
-profile_prefill.py."""
+(the engine benchmark's baseline) on the CPU, and CPU smoke runs of
+profile_prefill.py and bench_sync.py."""
 from __future__ import annotations
 
 import json
@@ -129,6 +129,19 @@ def test_profile_prefill_smoke_on_cpu(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     md = (tmp_path / "profile_prefill.md").read_text()
     assert "| aligned | 1 |" in md and "| vendor | 1 |" in md and "top kernels of one prefill" in md
+
+
+def test_bench_sync_smoke_on_cpu():
+    """benchmarks/bench_sync.py (the sync timings at qwen3-8b shapes; it ships
+    outside the package) end to end at its small shapes: FP8 codes from FP32
+    masters, three Adam steps, each published and applied, end states equal."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sync.py"
+    run = subprocess.run([sys.executable, str(script), "--device", "cpu", "--small", "--adam", "1e-3", "--fp8"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "first (full) publish + apply" in run.stdout and "Adam step 3" in run.stdout
 
 
 def test_matmul_rows_cover_the_mid_m_values_and_warm_them():
