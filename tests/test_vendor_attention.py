@@ -47,11 +47,11 @@ def test_gpu_vendor_decode_replays_from_a_cuda_graph():
     lens = [900, 64, 1]
     q, k, v, cu = make_inputs(lens, 8, 2, 128, device="cuda", seed=6)
     ref = attention_ref(q, k, v, cu)
-    P, B = 40, len(lens)
+    P, B, W = 52, len(lens), 16
     kc = torch.zeros(P, PAGE_SIZE, 2, 128, dtype=q.dtype, device="cuda")
     vc = torch.zeros_like(kc)
-    table = torch.randperm(P)[: P - 4].view(-1)
-    pages = [table[i * 12:(i + 1) * 12] for i in range(B)]
+    table = torch.randperm(P)
+    pages = [table[i * W:(i + 1) * W] for i in range(B)]
     for b, n in enumerate(lens):
         pos = torch.arange(n)
         slots = (pages[b][pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE).cuda()
@@ -59,7 +59,7 @@ def test_gpu_vendor_decode_replays_from_a_cuda_graph():
         vc.flatten(0, 1)[slots] = v[cu[b]:cu[b + 1]]
     s_q = torch.zeros(B, 8, 128, dtype=q.dtype, device="cuda")
     s_lens = torch.ones(B, dtype=torch.int32, device="cuda")
-    s_table = torch.zeros(B, 12, dtype=torch.int32, device="cuda")
+    s_table = torch.zeros(B, W, dtype=torch.int32, device="cuda")
     s_cu = torch.arange(B + 1, dtype=torch.int32, device="cuda")
 
     def step():
