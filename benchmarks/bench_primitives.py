@@ -27,8 +27,8 @@ HIDDEN, INTER, VOCAB = 4096, 12288, 151936
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 MAX_POSITION = 40960
 MS = (1, 8, 64, 256, 1024, 4096, 8192)
-# matmul also between them, where 128-row tiles fill 1.1-1.5 SM waves (session 9 found cells below 0.8x
-# cuBLAS at M = 192-768 that the list above skips; issue #2 asks for 0.8x at every M)
+# matmul also between them, where 128-row tiles fill 1.1-1.5 SM waves (cells below 0.8x cuBLAS at
+# M = 192-768 that the list above skips; issue #2 asks for 0.8x at every M)
 MATMUL_MID_MS = (128, 192, 384, 512, 768)
 
 

@@ -3,9 +3,9 @@
 #   bash benchmarks/gpu_session.sh tests [pytest paths...]   # every gpu-marked test, then `alignzoo check --device cuda`
 #   bash benchmarks/gpu_session.sh perf                      # run_suite (issue 7's page), then the decode profile
 # Each step has its own time limit (env TEST_S, CHECK_S, SUITE_S, PROFILE_S) so one slow step cannot
-# eat the call.  Set ALIGNZOO_COMMIT=<sha> (the device's .git is stale).  Measured on the H200
-# (session 3): the whole gpu suite takes ~145 s with 10 workers from a warm Triton cache; more
-# workers than ~10 can run out of GPU memory (each engine takes 30% of what is free).
+# eat the call.  Set ALIGNZOO_COMMIT=<sha> (the device's .git is stale).  On the H200 the whole
+# gpu suite takes ~145 s with 10 workers from a warm Triton cache; more workers than ~10 can run
+# out of GPU memory (each engine takes 30% of what is free).
 . "$(dirname "$0")/gpu_env.sh"
 out=${OUT:-gpu_out}; mkdir -p "$out"
 mode=${1:-tests}; shift || true
