@@ -26,7 +26,7 @@ def test_free_and_reuse():
     bm.append(0, 128)
     bm.append(1, 100)
     assert not bm.can_append(2, 1)
-    with pytest.raises(OutOfPages, match="needs 1 more KV pages, 0 are free"):
+    with pytest.raises(OutOfPages, match="needs 1 more pages of the 'kv' cache, 0 are free"):
         bm.append(2, 1)
     bm.free(0)
     assert bm.num_free == 2 and 0 not in bm

@@ -1,0 +1,261 @@
+"""Cache pools: what a model keeps for a sequence between engine steps, and
+the one manager the scheduler talks to.
+
+A model declares its pools (``ServeModel.cache_pools()``, name -> spec); each
+kind is its own class:
+
+  PagedPool   a row per position, in 64-row pages (K/V, an MLA latent row)
+  RatePool    a row per ``rate`` positions (compressed caches, e.g. C4, C128)
+  WindowPool  a row per position; pages behind ``window`` go back to the pool
+  StatePool   fixed-size tensors per running sequence (recurrent state)
+
+A spec knows its bytes, allocates its tensors (per layer, a dict of named
+tensors: the model's forward reads ``caches[pool][layer][name]``) and makes
+its ledger (``block_manager.py``).  ``CacheManager`` runs every ledger behind
+one API (``append``, ``append_one``, ``can_append``, ``free``): a sequence is
+admitted, grown or preempted only when every pool it uses has room, and an
+append that one pool cannot serve changes none.
+
+Shapes: P pages of PAGE_SIZE rows, S state slots.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .block_manager import BlockManager, OutOfPages, StateSlots, WindowManager
+from .op import PAGE_SIZE
+
+
+def _item(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class PagedPool:
+    """A row per position: ``rows`` = {name: row shape} (K/V: {"k": (Hkv, D),
+    "v": (Hkv, D)}), one set per layer, in pages of PAGE_SIZE rows."""
+
+    rows: Mapping[str, tuple[int, ...]]
+    dtype: torch.dtype
+    layers: int
+
+    rate = 1  # positions per row
+
+    def __post_init__(self):
+        if not self.rows or any(not all(isinstance(d, int) and d >= 1 for d in s) for s in self.rows.values()):
+            raise ValueError(f"a pool's rows must map names to shapes of positive ints, got {dict(self.rows)!r}")
+        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
+            raise ValueError(f"a pool needs layers >= 1, got {self.layers!r}")
+
+    def page_bytes(self) -> int:
+        return PAGE_SIZE * self.layers * _item(self.dtype) * sum(math.prod(s) for s in self.rows.values())
+
+    def graph_width(self, max_position: int) -> int:
+        """Block-table columns that cover ``max_position`` positions."""
+        return -(-(-(-max_position // self.rate)) // PAGE_SIZE)
+
+    def ledger(self, num_pages: int, *, name: str, shuffle_seed: int | None = None) -> BlockManager:
+        return BlockManager(num_pages, rate=self.rate, name=name, shuffle_seed=shuffle_seed)
+
+    def pages(self, blocks: int, engine_limits: "PoolLimits") -> int:
+        """This pool's pages when the engine holds ``blocks`` 64-position blocks."""
+        return max(1, -(-blocks // self.rate))
+
+    def allocate(self, num_pages: int, device) -> list[dict[str, torch.Tensor]]:
+        return [{n: torch.zeros(num_pages, PAGE_SIZE, *s, dtype=self.dtype, device=device)
+                 for n, s in self.rows.items()} for _ in range(self.layers)]
+
+
+@dataclass(frozen=True)
+class RatePool(PagedPool):
+    """A row per ``rate`` positions: position p completes row (p + 1) / rate - 1
+    when rate divides p + 1 (its slot; the others get -1)."""
+
+    rate: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.rate, bool) or not isinstance(self.rate, int) or self.rate < 1:
+            raise ValueError(f"a rate pool needs rate >= 1, got {self.rate!r}")
+
+
+@dataclass(frozen=True)
+class WindowPool(PagedPool):
+    """A row per position, of which only the last ``window`` are ever read:
+    pages wholly behind it go back to the pool."""
+
+    window: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"a window pool needs window >= 1, got {self.window!r}")
+
+    def ledger(self, num_pages: int, *, name: str, shuffle_seed: int | None = None) -> WindowManager:
+        return WindowManager(num_pages, self.window, name=name, shuffle_seed=shuffle_seed)
+
+    def pages(self, blocks: int, engine_limits: "PoolLimits") -> int:
+        # every sequence's window and its open page, and one chunk's worth of pages beyond them
+        lim = engine_limits
+        per_seq = -(-(self.window - 1) // PAGE_SIZE) + 2
+        return max(1, min(blocks, lim.max_batch_size * per_seq + -(-lim.max_batch_tokens // PAGE_SIZE)))
+
+
+@dataclass(frozen=True)
+class StatePool:
+    """Fixed-size tensors per running sequence: ``fields`` = {name: (shape,
+    dtype)}, one set per layer, in S slots (a slot's tensors are
+    ``caches[pool][layer][name][slot]``)."""
+
+    fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    layers: int
+
+    def __post_init__(self):
+        if not self.fields:
+            raise ValueError("a state pool needs at least one field")
+        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
+            raise ValueError(f"a pool needs layers >= 1, got {self.layers!r}")
+
+    def slot_bytes(self) -> int:
+        return self.layers * sum(math.prod(s) * _item(d) for s, d in self.fields.values())
+
+    def ledger(self, num_slots: int, *, name: str, shuffle_seed: int | None = None) -> StateSlots:
+        return StateSlots(num_slots, name=name)
+
+    def allocate(self, num_slots: int, device) -> list[dict[str, torch.Tensor]]:
+        return [{n: torch.zeros(num_slots, *s, dtype=d, device=device) for n, (s, d) in self.fields.items()}
+                for _ in range(self.layers)]
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """What sizes the pools beside the byte budget: the engine's batch limits."""
+
+    max_batch_size: int
+    max_batch_tokens: int
+
+    @property
+    def state_slots(self) -> int:
+        # the running batch plus as many sequences as one score() runs beside it
+        return 2 * self.max_batch_size
+
+
+def pool_units(pools: Mapping[str, object], blocks: int, limits: PoolLimits) -> dict[str, int]:
+    """Pages (slots for a state pool) of each pool when the engine holds
+    ``blocks`` 64-position blocks."""
+    return {n: limits.state_slots if isinstance(p, StatePool) else p.pages(blocks, limits) for n, p in pools.items()}
+
+
+def pool_bytes(pools: Mapping[str, object], units: Mapping[str, int]) -> int:
+    return sum(units[n] * (p.slot_bytes() if isinstance(p, StatePool) else p.page_bytes()) for n, p in pools.items())
+
+
+def blocks_for_bytes(pools: Mapping[str, object], budget: int, limits: PoolLimits, most: int) -> int:
+    """The most 64-position blocks (<= ``most``, >= 1) whose pools fit ``budget`` bytes."""
+    lo, hi = 1, max(1, most)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if pool_bytes(pools, pool_units(pools, mid, limits)) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class CacheManager:
+    """Every pool's ledger behind the one API the scheduler uses.  A window
+    pool goes last, so that ``append_one`` never has to undo its step (which
+    may have given pages back) when a later pool has no room."""
+
+    def __init__(self, ledgers: Mapping[str, object]):
+        if not ledgers:
+            raise ValueError("a cache manager needs at least one pool")
+        order = sorted(ledgers, key=lambda n: isinstance(ledgers[n], WindowManager))
+        if sum(isinstance(ledgers[n], WindowManager) for n in order) > 1:
+            raise ValueError("at most one window pool per model: a second could not undo a failed decode step")
+        self.ledgers = {n: ledgers[n] for n in order}
+        self.paged = {n: l for n, l in self.ledgers.items() if isinstance(l, BlockManager)}
+        self.state = next((l for l in self.ledgers.values() if isinstance(l, StateSlots)), None)
+        self._only = next(iter(self.paged.items())) if len(self.ledgers) == 1 and self.paged else None
+
+    # -- queries --------------------------------------------------------
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return any(seq_id in l for l in self.ledgers.values())
+
+    def can_append(self, seq_id: Hashable, n: int) -> bool:
+        return all(l.pages_needed(seq_id, n) <= l.num_free for l in self.ledgers.values())
+
+    def fits(self, wants) -> bool:
+        """Whether every (seq_id, n) of ``wants`` can be appended together."""
+        wants = list(wants)
+        return all(sum(l.pages_needed(s, n) for s, n in wants) <= l.num_free for l in self.ledgers.values())
+
+    def shortfall(self, seq_id: Hashable, n: int) -> str:
+        """Which pool keeps ``append(seq_id, n)`` from running, in words."""
+        for name, l in self.ledgers.items():
+            need = l.pages_needed(seq_id, n)
+            if need > l.num_free:
+                return f"{need} pages of the {name!r} cache and {l.num_free} of {l.num_pages} are free"
+        return "nothing: it fits"
+
+    def fits_alone(self, positions: int) -> str | None:
+        """None if a sequence of ``positions`` cached positions fits the empty
+        pools; else which pool it could never fit."""
+        for name, l in self.ledgers.items():
+            need = l.pages_for(positions)
+            if need > l.num_pages:
+                return f"{need} pages of the {name!r} cache ({positions} cached positions), which has {l.num_pages}"
+        return None
+
+    def table_view(self, pool: str, seq_id: Hashable) -> list[int]:
+        return self.paged[pool].table_view(seq_id)
+
+    def state_slot(self, seq_id: Hashable) -> int:
+        return self.state.slot(seq_id)
+
+    # -- updates --------------------------------------------------------
+    def append(self, seq_id: Hashable, n: int) -> dict[str, list[int]]:
+        """Grow ``seq_id`` by n positions in every pool (none if one has no
+        room: OutOfPages) -> {paged pool: slots of the new positions}."""
+        for name, l in self.ledgers.items():
+            need = l.pages_needed(seq_id, n)
+            if need > l.num_free:
+                raise OutOfPages(f"sequence {seq_id!r} needs {need} more pages of the {name!r} cache, "
+                                 f"{l.num_free} are free")
+        out = {}
+        for name, l in self.ledgers.items():
+            slots = l.append(seq_id, n)
+            if name in self.paged:
+                out[name] = slots
+        return out
+
+    def append_one(self, seq_id: Hashable) -> dict[str, int] | None:
+        """``append(seq_id, 1)`` for a sequence already here -> {paged pool:
+        slot}, or None with nothing changed when a pool has no room."""
+        if self._only is not None:
+            name, l = self._only
+            slot = l.append_one(seq_id)
+            return None if slot is None else {name: slot}
+        out, done = {}, []
+        for name, l in self.ledgers.items():
+            slot = l.append_one(seq_id)
+            if slot is None:
+                for d in reversed(done):
+                    d.undo_one(seq_id)
+                return None
+            done.append(l)
+            if name in self.paged:
+                out[name] = slot
+        return out
+
+    def free(self, seq_id: Hashable) -> None:
+        """Give back everything ``seq_id`` holds (a KeyError if it holds nothing)."""
+        held = [l for l in self.ledgers.values() if seq_id in l]
+        if not held:
+            raise KeyError(f"sequence {seq_id!r} is not in the cache")
+        for l in held:
+            l.free(seq_id)
