@@ -11,8 +11,13 @@ and a logical xor-shift, each a bijection mod 2**64, so a single changed word
 always changes the sum) and the words' images are summed modulo 2**64.
 On the CPU that is about 10 element-wise int64 passes; on CUDA one Triton
 kernel (``_checksum_kernel``) does the same arithmetic in registers, one read
-of the bytes (session 3 on the H200: the torch passes made four checksums of
-every byte per sync cost most of an 8B model's 1.3-1.6 s publish + apply).
+of the bytes (on the H200 the torch passes cost most of an 8B model's 1.3-1.6 s
+publish + apply).
+
+``checksums_and_nonfinite`` also counts the NaN/Inf elements of float
+tensors on the same words: an element is non-finite when its exponent bits
+are all ones (``nonfinite_rule``: a mask and pattern per lane of the 32-bit
+word), so the CUDA kernel finds them in the pass that reads the bytes.
 Integer addition is associative, so the value does not depend on the
 reduction order: CPU and CUDA give the same checksum.  It is a 64-bit
 checksum against torn and corrupted payloads, not a cryptographic hash.
@@ -63,15 +68,42 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
 
 _BLOCK_WORDS = 4096  # words per program of the CUDA kernel
 
+# dtype -> (lanes per 32-bit word, lane mask, pattern, only odd words): a lane is
+# NaN/Inf iff lane & mask == pattern (little-endian lanes; float64's exponent is
+# in the high word of each pair).  float8 e4m3fn has NaN but no Inf; the fnuz
+# formats' one NaN is the negative-zero code 0x80.
+_NONFINITE = {torch.float32: (1, 0x7F800000, 0x7F800000, False), torch.float64: (1, 0x7FF00000, 0x7FF00000, True),
+              torch.bfloat16: (2, 0x7F80, 0x7F80, False), torch.float16: (2, 0x7C00, 0x7C00, False)}
+for _name, _rule in (("float8_e4m3fn", (4, 0x7F, 0x7F, False)), ("float8_e5m2", (4, 0x7C, 0x7C, False)),
+                     ("float8_e4m3fnuz", (4, 0xFF, 0x80, False)), ("float8_e5m2fnuz", (4, 0xFF, 0x80, False)),
+                     ("float8_e8m0fnu", (4, 0xFF, 0xFF, False))):
+    if hasattr(torch, _name):
+        _NONFINITE[getattr(torch, _name)] = _rule
+
+
+def nonfinite_rule(dtype: torch.dtype) -> tuple[int, int, int, bool] | None:
+    """(lanes per word, lane mask, pattern, only odd words) of a float dtype
+    (NaN/Inf: lane & mask == pattern); None for other dtypes."""
+    return _NONFINITE.get(dtype)
+
 
 def _word_sum_triton(words: torch.Tensor) -> torch.Tensor:
     """sum over i of f(words[i] + i * K0) mod 2**64 as an int64 CUDA scalar (one kernel + a torch sum)."""
+    return _word_sums_triton(words, None)[0]
+
+
+def _word_sums_triton(words: torch.Tensor, rule) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(sum over i of f(words[i] + i * K0) mod 2**64, the non-finite lanes
+    under ``rule`` or None) as int64 CUDA scalars: one kernel + torch sums."""
     from ._checksum_kernel import checksum_kernel
 
     n = words.numel()
     part = torch.empty(cdiv(n, _BLOCK_WORDS), dtype=torch.int64, device=words.device)
-    checksum_kernel[(part.numel(),)](words, part, n, _K0, _K1, _K2, BLOCK=_BLOCK_WORDS)
-    return part.sum()
+    bad = torch.empty(part.numel() if rule is not None else 1, dtype=torch.int64, device=words.device)
+    lanes, mask, pattern, odd = rule if rule is not None else (0, 0, 0, False)
+    checksum_kernel[(part.numel(),)](words, part, bad, n, _K0, _K1, _K2, mask, pattern, BLOCK=_BLOCK_WORDS,
+                                     LANES=lanes, ODD_WORDS=odd)
+    return part.sum(), (bad.sum() if rule is not None else None)
 
 
 def _word_sum_torch(words: torch.Tensor) -> torch.Tensor:
@@ -85,28 +117,60 @@ def _word_sum_torch(words: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def _word_acc(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(the 0-d int64 word sum of ``t``'s bytes on its device, the byte count)."""
+def _nonfinite_torch(words: torch.Tensor, rule) -> torch.Tensor:
+    """The lanes of ``words`` that are NaN/Inf under ``rule``, an int64 scalar (the kernel's count)."""
+    lanes, mask, pattern, odd = rule
+    bits = 32 // lanes
+    acc = torch.zeros((), dtype=torch.int64, device=words.device)
+    for s in range(0, words.numel(), _CHUNK_WORDS):
+        w = words[s: s + _CHUNK_WORDS]
+        if odd:
+            w = w[(1 - s % 2)::2]
+        u = w.to(torch.int64) & 0xFFFFFFFF
+        for k in range(lanes):
+            acc += ((u >> (k * bits)) & mask).eq_(pattern).sum()
+    return acc
+
+
+def _word_acc(t: torch.Tensor, nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(the 0-d int64 word sum of ``t``'s bytes on its device, its NaN/Inf
+    count (with ``nonfinite``, for float dtypes; else None), the byte count)."""
+    rule = nonfinite_rule(t.dtype) if nonfinite else None
     b = tensor_bytes(t)
     n = b.numel()
     if n % 4 or b.storage_offset() % 4:  # int32 words need a 4-byte multiple at a 4-byte offset
-        b = torch.cat([b, b.new_zeros(-n % 4)])
+        b = torch.cat([b, b.new_zeros(-n % 4)])  # zero lanes are finite under every rule
     words = b.view(torch.int32)
-    return (_word_sum_triton(words) if words.is_cuda and words.numel() else _word_sum_torch(words)), n
+    if words.is_cuda and words.numel():
+        acc, bad = _word_sums_triton(words, rule)
+    else:
+        acc, bad = _word_sum_torch(words), (_nonfinite_torch(words, rule) if rule is not None else None)
+    if nonfinite and rule is None and (t.dtype.is_floating_point or t.dtype.is_complex):
+        bad = (~torch.isfinite(t.detach())).sum()  # a float dtype without a bit rule: one more pass
+    return acc, bad, n
+
+
+def checksums_and_nonfinite(ts, *, nonfinite: bool = True) -> list[tuple[int, int]]:
+    """(``tensor_checksum``, NaN/Inf element count) of each tensor (the count
+    is 0 for integer dtypes), from one read of its bytes on its device and
+    one host read per device."""
+    accs = [_word_acc(t, nonfinite) for t in ts]
+    vals: list[tuple[int, int]] = [(0, 0)] * len(accs)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (acc, _, _) in enumerate(accs):
+        by_device.setdefault(acc.device, []).append(i)
+    for idx in by_device.values():
+        zero = torch.zeros((), dtype=torch.int64, device=accs[idx[0]][0].device)
+        rows = torch.stack([torch.stack([accs[i][0], zero if accs[i][1] is None else accs[i][1]]) for i in idx])
+        for i, (v, bad) in zip(idx, rows.tolist()):
+            vals[i] = (v, bad)
+    return [(_mix64((v & _MASK64) ^ _mix64(n)), bad) for (v, bad), (_, _, n) in zip(vals, accs)]
 
 
 def tensor_checksums(ts) -> list[int]:
     """``tensor_checksum`` of each tensor, with one host read per device
     rather than one per tensor (a weights dict of an 8B model has ~400)."""
-    accs = [_word_acc(t) for t in ts]
-    sums = [0] * len(accs)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, (acc, _) in enumerate(accs):
-        by_device.setdefault(acc.device, []).append(i)
-    for idx in by_device.values():
-        for i, v in zip(idx, torch.stack([accs[i][0] for i in idx]).tolist()):
-            sums[i] = v
-    return [_mix64((v & _MASK64) ^ _mix64(n)) for v, (_, n) in zip(sums, accs)]
+    return [cs for cs, _ in checksums_and_nonfinite(ts, nonfinite=False)]
 
 
 def tensor_checksum(t: torch.Tensor) -> int:

@@ -7,15 +7,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .checksum import tensor_checksum
+from .checksum import checksums_and_nonfinite, tensor_checksum
 from .layout import Layout
 
 FORMAT = "alignzoo.sync/1"
 
 
 class SyncError(RuntimeError):
-    """A payload the receiver refuses.  Raised before any write, so the
-    receiver's weights are untouched (except ``EndStateMismatch``)."""
+    """A payload the receiver refuses (or a publisher will not build).
+    Raised before any write: the receiver's weights are untouched."""
 
 
 class VersionSkew(SyncError):
@@ -31,9 +31,16 @@ class CorruptPayload(SyncError):
 
 
 class EndStateMismatch(SyncError):
-    """After writing, the receiver's weights do not hash to what the publisher
-    had: they differed from the base version before the apply.  The receiver
-    then holds no valid version; only a full payload repairs it."""
+    """The payload's blocks, staged over the receiver's weights, do not hash
+    to what the publisher had (checked before anything is written).  When the
+    receiver's weights are no longer the version it applied last (changed out
+    of band), it then holds no valid version, and only a full payload repairs
+    it; otherwise the payload was damaged and the receiver keeps its version."""
+
+
+class NonFiniteWeights(SyncError):
+    """A tensor holds NaN or Inf (a publisher or receiver built with
+    ``check_finite=True``, as ``Pair`` builds them)."""
 
 
 @dataclass(eq=False)
@@ -45,6 +52,7 @@ class TensorDelta:
     indices: torch.Tensor  # (n,) int64, ascending flat block indices
     data: torch.Tensor  # (m,) dtype: the elements of those blocks, in memory order
     checksum: str  # "<indices checksum><data checksum>", 2 x 16 hex
+    nonfinite: int = 0  # NaN/Inf elements of data, when the publisher counted them
 
     @property
     def nbytes(self) -> int:
@@ -52,6 +60,11 @@ class TensorDelta:
 
     def compute_checksum(self) -> str:
         return f"{tensor_checksum(self.indices):016x}{tensor_checksum(self.data):016x}"
+
+    def checksum_and_nonfinite(self) -> tuple[str, int]:
+        """(``compute_checksum()``, the NaN/Inf elements of ``data``) from one read of the bytes."""
+        (ci, _), (cd, bad) = checksums_and_nonfinite([self.indices, self.data])
+        return f"{ci:016x}{cd:016x}", bad
 
     def manifest(self) -> dict:
         return {"shape": list(self.shape), "dtype": dtype_name(self.dtype), "view": list(self.layout.view),

@@ -8,7 +8,7 @@ import torch
 
 from .checksum import combine_checksums, tensor_checksum
 from .layout import Layout, as_int, layout_of
-from .payload import Payload, SyncStats, TensorDelta
+from .payload import NonFiniteWeights, Payload, SyncStats, TensorDelta
 
 
 class Publisher:
@@ -20,9 +20,13 @@ class Publisher:
     shipped version on the same device (one more copy of the weights) and
     compares bytes against it with a few vectorized ops per tensor.
     ``rows_per_block`` (R) sets the row blocks of non-float8 tensors.
+    ``check_finite``: refuse to publish changed blocks that hold NaN/Inf
+    (``NonFiniteWeights``, naming the tensors), counted in the pass that
+    checksums them; the publisher is then as it was before the call.
     """
 
-    def __init__(self, get_weights: Callable[[], dict[str, torch.Tensor]], *, rows_per_block: int = 64):
+    def __init__(self, get_weights: Callable[[], dict[str, torch.Tensor]], *, rows_per_block: int = 64,
+                 check_finite: bool = False):
         if not callable(get_weights):
             raise TypeError(f"get_weights must be a callable returning {{name: tensor}}, "
                             f"got {type(get_weights).__name__}")
@@ -30,6 +34,7 @@ class Publisher:
             raise ValueError(f"rows_per_block must be an int >= 1, got {rows_per_block!r}")
         self.get_weights = get_weights
         self.rows_per_block = rows_per_block
+        self.check_finite = check_finite
         self.version = 0
         self._shadow: dict[str, torch.Tensor] = {}
         self._layouts: dict[str, Layout] = {}
@@ -43,11 +48,20 @@ class Publisher:
         t0 = time.perf_counter()
         weights = self._read()
         full = full or not self._shadow
-        if not self._shadow:
-            self._layouts = {n: layout_of(n, w, weights, self.rows_per_block) for n, w in weights.items()}
+        layouts = self._layouts if self._shadow else \
+            {n: layout_of(n, w, weights, self.rows_per_block) for n, w in weights.items()}
+        with torch.no_grad():
+            tensors = {name: self._delta(name, weights[name], layouts[name], full) for name in sorted(weights)}
+        bad = {n: d.nonfinite for n, d in tensors.items() if d.nonfinite}
+        if bad:
+            raise NonFiniteWeights(f"the trainer's weights hold NaN/Inf values in changed blocks: "
+                                   f"{', '.join(f'{n!r} ({k})' for n, k in bad.items())}; v{self.version + 1} was not "
+                                   f"published (the server keeps v{self.version})")
+        self._layouts = layouts
         try:
             with torch.no_grad():
-                tensors = {name: self._delta(name, weights[name], full) for name in sorted(weights)}
+                for name, d in tensors.items():
+                    self._update_shadow(name, weights[name], d)
         except BaseException:
             self._shadow.clear()  # partly updated: the next publish ships everything
             raise
@@ -66,19 +80,24 @@ class Publisher:
             seconds=time.perf_counter() - t0)
         return payload
 
-    def _delta(self, name: str, w: torch.Tensor, full: bool) -> TensorDelta:
-        """Diff one tensor and bring its shadow up to date."""
-        lay = self._layouts[name]
+    def _delta(self, name: str, w: torch.Tensor, lay: Layout, full: bool) -> TensorDelta:
+        """One tensor's changed blocks, NaN/Inf counted (``check_finite``); the shadow is not touched yet."""
         shadow = self._shadow.get(name)
         indices, data = self._diff(w, shadow, lay, full or shadow is None)
-        if shadow is None or indices.numel():
+        delta = TensorDelta(tuple(w.shape), w.dtype, lay, indices, data, "")
+        if self.check_finite:
+            delta.checksum, delta.nonfinite = delta.checksum_and_nonfinite()
+        else:
+            delta.checksum = delta.compute_checksum()
+        return delta
+
+    def _update_shadow(self, name: str, w: torch.Tensor, delta: TensorDelta) -> None:
+        shadow = self._shadow.get(name)
+        if shadow is None or delta.indices.numel():
             if shadow is None:
                 self._shadow[name] = shadow = torch.empty_like(w, memory_format=torch.contiguous_format)
             shadow.copy_(w)
             self._sums[name] = tensor_checksum(shadow)
-        delta = TensorDelta(tuple(w.shape), w.dtype, lay, indices, data, "")
-        delta.checksum = delta.compute_checksum()
-        return delta
 
     @staticmethod
     def _diff(w: torch.Tensor, shadow: torch.Tensor | None, lay: Layout,

@@ -1,13 +1,13 @@
-"""Server side: validate a payload completely, then write it in place."""
+"""Server side: validate a payload completely, its end state included, then write it in place."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from .checksum import weights_checksum
+from .checksum import combine_checksums, tensor_checksums, weights_checksum
 from .layout import Layout, as_int
-from .payload import CorruptPayload, EndStateMismatch, LayoutMismatch, Payload, VersionSkew
+from .payload import CorruptPayload, EndStateMismatch, LayoutMismatch, NonFiniteWeights, Payload, VersionSkew
 
 
 @dataclass
@@ -16,6 +16,7 @@ class _Write:
     layout: Layout
     indices: torch.Tensor  # (n,) on the target's device
     data: torch.Tensor  # (m,) integers on the target's device
+    name: str = ""
 
 
 class Receiver:
@@ -24,13 +25,18 @@ class Receiver:
     in place: never rebinding a name, only copying into the blocks.
 
     ``version`` is the weights version held: 0 at the start (the first,
-    full, payload applies on it), None after an apply failed its end-state
-    check (only a full payload applies then).  ``verify_end_state``: after
-    writing, compare ``weights_checksum`` of all weights with the
-    publisher's (one pass over the weights on their device).
+    full, payload applies on it), None once its weights are known to be no
+    version (they changed out of band: only a full payload applies then).
+    ``verify_end_state``: before writing, stage the changed tensors and
+    compare ``weights_checksum`` of the result with the publisher's (one pass
+    over the weights on their device, one copy of each partly changed
+    tensor), so a payload that would not give the trainer's bytes writes
+    nothing.  ``check_finite``: refuse a payload whose data holds NaN/Inf
+    (``NonFiniteWeights``), counted in the pass that checksums the data.
     """
 
-    def __init__(self, weights: dict[str, torch.Tensor], *, version: int = 0, verify_end_state: bool = True):
+    def __init__(self, weights: dict[str, torch.Tensor], *, version: int = 0, verify_end_state: bool = True,
+                 check_finite: bool = False):
         if not isinstance(weights, dict):
             raise TypeError(f"weights must be a dict {{name: tensor}}, got {type(weights).__name__}")
         for n, w in weights.items():
@@ -42,30 +48,53 @@ class Receiver:
         self.weights = weights
         self.version: int | None = version
         self.verify_end_state = verify_end_state
+        self.check_finite = check_finite
+        self._end: str | None = None  # weights_checksum of the version applied last
 
     def apply(self, payload: Payload) -> None:
         """Check everything (versions, names, shapes, dtypes, block layout,
-        index ranges, sizes, checksums), then copy the changed blocks into
-        the weights, then check the end state.  A refused payload raises
-        ``SyncError`` (``VersionSkew``, ``LayoutMismatch``, ``CorruptPayload``)
-        before anything is written; ``EndStateMismatch`` is raised after."""
+        index ranges, sizes, checksums, finiteness, the end state), then copy
+        the changed blocks into the weights.  A refused payload raises
+        ``SyncError`` (``VersionSkew``, ``LayoutMismatch``, ``CorruptPayload``,
+        ``NonFiniteWeights``, ``EndStateMismatch``) before anything is written."""
         writes = self._validate(payload)
+        staged = None
+        if self.verify_end_state:
+            staged = [_stage(wr) for wr in writes]
+            self._check_end_state(payload, writes, staged)
         try:
             with torch.no_grad():
-                for wr in writes:
-                    _write(wr)
+                for i, wr in enumerate(writes):
+                    if staged is None:
+                        _write(wr)
+                    elif staged[i] is not None:
+                        wr.target.view(-1).copy_(staged[i])
         except BaseException:
-            self.version = None  # half-written
+            self.version = self._end = None  # half-written
             raise
-        if self.verify_end_state:
-            got = weights_checksum(self.weights)
-            if got != payload.end_checksum:
-                self.version = None
-                raise EndStateMismatch(
-                    f"after applying v{payload.version} the server's weights checksum {got[:16]}… but the trainer's "
-                    f"is {payload.end_checksum[:16]}…: the server's weights were not v{payload.base_version} before "
-                    f"the apply (changed out of band?); resync with a full payload (Publisher.publish(full=True))")
-        self.version = payload.version
+        self.version, self._end = payload.version, payload.end_checksum
+
+    def _check_end_state(self, p: Payload, writes: list[_Write], staged: list[torch.Tensor | None]) -> None:
+        """The weights as the payload would leave them must hash to the publisher's."""
+        new = {wr.name: s for wr, s in zip(writes, staged) if s is not None}
+        names = list(self.weights)
+        sums = tensor_checksums([new.get(n, self.weights[n]) for n in names])
+        got = combine_checksums({n: (self.weights[n].dtype, tuple(self.weights[n].shape), cs)
+                                 for n, cs in zip(names, sums)})
+        if got == p.end_checksum:
+            return
+        intact = self._end is not None and weights_checksum(self.weights) == self._end
+        if intact:  # the server is still the version it applied last: the payload is what is wrong
+            raise EndStateMismatch(
+                f"payload v{p.version} would leave the server's weights checksumming {got[:16]}… but the trainer's "
+                f"are {p.end_checksum[:16]}…: its blocks are damaged; nothing was written, the server keeps "
+                f"v{self.version}; resync with a full payload (Publisher.publish(full=True))")
+        self.version = self._end = None
+        raise EndStateMismatch(
+            f"payload v{p.version} would leave the server's weights checksumming {got[:16]}… but the trainer's are "
+            f"{p.end_checksum[:16]}…: the server's weights were not v{p.base_version} before the apply (changed "
+            f"out of band?); nothing was written, and the server holds no valid version until a full payload "
+            f"(Publisher.publish(full=True), or pair.sync(), which sends one itself)")
 
     # ------------------------------------------------------------ checks
     def _validate(self, p: Payload) -> list[_Write]:
@@ -88,12 +117,19 @@ class Receiver:
             except ValueError as e:
                 raise LayoutMismatch(f"tensor {name!r}: bad block layout: {e}") from None
             writes.append(self._check_blocks(name, d, w, p.full))
+        nonfinite = {}
         for name in sorted(p.tensors):
             d = p.tensors[name]
-            got = d.compute_checksum()
+            got, bad = d.checksum_and_nonfinite() if self.check_finite else (d.compute_checksum(), 0)
             if got != d.checksum:
                 raise CorruptPayload(f"tensor {name!r}: checksum mismatch (payload says {d.checksum}, its block "
                                      f"indices and data hash to {got}): the payload was corrupted in transit")
+            if bad:
+                nonfinite[name] = bad
+        if nonfinite:
+            raise NonFiniteWeights(f"payload v{p.version} holds NaN/Inf values: "
+                                   f"{', '.join(f'{n!r} ({k})' for n, k in nonfinite.items())}; nothing was written, "
+                                   f"the server keeps v{self.version}")
         got = p.compute_manifest_hash()
         if got != p.manifest_hash:
             raise CorruptPayload(f"payload v{p.version}: manifest hash mismatch (says {p.manifest_hash[:16]}…, "
@@ -138,7 +174,21 @@ class Receiver:
         if data.numel() != need:
             raise CorruptPayload(f"tensor {name!r}: torn payload: {data.numel()} data elements for {n} blocks "
                                  f"of {need} elements")
-        return _Write(as_int(w).view(lay.view), lay, idx, data)
+        return _Write(as_int(w).view(lay.view), lay, idx, data, name)
+
+
+def _stage(wr: _Write) -> torch.Tensor | None:
+    """The target's new elements (1-D integers), in a tensor of their own; None when unchanged."""
+    n = wr.indices.numel()
+    if n == 0:
+        return None
+    if n == wr.layout.num_blocks:
+        return wr.data.view(-1)
+    staged = wr.target.clone()
+    E, N, M = wr.layout.view
+    mask = wr.layout.mask(wr.layout.blocks_from_indices(wr.indices))
+    staged[mask] = wr.data.view(-1, M) if mask.dim() == 2 else wr.data
+    return staged.view(-1)
 
 
 def _write(wr: _Write) -> None:
