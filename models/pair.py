@@ -5,7 +5,8 @@ sampling)`` and ``forward_weights()`` (the exact tensors its forward reads:
 parameters, or cached FP8 codes and scales); ``pair.server`` is the engine
 (``generate``, ``score``) running the model's ``ServeModel`` on its own copy of
 those tensors; ``pair.sync()`` publishes the blocks that changed since the
-last sync and applies them between engine steps (``alignzoo.sync``).
+last sync and applies them between engine steps (``alignzoo.sync``), refusing
+NaN/Inf weights.
 """
 from __future__ import annotations
 
@@ -23,15 +24,20 @@ class Pair:
     last_sync: SyncStats | None = field(default=None, init=False)
 
     def __post_init__(self):
-        self._publisher = Publisher(self.trainer.forward_weights)
-        self._receiver = Receiver(self.server.model.weights, version=self.server.weight_version)
+        self._publisher = Publisher(self.trainer.forward_weights, check_finite=True)
+        self._receiver = Receiver(self.server.model.weights, version=self.server.weight_version, check_finite=True)
         self.sync()  # v1: everything; later syncs ship changed blocks only
 
-    def sync(self) -> int:
+    def sync(self, *, full: bool = False) -> int:
         """Make the server's weights the bytes the trainer's next forward
         reads; returns the new weight version (completions carry it).  Only
-        blocks changed since the last sync travel; a payload that fails its
-        checks leaves the server's weights as they were.
+        blocks changed since the last sync travel; ``full=True`` ships every
+        block (a full resync), which ``sync()`` also does by itself when the
+        server did not take the last version (a refused payload) or holds none
+        (its weights changed out of band).  Every check, the end state's
+        included, runs before anything is written: a refused sync raises
+        ``alignzoo.sync.SyncError`` (``NonFiniteWeights`` names the trainer's
+        tensors holding NaN/Inf) and the server keeps its weights and version.
 
         Call it after every optimizer step: it is the point where the
         trainer's derived weights (FP8 codes, merged LoRA W') are rebuilt from
@@ -40,7 +46,8 @@ class Pair:
         invalidate = getattr(self.trainer, "invalidate_caches", None)
         if invalidate is not None:
             invalidate()
-        payload = self._publisher.publish()
+        full = bool(full) or self._receiver.version != self._publisher.version
+        payload = self._publisher.publish(full=full)
         version = apply_between_steps(self.server, self._receiver, payload)
         self.last_sync = payload.stats
         return version
