@@ -141,6 +141,10 @@ class HFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self._shard(name)).get_slice(name).get_shape())
 
+    def is_float(self, name: str) -> bool:
+        """Whether tensor ``name`` is stored as floating point (from the header: F32, BF16, F8_E4M3, ...)."""
+        return self._open(self._shard(name)).get_slice(name).get_dtype().startswith(("F", "BF"))
+
     def get(self, name: str) -> torch.Tensor:
         """Tensor ``name`` on the CPU, in the dtype it is stored in."""
         return self._open(self._shard(name)).get_tensor(name)

@@ -44,6 +44,9 @@ class DequantizedSource:
     def shape(self, name):
         return self.source.shape(name)
 
+    def is_float(self, name):
+        return name in self._fp8 or self.source.is_float(name)
+
     def get(self, name):
         t = self.source.get(name)
         if name in self._fp8:

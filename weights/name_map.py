@@ -53,6 +53,9 @@ class _DictSource:
     def shape(self, name):
         return tuple(self._tensors[name].shape)
 
+    def is_float(self, name):
+        return self._tensors[name].dtype.is_floating_point
+
     def get(self, name):
         return self._tensors[name]
 
@@ -165,11 +168,13 @@ class NameMap:
 
         ``source``: a checkpoint directory, an ``HFCheckpoint`` or a ``{hf_name: tensor}`` dict.
         Shapes are checked from the headers before any tensor is read; every missing, unexpected
-        and mis-shaped tensor is reported in one ``WeightMismatchError``.
+        and mis-shaped tensor is reported in one ``WeightMismatchError``.  A tensor stored in an
+        integer or bool dtype (a cast would invent its values), or holding NaN/Inf after the cast,
+        raises ``CheckpointError`` naming it.
         """
         plan = self._hf_names_or_raise(expected)
         with open_source(source) as src:
-            missing, misshaped, notes = [], [], []
+            missing, misshaped, notes, not_float = [], [], [], []
             for ours, parts in plan.items():
                 tied_to = self.tied.get(ours) if self.tie_word_embeddings else None
                 if tied_to is not None and not all(p in src for p in parts):
@@ -184,6 +189,9 @@ class NameMap:
                     continue
                 found = [tuple(src.shape(p)) for p in parts]
                 misshaped += self._check_shapes(ours, tuple(expected[ours][0]), parts, found)
+                is_float = getattr(src, "is_float", None)
+                if is_float is not None:
+                    not_float += [p for p in parts if not is_float(p)]
                 if len(parts) > 1 and self._template(ours)[0] not in self.split_sizes:
                     self._recorded_sizes[ours] = tuple(f[0] for f in found)
 
@@ -196,17 +204,33 @@ class NameMap:
             for k in extras:
                 (skipped if k in optional or any(r.search(k) for r in self.ignore) else unexpected).append(k)
             if missing or unexpected or misshaped:
-                where = f"{self.name} checkpoint {getattr(src, 'path', src)}"
-                raise WeightMismatchError(where, missing, unexpected, misshaped, notes)
+                raise WeightMismatchError(f"{self.name} checkpoint {getattr(src, 'path', src)}", missing, unexpected,
+                                          misshaped, notes)
             if skipped:
                 log.debug("%s: ignored %d checkpoint tensor(s): %s", self.name, len(skipped), ", ".join(skipped))
+            where = f"{self.name} checkpoint {getattr(src, 'path', src)}"
+            if not_float:
+                raise CheckpointError(f"{where}: {len(not_float)} weight(s) not stored as floating point (a cast "
+                                      f"would invent their values): {', '.join(not_float)}")
 
             out = {}
             bar = tqdm(plan.items(), desc=f"loading {self.name}", unit="tensor", file=sys.stderr,
                        disable=not sys.stderr.isatty(), leave=False)
             for ours, parts in bar:
-                t = src.get(parts[0]) if len(parts) == 1 else torch.cat([src.get(p) for p in parts])
-                out[ours] = t.to(device=device, dtype=expected[ours][1])
+                raw = [src.get(p) for p in parts]
+                for p, t in zip(parts, raw):
+                    if not t.dtype.is_floating_point:
+                        raise CheckpointError(f"{where}: {p} is stored as {t.dtype}, not floating point (a cast "
+                                              f"would invent its values)")
+                dtype = expected[ours][1]
+                t = (raw[0] if len(raw) == 1 else torch.cat(raw)).to(device=device, dtype=dtype)
+                if not bool(torch.isfinite(t).all()):
+                    for p, r in zip(parts, raw):
+                        bad = int((~torch.isfinite(r.to(dtype))).sum())
+                        if bad:
+                            raise CheckpointError(f"{where}: {p} holds {bad} NaN/Inf value(s) (as "
+                                                  f"{str(dtype).removeprefix('torch.')}); refusing to serve them")
+                out[ours] = t
             return out
 
     def to_hf(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
