@@ -37,9 +37,7 @@ def resolve_config(checkpoint=None, config=None) -> Qwen3Config:
             raise ValueError("pass either checkpoint= or config=, not both (the checkpoint carries its config)")
         if not os.path.isdir(os.fspath(checkpoint)):
             raise FileNotFoundError(f"checkpoint directory {os.fspath(checkpoint)!r} does not exist")
-        from ...weights import read_hf_config
-
-        return Qwen3Config.from_hf(read_hf_config(checkpoint))
+        return Qwen3Config.from_hf(checkpoint)
     if config is None:
         return PRESETS["tiny"]
     if isinstance(config, Qwen3Config):
@@ -147,6 +145,8 @@ def load(checkpoint=None, config=None, device=None, dtype=torch.bfloat16, *, see
     """
     if server_kernels not in ("aligned", "vendor"):
         raise ValueError(f"server_kernels must be 'aligned' or 'vendor', got {server_kernels!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed must be an int that fits in int64 (it seeds torch.Generator), got {seed!r}")
     if lora_mode is None:
         lora_mode = "multi" if lora_adapters is not None else "merged"
     if lora_mode not in LORA_MODES:

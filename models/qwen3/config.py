@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +38,13 @@ class Qwen3Config:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2 or self.head_dim > 256:
             raise ValueError(f"head_dim must be even and <= 256 (the attention kernel's limit), got {self.head_dim}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        for f in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
+                raise ValueError(f"Qwen3Config.{f} must be a finite number > 0, got {v!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"Qwen3Config.tie_word_embeddings must be a bool (true or false in config.json), "
+                             f"got {self.tie_word_embeddings!r}")
 
     @property
     def qkv_size(self) -> int:
@@ -59,35 +65,54 @@ class Qwen3Config:
         return PRESETS[name]
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any] | str | os.PathLike) -> "Qwen3Config":
-        """From a transformers Qwen3 ``config.json`` (a path, its directory, or the dict)."""
+    def from_hf(cls, config: dict[str, Any] | str | os.PathLike, *, where: str | None = None) -> "Qwen3Config":
+        """From a transformers Qwen3 ``config.json`` (a path, its directory, or
+        the dict; ``where`` names a dict's file in error messages)."""
+        from ...weights import CheckpointError, read_hf_config
+
         if not isinstance(config, dict):
             path = os.fspath(config)
-            path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-            with open(path) as f:
-                config = json.load(f)
+            if os.path.isdir(path):
+                where, config = os.path.join(path, "config.json"), read_hf_config(path)
+            else:
+                where = path
+                with open(path) as f:
+                    config = json.load(f)
+                if not isinstance(config, dict):
+                    raise CheckpointError(f"{path} holds a JSON {type(config).__name__}, expected an object")
+        where = where or "the qwen3 config"
         from .weights import check_qwen3_checkpoint
 
         check_qwen3_checkpoint(config)
+        missing = [k for k in _REQUIRED_HF if k not in config]
+        if missing:
+            raise CheckpointError(f"{where} lacks {', '.join(missing)}: a qwen3 config.json needs "
+                                  f"{', '.join(_REQUIRED_HF)}")
         unsupported = {k: config[k] for k in ("attention_bias", "use_sliding_window") if config.get(k)}
         if unsupported:
             raise NotImplementedError(f"qwen3 config options not supported: {unsupported}")
-        spec = RopeSpec.from_hf(config)
         n_heads = config["num_attention_heads"]
-        return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=n_heads,
-            num_kv_heads=config.get("num_key_value_heads") or n_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
-            rope_theta=spec.base,
-            rope_yarn=spec.yarn,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            max_position=config["max_position_embeddings"],
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
+        if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
+            raise CheckpointError(f"{where}: num_attention_heads must be a positive int, got {n_heads!r}")
+        try:  # our own checks first: transformers' (inside RopeSpec.from_hf) name no file
+            cfg = cls(
+                vocab_size=config["vocab_size"],
+                hidden_size=config["hidden_size"],
+                intermediate_size=config["intermediate_size"],
+                num_layers=config["num_hidden_layers"],
+                num_heads=n_heads,
+                num_kv_heads=config.get("num_key_value_heads") or n_heads,
+                head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
+                rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+                max_position=config["max_position_embeddings"],
+                tie_word_embeddings=config.get("tie_word_embeddings", False),
+            )
+            spec = RopeSpec.from_hf(config)
+            return cfg.replace(rope_theta=spec.base, rope_yarn=spec.yarn)
+        except NotImplementedError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{where}: {e}") from e
 
     def to_hf(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A transformers ``config.json`` dict (``Qwen3ForCausalLM`` loads it)."""
@@ -120,6 +145,9 @@ class Qwen3Config:
             "dtype": torch_dtype,
         }
 
+
+_REQUIRED_HF = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "max_position_embeddings")
 
 PRESETS: dict[str, Qwen3Config] = {
     # Odd sizes on purpose; small enough that the CPU path runs the contract tests in seconds.
