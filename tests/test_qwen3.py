@@ -130,12 +130,11 @@ def test_ladder_catches_a_misaligned_server(monkeypatch):
     trainer's.  (torch's ``F.linear`` differs from the fixed-order matmul on
     most hosts, but on some BLAS builds it happens to give the same bits at
     these shapes, so the test plants a difference no host can hide.)"""
-    from alignzoo.models import checks
-    from alignzoo.models.qwen3 import serve
+    from alignzoo.models import base, checks
 
     pair = make_pair()
-    aligned = serve.matmul_fwd
-    monkeypatch.setattr(serve, "matmul_fwd", lambda x, w: torch.nextafter(aligned(x, w), x.new_tensor(float("inf"))))
+    aligned = base.matmul_fwd
+    monkeypatch.setattr(base, "matmul_fwd", lambda x, w: torch.nextafter(aligned(x, w), x.new_tensor(float("inf"))))
     rows = {r.check: r for r in checks.run_ladder(pair, length=300, batch=3, new_tokens=20)}
     assert not rows["trainer == server prefill"].passed
     assert rows["trainer == server prefill"].differing > 0

@@ -12,7 +12,7 @@ trainer's packed ``attention`` bitwise.
 
 LoRA: merged adapters need nothing here (the trainer ships W' as the layer's
 ``weight``); separate ones arrive as ``layers.{i}.<layer>.lora_A.<projection>``
-(r, K) and ``...lora_B.<projection>`` (rows, r), and ``_linear`` adds their
+(r, K) and ``...lora_B.<projection>`` (rows, r), and ``linear`` adds their
 branch to that projection's column slice with ``lora_add_fwd``, as the
 trainer's ``LoRALinear`` does with ``lora_add``.  Multi-mode adapter j arrives
 as ``layers.{i}.<layer>.adapters.{j}.lora_A.<projection>`` (and ``lora_B``),
@@ -26,69 +26,30 @@ from __future__ import annotations
 import torch
 
 from ...common.attention import paged_attention_fwd
-from ...common.fp8 import fp8_matmul_fwd
 from ...common.engine.model_api import ForwardBatch, KVCacheSpec
 from ...common.kv_cache import allocate_kv_cache
 from ...common.lm_head import lm_head_logits_fwd
-from ...common.lora import lora_add_fwd, lora_add_multi_fwd
-from ...common.matmul import matmul_fwd
 from ...common.rmsnorm import rmsnorm_fwd
 from ...common.qk_norm_rope import qk_norm_rope_kv_fwd
 from ...common.rope import rope_table
 from ...common.swiglu import swiglu_fwd
+from ..base import ServerBase
 from .config import Qwen3Config
 from .weights import lora_slices
 
 
-class Qwen3Server:
-    """Holds the server's copy of the weights (a dict named as the trainer's
-    parameters; tied ``lm_head`` is the embedding) and runs the forward.
-    ``lora_scale``: lora_alpha / r of the separate LoRA adapters in ``weights``;
-    ``lora_adapters``: ((name, scale), ...) of the multi-mode adapters in
-    index order (requests name them: ``adapter_names``)."""
+class Qwen3Server(ServerBase):
+    """Qwen3's forward over the server's weights (``ServerBase``: the weight
+    dict, LoRA branches, ``linear``)."""
 
     def __init__(self, cfg: Qwen3Config, weights: dict[str, torch.Tensor], lora_scale: float | None = None,
                  lora_adapters: tuple[tuple[str, float], ...] = ()):
-        self.cfg = cfg
-        self.weights = weights
-        self.lora_scale = lora_scale
-        self.adapter_names = tuple(name for name, _ in lora_adapters)
-        self.adapter_scales = [scale for _, scale in lora_adapters]
-        # {layer prefix: ((first row, end row, branch), ...)} for layers with adapters, branch as
-        # ``_branch``; sync writes in place and never adds names, so this holds for the server's life
-        self._lora = {}
-        for i in range(cfg.num_layers):
-            for name, slices in lora_slices(cfg).items():
-                prefix = f"layers.{i}.{name}."
-                branches = [self._branch(prefix, p) for p, _, _ in slices]
-                if any(b is not None for b in branches):
-                    self._lora[prefix] = tuple((lo, hi, b) for (_, lo, hi), b in zip(slices, branches))
-        if self._lora and lora_scale is None and not self.adapter_names:
-            raise ValueError("the weights hold LoRA adapters (lora_A.*) but no lora_scale was given")
-        self.device = weights["embed.weight"].device
-        self.dtype = weights["embed.weight"].dtype
-        self.vocab_size = cfg.vocab_size
-        self.max_position = cfg.max_position
+        super().__init__(cfg, weights, lora_scale, lora_adapters)
         self.rope = cfg.rope
         rope_table(self.rope, self.device)  # built and copied before any CUDA-graph capture
 
-    def _branch(self, prefix: str, p: str):
-        """Projection p's adapter tensors in layer ``prefix``: separate (A, B);
-        multi ([A_j or None], [B_j or None]) over the adapters; None if none."""
-        w = self.weights
-        if not self.adapter_names:
-            a = w.get(f"{prefix}lora_A.{p}")
-            return None if a is None else (a, w[f"{prefix}lora_B.{p}"])
-        names = [f"{prefix}adapters.{j}.lora_%s.{p}" for j in range(len(self.adapter_names))]
-        a_n, b_n = [w.get(n % "A") for n in names], [w.get(n % "B") for n in names]
-        return None if all(a is None for a in a_n) else (a_n, b_n)
-
-    def w(self, name: str) -> torch.Tensor:
-        return self.weights[name]
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.weights.get("lm_head.weight", self.weights["embed.weight"])
+    def lora_slices(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
+        return lora_slices(self.cfg)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.cfg
@@ -98,27 +59,6 @@ class Qwen3Server:
         c = self.cfg
         return [allocate_kv_cache(num_pages, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
                 for _ in range(c.num_layers)]
-
-    def _linear(self, x, prefix, adapter_ids):
-        """x · Wᵀ; an FP8 layer (its ``weight_scale_inv`` present) reads its
-        codes; a layer with LoRA adapters adds their branches (multi mode:
-        each row its own adapter's, by ``adapter_ids`` (T,))."""
-        scale_inv = self.weights.get(prefix + "weight_scale_inv")
-        if scale_inv is not None:
-            return fp8_matmul_fwd(x, self.weights[prefix + "weight"], scale_inv)
-        y = matmul_fwd(x, self.weights[prefix + "weight"])
-        slices = self._lora.get(prefix)
-        if slices is None:
-            return y
-        parts = []
-        for lo, hi, branch in slices:
-            if branch is None:
-                parts.append(y[:, lo:hi])
-            elif self.adapter_names:
-                parts.append(lora_add_multi_fwd(y[:, lo:hi], x, adapter_ids, *branch, self.adapter_scales))
-            else:
-                parts.append(lora_add_fwd(y[:, lo:hi], x, *branch, self.lora_scale))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def _norm(self, x, name, residual=None):
         y, new_residual, _ = rmsnorm_fwd(x, self.w(name), self.cfg.rms_norm_eps, residual)
@@ -142,16 +82,16 @@ class Qwen3Server:
                 h, residual = self._norm(x, p + "attn_norm.weight")[0], x
             else:
                 h, residual = self._norm(x, p + "attn_norm.weight", residual)
-            qkv = self._linear(h, p + "qkv.", batch.adapter_ids)  # (T, (Hq + 2 Hkv) D)
+            qkv = self.linear(h, p + "qkv.", batch.adapter_ids)  # (T, (Hq + 2 Hkv) D)
             q = qk_norm_rope_kv_fwd(qkv, self.w(p + "q_norm.weight"), self.w(p + "k_norm.weight"), cfg.rms_norm_eps,
                                     batch.positions, self.rope, k_cache, v_cache, batch.slot_mapping, Hq, Hkv)
             o = paged_attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
                                     max_seqlen_q=batch.max_seqlen_q)[0]
-            x = self._linear(o.reshape(T, Hq * D), p + "o.", batch.adapter_ids)
+            x = self.linear(o.reshape(T, Hq * D), p + "o.", batch.adapter_ids)
             h, residual = self._norm(x, p + "mlp_norm.weight", residual)
-            gu = self._linear(h, p + "gate_up.", batch.adapter_ids)
+            gu = self.linear(h, p + "gate_up.", batch.adapter_ids)
             I = cfg.intermediate_size
-            x = self._linear(swiglu_fwd(gu[:, :I], gu[:, I:]), p + "down.", batch.adapter_ids)
+            x = self.linear(swiglu_fwd(gu[:, :I], gu[:, I:]), p + "down.", batch.adapter_ids)
         rows = batch.logit_rows
         h = self._norm(x[rows], "norm.weight", residual[rows])[0]
         return lm_head_logits_fwd(h, self.lm_head_weight)

@@ -1,0 +1,311 @@
+"""What every model's trainer and server share, so that a model folder holds
+only its config, its weight names and its block math.
+
+``TrainerBase`` (an ``nn.Module``): LoRA in three modes over the model's
+``layers`` (``add_lora`` replaces each targeted ``Linear`` of a block by its
+LoRA form), the adapters' accessors, ``forward_weights`` (the tensors the
+forward reads, named as the server's weights), ``invalidate_caches`` and
+``logprobs`` over the subclass's ``logits``.  A subclass sets ``model_name``
+and ``lora_targets`` (HF projections in layer order), and provides
+``lora_slices()`` ({block attribute: ((projection, first row, end row), ...)})
+and ``logits(tokens, positions, cu_seqlens, rows, max_seqlen, adapters)``.
+
+``ServerBase``: the server's weight dict (``.weights``, what sync writes
+into), its device and dtype, and ``linear`` (the fixed-order matmul, its FP8
+form when the layer's ``weight_scale_inv`` is there, and the separate or
+multi-mode LoRA branch the trainer's layer adds).  A subclass provides
+``lora_slices()``, ``cache_pools()`` and ``forward``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..common.engine.sequence import adapter_position, one_each
+from ..common.fp8 import fp8_matmul_fwd
+from ..common.layers import (
+    LORA_MODES,
+    AdapterRows,
+    Fp8Linear,
+    Linear,
+    LoRALinear,
+    MultiLoRALinear,
+    Weight,
+    check_adapter_configs,
+    check_lora_config,
+)
+from ..common.lora import LoRAConfig, lora_add_fwd, lora_add_multi_fwd
+from ..common.matmul import matmul_fwd
+from ..common.sampling import SamplingParams, params_to_tensors, sampling_logprobs
+from ._packing import pack_scored, sampling_list
+
+
+class TrainerBase(nn.Module):
+    model_name: str = ""
+    lora_targets: tuple[str, ...] = ()
+
+    def __init__(self, cfg, *, activation_checkpointing: bool = False, fp8: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.fp8 = fp8
+        self.activation_checkpointing = activation_checkpointing
+        self.lora: LoRAConfig | None = None  # merged / separate
+        self.adapter_configs: dict[str, LoRAConfig] = {}  # multi: {name: config}, in adapter-index order
+        self.lora_mode: str | None = None
+
+    def lora_slices(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def check_lora(self, lora: LoRAConfig | Mapping) -> LoRAConfig:
+        """``lora`` checked against this model's projections (``check_lora_config``)."""
+        return check_lora_config(lora, self.lora_targets, self.model_name)
+
+    def check_adapters(self, adapters: Mapping) -> dict[str, LoRAConfig]:
+        return check_adapter_configs(adapters, self.lora_targets, self.model_name)
+
+    def add_lora(self, lora: LoRAConfig | Mapping, mode: str = "merged", seed: int = 0) -> None:
+        """Freeze every parameter and give each targeted projection of every
+        layer an adapter: A from ``init_lora_weights`` with a seed drawn from
+        ``seed`` per (adapter, layer, projection), B = 0, so the model
+        computes exactly what it did until B trains.  ``mode``: "merged"
+        (``LoRALinear``: the forward and the server read W' = W + s·B·A),
+        "separate" (base output plus the adapter branch, on both sides) or
+        "multi" (``MultiLoRALinear``: ``lora`` is ``{adapter name: LoRAConfig
+        or dict}``, each adapter its own rank, scale and targets; a sequence
+        picks one in ``logprobs(..., adapters=)``, a request in the server's
+        ``generate(..., adapters=)``)."""
+        if self.lora_mode is not None:
+            raise RuntimeError("this trainer already has LoRA adapters")
+        if mode not in LORA_MODES:
+            raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {mode!r}")
+        if self.fp8:
+            raise NotImplementedError("LoRA on an FP8 trainer is not supported yet (the adapters would need the "
+                                      "FP8 GEMM's rounding points); use bf16 or fp32 with LoRA")
+        configs = self.check_adapters(lora) if mode == "multi" else {None: self.check_lora(lora)}
+        for p in self.parameters():
+            p.requires_grad_(False)
+        order, L = list(self.lora_targets), len(self.layers)
+        for i, block in enumerate(self.layers):
+            for name, layer_slices in self.lora_slices().items():
+                # one seed per (adapter, layer, projection), distinct across pair seeds for < 10^6 of them;
+                # adapter 0 gets the seeds of the single-adapter modes
+                ads = [(cfg, {p: seed * 1_000_003 + 1 + len(order) * (i + j * L) + order.index(p)
+                              for p, _, _ in layer_slices if p in cfg.target_modules})
+                       for j, cfg in enumerate(configs.values())]
+                if not any(seeds for _, seeds in ads):
+                    continue
+                if mode == "multi":
+                    m = MultiLoRALinear(getattr(block, name), layer_slices, ads)
+                else:
+                    ((cfg, seeds),) = ads
+                    m = LoRALinear(getattr(block, name), layer_slices, cfg.r, cfg.scale, mode, seeds)
+                setattr(block, name, m)
+        if mode == "multi":
+            self.adapter_configs = configs
+        else:
+            self.lora = configs[None]
+        self.lora_mode = mode
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """Multi mode: the adapters' names, in index order (else empty)."""
+        return tuple(self.adapter_configs)
+
+    def adapter_index(self, name: str) -> int:
+        """The index of multi-mode adapter ``name``; a clear error for any other."""
+        if self.lora_mode != "multi":
+            raise ValueError(f"adapter {name!r} asked for, but this model has no named LoRA adapters (load it with "
+                             f"lora_mode='multi', lora_adapters={{name: config or PEFT dir}})")
+        if name is None:
+            raise ValueError(f"name one of the adapters {', '.join(map(repr, self.adapter_configs))} (multi-mode LoRA)")
+        return adapter_position(name, self.adapter_names, "the model has")
+
+    def lora_modules(self, adapter: str | None = None) -> dict[str, tuple[nn.Module, str]]:
+        """{``layers.{i}.<projection>``: (the module holding its ``lora_A`` /
+        ``lora_B``, projection)} in layer order; multi mode: of the named adapter."""
+        j = self.adapter_index(adapter) if self.lora_mode == "multi" or adapter is not None else None
+        out = {}
+        for i, block in enumerate(self.layers):
+            for name, layer_slices in self.lora_slices().items():
+                m = getattr(block, name)
+                holder = m.adapters[j] if isinstance(m, MultiLoRALinear) else m if isinstance(m, LoRALinear) else None
+                if holder is not None:
+                    out |= {f"layers.{i}.{p}": (holder, p) for p, _, _ in layer_slices if p in holder.lora_A}
+        return out
+
+    def lora_config(self, adapter: str | None = None) -> LoRAConfig | None:
+        """The LoRA config (multi mode: of the named adapter; a clear error
+        unless ``adapter`` fits the mode, as ``lora_modules``)."""
+        if self.lora_mode == "multi" or adapter is not None:
+            self.adapter_index(adapter)
+            return self.adapter_configs[adapter]
+        return self.lora
+
+    def lora_adapters(self, adapter: str | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{``layers.{i}.<projection>``: (A (r, K), B (rows, r))}: the live
+        parameters (for ``save_peft_adapter`` with ``weights.lora_to_hf``);
+        multi mode: of the named adapter."""
+        return {n: (m.lora_A[p], m.lora_B[p]) for n, (m, p) in self.lora_modules(adapter).items()}
+
+    def adapter_parameters(self, adapter: str | None = None) -> list[nn.Parameter]:
+        """The trainable A and B tensors (of the named adapter, in multi mode): what an optimizer steps."""
+        return [t for ab in self.lora_adapters(adapter).values() for t in ab]
+
+    def set_lora_adapters(self, adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                          adapter: str | None = None) -> None:
+        """Copy ``{layers.{i}.<projection>: (A, B)}`` into the adapters (multi
+        mode: the named one) in place (cast to their dtype); the names must
+        be exactly this trainer's and the shapes equal.  Call ``pair.sync()``
+        after it."""
+        own = self.lora_adapters(adapter)
+        if set(adapters) != set(own):
+            missing, extra = sorted(set(own) - set(adapters)), sorted(set(adapters) - set(own))
+            raise ValueError(f"the adapter does not fit this model's LoRA modules: missing {missing[:4]}"
+                             f"{' ...' if len(missing) > 4 else ''}, unexpected {extra[:4]}{' ...' if len(extra) > 4 else ''}")
+        for n, (a, b) in adapters.items():
+            pa, pb = own[n]
+            if a.shape != pa.shape or b.shape != pb.shape:
+                raise ValueError(f"{n}: A {tuple(a.shape)}, B {tuple(b.shape)}; this model's are "
+                                 f"A {tuple(pa.shape)}, B {tuple(pb.shape)}")
+        with torch.no_grad():
+            for n, (a, b) in adapters.items():
+                own[n][0].copy_(a)
+                own[n][1].copy_(b)
+
+    def invalidate_caches(self) -> None:
+        """Drop the derived weights (FP8 codes, merged LoRA W'): the next
+        forward or ``forward_weights()`` rebuilds them from the masters.  The
+        caches key on each tensor's version counter, which torch.optim's
+        ``fused=True`` kernels leave alone; ``Pair.sync()`` calls this once
+        per optimizer step, so such steps are never missed."""
+        for m in self.modules():
+            if m is not self and callable(getattr(m, "invalidate", None)):
+                m.invalidate()
+
+    def forward_weights(self) -> dict[str, torch.Tensor]:
+        """The tensors the forward reads, named as the server's weights: the
+        parameters, and for FP8 layers their cached codes and scales
+        (``<layer>.weight`` e4m3, ``<layer>.weight_scale_inv`` fp32)."""
+        out = {}
+        for name, module in self.named_modules():
+            prefix = name + "." if name else ""
+            if isinstance(module, (Linear, Fp8Linear)):  # LoRALinear and MultiLoRALinear too
+                out.update(module.forward_weights(prefix))
+            elif isinstance(module, Weight):
+                out[prefix + "weight"] = module.weight.detach()
+        return out
+
+    def logprobs(
+        self,
+        sequences: Sequence[Sequence[int] | torch.Tensor],
+        prompt_lens: Sequence[int],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapters: str | None | Sequence[str | None] = None,
+    ) -> list[torch.Tensor]:
+        """FP32 log-probs of ``sequence[prompt_len:]`` for each sequence, under
+        the sampling transforms of its ``SamplingParams`` (default: plain
+        softmax) and, in multi-mode LoRA, the adapter ``adapters`` names (one
+        for all or one per sequence; None: the base model), bitwise equal to
+        the server's; differentiable."""
+        params = sampling_list(sampling, len(sequences))
+        ids = self._adapter_ids(adapters, len(sequences))
+        batch = pack_scored(sequences, prompt_lens, self.cfg.vocab_size, self.cfg.max_position, self.device)
+        rows = None
+        if any(j >= 0 for j in ids):
+            per_token = torch.repeat_interleave(torch.tensor(ids, device=batch.tokens.device),
+                                                batch.cu_seqlens.diff(), output_size=batch.tokens.shape[0])
+            rows = AdapterRows(per_token, frozenset(ids) - {-1})
+        logits = self.logits(batch.tokens, batch.positions, batch.cu_seqlens, batch.rows, batch.max_seqlen, rows)
+        per_row = [p for p, n in zip(params, batch.counts) for _ in range(n)]
+        t = params_to_tensors(per_row, [0] * len(per_row), device=logits.device)
+        lp = sampling_logprobs(logits, batch.targets, t["temperature"], t["top_k"], t["top_p"], t["min_p"])
+        return list(lp.split(batch.counts))
+
+    def _adapter_ids(self, adapters, n: int) -> list[int]:
+        """Per sequence, the index of its multi-mode adapter (-1: none)."""
+        ids = []
+        for i, a in enumerate(one_each(adapters, n, "sequences", "adapters")):
+            try:
+                ids.append(-1 if a is None else self.adapter_index(a))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"sequence {i}: {e}") from None
+        return ids
+
+
+class ServerBase:
+    """Holds the server's copy of the weights (a dict named as the trainer's
+    forward weights; a tied ``lm_head`` is the embedding) and the LoRA
+    branches its layers add.  ``lora_scale``: lora_alpha / r of separate-mode
+    adapters in ``weights``; ``lora_adapters``: ((name, scale), ...) of the
+    multi-mode adapters in index order (requests name them: ``adapter_names``)."""
+
+    def __init__(self, cfg, weights: dict[str, torch.Tensor], lora_scale: float | None = None,
+                 lora_adapters: tuple[tuple[str, float], ...] = ()):
+        self.cfg = cfg
+        self.weights = weights
+        self.lora_scale = lora_scale
+        self.adapter_names = tuple(name for name, _ in lora_adapters)
+        self.adapter_scales = [scale for _, scale in lora_adapters]
+        # {layer prefix: ((first row, end row, branch), ...)} for layers with adapters, branch as
+        # ``_branch``; sync writes in place and never adds names, so this holds for the server's life
+        self._lora = {}
+        for i in range(cfg.num_layers):
+            for name, slices in self.lora_slices().items():
+                prefix = f"layers.{i}.{name}."
+                branches = [self._branch(prefix, p) for p, _, _ in slices]
+                if any(b is not None for b in branches):
+                    self._lora[prefix] = tuple((lo, hi, b) for (_, lo, hi), b in zip(slices, branches))
+        if self._lora and lora_scale is None and not self.adapter_names:
+            raise ValueError("the weights hold LoRA adapters (lora_A.*) but no lora_scale was given")
+        self.device = weights["embed.weight"].device
+        self.dtype = weights["embed.weight"].dtype
+        self.vocab_size = cfg.vocab_size
+        self.max_position = cfg.max_position
+
+    def lora_slices(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
+        raise NotImplementedError
+
+    def _branch(self, prefix: str, p: str):
+        """Projection p's adapter tensors in layer ``prefix``: separate (A, B);
+        multi ([A_j or None], [B_j or None]) over the adapters; None if none."""
+        w = self.weights
+        if not self.adapter_names:
+            a = w.get(f"{prefix}lora_A.{p}")
+            return None if a is None else (a, w[f"{prefix}lora_B.{p}"])
+        names = [f"{prefix}adapters.{j}.lora_%s.{p}" for j in range(len(self.adapter_names))]
+        a_n, b_n = [w.get(n % "A") for n in names], [w.get(n % "B") for n in names]
+        return None if all(a is None for a in a_n) else (a_n, b_n)
+
+    def w(self, name: str) -> torch.Tensor:
+        return self.weights[name]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.weights.get("lm_head.weight", self.weights["embed.weight"])
+
+    def linear(self, x, prefix, adapter_ids):
+        """x · Wᵀ; an FP8 layer (its ``weight_scale_inv`` present) reads its
+        codes; a layer with LoRA adapters adds their branches (multi mode:
+        each row its own adapter's, by ``adapter_ids`` (T,))."""
+        scale_inv = self.weights.get(prefix + "weight_scale_inv")
+        if scale_inv is not None:
+            return fp8_matmul_fwd(x, self.weights[prefix + "weight"], scale_inv)
+        y = matmul_fwd(x, self.weights[prefix + "weight"])
+        slices = self._lora.get(prefix)
+        if slices is None:
+            return y
+        parts = []
+        for lo, hi, branch in slices:
+            if branch is None:
+                parts.append(y[:, lo:hi])
+            elif self.adapter_names:
+                parts.append(lora_add_multi_fwd(y[:, lo:hi], x, adapter_ids, *branch, self.adapter_scales))
+            else:
+                parts.append(lora_add_fwd(y[:, lo:hi], x, *branch, self.lora_scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
