@@ -169,10 +169,9 @@ def test_score_in_a_small_cache_beside_running_requests(model, alone):
     assert_same(done[0], alone[0])
     small = Engine(model, num_pages=4)
     small.add_request(PROMPTS[3], PARAMS[3])
-    small.step()  # holds 3 pages
-    with pytest.raises(RuntimeError, match="needs 3 KV pages and 1 of 4 are free"):
-        small.score([PROMPTS[0], PROMPTS[3]], [1, 1], PARAMS[3])
-    assert small.block_manager.num_free == 1
+    small.step()  # holds 3 pages: the score preempts it (recomputed later, tests/test_robustness.py)
+    small.score([PROMPTS[0], PROMPTS[3]], [1, 1], PARAMS[3])
+    assert small.block_manager.num_free == 4 and small.num_preemptions == 1
 
 
 def test_sampling_transforms_together(model):

@@ -18,6 +18,12 @@ row's output does not depend on the batch, and the draw on (seed, step) only.
 A step launched ahead completes under the weights it was launched with (its
 tokens carry that version): ``between_steps`` functions, ``update_weights``
 and ``score`` first wait for it and record its tokens.
+
+A step that raises is run again one chunk at a time (same bits: the rows do
+not depend on the batch, and a chunk rewrites the same cache slots); a
+request whose chunk fails alone is dropped, its pages freed, and comes back
+as a Completion with finish_reason "error".  One bad request never stops the
+others, nor later steps.
 """
 from __future__ import annotations
 
@@ -86,11 +92,10 @@ class Engine:
 
         ``overlap``: launch a decode step before reading the previous one's
         tokens (the module docstring); False reads every step before the next.
-        On the H200 (session 11, run 1, qwen3-8b, CUDA graphs, side by side)
-        it decoded 1.11x / 1.11x / 1.10x / 1.17x faster at batch 1 / 8 / 64 /
-        256, and every GPU test passed with it on and off (session 10's run
-        had caught a race in the sampler's parameter staging, fixed by a
-        fresh pinned buffer per step)."""
+        It decodes qwen3-8b 1.10-1.17x faster on the H200 (CUDA graphs, batch 1-256).
+
+        ``kv_cache_bytes``: an int of at least one page's bytes (a smaller
+        cache could hold no request)."""
         if not isinstance(model, ServeModel):
             raise TypeError(f"model must implement ServeModel (vocab_size, max_position, device, kv_cache_spec, "
                             f"allocate_kv_cache, forward); got {type(model).__name__}")
@@ -214,32 +219,58 @@ class Engine:
         The sequences prefill through the same forward, at most
         ``chunk_tokens`` new tokens per sequence and step (default: as the
         token budget allows; 1 makes every step decode-shaped), in the pages
-        left free by running requests, and free them after.  Raises ValueError
-        on bad input, naming the sequence."""
+        left free by running requests, and free them after; when none are
+        free, running requests are preempted (recomputed later, same bits).
+        Raises ValueError on bad input, naming the sequence (and one that needs
+        more pages than the whole cache), and holds no pages after a failure."""
         seqs = self._score_sequences(sequences, prompt_lens, sampling, adapters, chunk_tokens)
         with self._lock:
             self._drain()
             self._run_hooks()
-            sched = Scheduler(self.block_manager, self.max_batch_tokens, self.max_batch_size, chunk_tokens)
-            for seq in seqs:
-                if seq.tokens:
-                    sched.add(seq)
             try:
-                while not sched.idle:
-                    chunks = sched.schedule()
-                    with torch.inference_mode():
-                        results = self.runner.run(chunks, self.block_manager)
-                    for c, res in zip(chunks, results):
-                        c.seq.num_cached = c.end
-                        c.seq.logprobs += [lp for _, lp in res]
-                    sched.retire([c.seq for c in chunks if c.seq.num_cached == c.seq.num_fed])
-            finally:  # a failed call must not keep pages
-                for seq in sched.running:
-                    self.block_manager.free(seq.id)
-                self._score_preemptions += sched.num_preemptions
+                self._score(seqs, chunk_tokens)
+            except Exception as e:
+                i, err = self._score_culprit(seqs, chunk_tokens) if len(seqs) > 1 else (0, e)
+                where, err = (f"sequence {i}: ", err) if i is not None else ("", e)
+                raise ValueError(f"{where}scoring failed: {type(err).__name__}: {err}") from e
         return [torch.tensor(seq.logprobs, dtype=torch.float32) for seq in seqs]
 
     # ------------------------------------------------------------ internals
+    def _score(self, seqs: list[Sequence], chunk_tokens: int | None) -> None:
+        sched = Scheduler(self.block_manager, self.max_batch_tokens, self.max_batch_size, chunk_tokens)
+        for seq in seqs:
+            if seq.tokens:
+                sched.add(seq)
+        try:
+            while not sched.idle:
+                if not sched.running:  # the oldest waits for pages only while generated requests hold them
+                    first = sched.waiting[0]
+                    while (self.block_manager.pages_needed(first.id, first.num_fed) > self.block_manager.num_free
+                           and self.scheduler.preempt_newest()):
+                        pass
+                chunks = sched.schedule()
+                with torch.inference_mode():
+                    results = self.runner.run(chunks, self.block_manager)
+                for c, res in zip(chunks, results):
+                    c.seq.num_cached = c.end
+                    c.seq.logprobs += [lp for _, lp in res]
+                sched.retire([c.seq for c in chunks if c.seq.num_cached == c.seq.num_fed])
+        finally:  # a failed call must not keep pages
+            for seq in sched.running:
+                self.block_manager.free(seq.id)
+            self._score_preemptions += sched.num_preemptions
+
+    def _score_culprit(self, seqs: list[Sequence], chunk_tokens: int | None) -> tuple[int | None, Exception | None]:
+        """(index, error) of the first sequence whose scoring fails alone; (None, None) if none does."""
+        for i, s in enumerate(seqs):
+            alone = Sequence(s.prompt, s.sampling, score_tokens=s.tokens,
+                             adapter=None if s.adapter_name is None else (s.adapter_name, s.adapter_id))
+            try:
+                self._score([alone], chunk_tokens)
+            except Exception as e:
+                return i, e
+        return None, None
+
     def _step(self) -> list[Completion]:
         with self._lock:
             if self._hooks:
@@ -251,25 +282,70 @@ class Engine:
                 if launched is None:
                     if self.scheduler.idle:
                         return done
-                    launched = self.runner.launch(self.scheduler.schedule(), self.block_manager,
-                                                  version=self.weight_version)
-                self._ahead = self._launch_ahead(launched)
-            return done + self._finish(launched)
+                    chunks = self.scheduler.schedule()
+                    try:
+                        launched = self.runner.launch(chunks, self.block_manager, version=self.weight_version)
+                    except Exception as e:
+                        return done + self._run_alone(chunks, e, self.weight_version)
+                ahead = self._plan_ahead(launched)
+                if ahead is not None:
+                    try:
+                        self._ahead = self.runner.launch(*ahead[:2], tokens=ahead[2], steps=ahead[3],
+                                                         version=self.weight_version)
+                    except Exception as e:
+                        # its chunks hold their slots: run them alone once this step's tokens are known
+                        return done + self._finish(launched) + self._run_alone(ahead[0], e, self.weight_version)
+                return done + self._finish(launched)
 
     def _finish(self, launched: Launched) -> list[Completion]:
-        """Wait for a launched step and record its tokens; retire what finished."""
+        """Wait for a launched step and record its tokens; retire what
+        finished.  A step whose read fails runs again chunk by chunk."""
+        try:
+            results = launched.read()
+        except Exception as e:
+            ahead, self._ahead = self._ahead, None  # launched from this step's device tokens: run it again too
+            done = self._run_alone(launched.chunks, e, launched.version)
+            return done + (self._run_alone(ahead.chunks, None, ahead.version) if ahead is not None else [])
+        return self._record(launched.chunks, results, launched.version)
+
+    def _record(self, chunks: list[Chunk], results, version: int) -> list[Completion]:
         finished = []
-        for c, res in zip(launched.chunks, launched.read()):
+        for c, res in zip(chunks, results):
             seq = c.seq
             if seq.status is Status.FINISHED:  # it stopped at the step before: this row rode along
                 continue
             seq.num_cached = c.end
             for tok, lp in res:
-                seq.append(tok, lp, launched.version)
+                seq.append(tok, lp, version)
             if seq.finish_reason is not None:
                 finished.append(seq)
         self.scheduler.retire(finished)
         return [s.completion() for s in finished]
+
+    def _run_alone(self, chunks: list[Chunk], error: Exception | None, version: int) -> list[Completion]:
+        """A step (under weight ``version``) that raised ``error`` (None: its
+        inputs were lost), its chunks holding their slots: run each chunk by
+        itself, from the host's token ids, and drop the requests whose chunk
+        fails alone.  The others' bits are those of the batched step."""
+        chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
+        if len(chunks) == 1 and error is not None:  # alone already
+            return [self._drop(chunks[0].seq, error)]
+        done = []
+        for c in chunks:
+            try:
+                results = self.runner.launch([c], self.block_manager, version=version).read()
+            except Exception as e:
+                done.append(self._drop(c.seq, e))
+                continue
+            done += self._record([c], results, version)
+        return done
+
+    def _drop(self, seq: Sequence, error: Exception) -> Completion:
+        """End a request whose step failed by itself: free its pages, report why."""
+        seq.finish_reason = "error"
+        seq.error = f"the request's step failed: {type(error).__name__}: {error}"
+        self.scheduler.retire([seq])
+        return seq.completion()
 
     def _drain(self) -> None:
         """Wait for a step launched ahead and record it (its finished requests
@@ -278,12 +354,13 @@ class Engine:
             launched, self._ahead = self._ahead, None
             self._drained += self._finish(launched)
 
-    def _launch_ahead(self, launched: Launched) -> Launched | None:
-        """Launch the step after ``launched`` before it is read, when that step
-        is fixed already: every chunk a drawn decode row of a running sequence,
-        the whole batch (no request waiting for a free batch slot), a page for
-        each next position.  Sequences whose token of ``launched`` is their
-        last by length are left out; ones that stop on a stop token ride along."""
+    def _plan_ahead(self, launched: Launched):
+        """The step after ``launched``, to launch before it is read, when that
+        step is fixed already: every chunk a drawn decode row of a running
+        sequence, the whole batch (no request waiting for a free batch slot), a
+        page for each next position.  Sequences whose token of ``launched`` is
+        their last by length are left out; ones that stop on a stop token ride
+        along.  -> (chunks, block manager, device token ids, sampler steps) or None."""
         sched, bm, chunks = self.scheduler, self.block_manager, launched.chunks
         if not self.overlap or self._hooks or not chunks or launched.tokens is None:
             return None
@@ -297,8 +374,7 @@ class Engine:
         nxt = [Chunk(chunks[i].seq, chunks[i].end, chunks[i].end + 1, bm.append(chunks[i].seq.id, 1)) for i in keep]
         ids = launched.tokens if len(keep) == len(chunks) else \
             launched.tokens[torch.tensor(keep, dtype=torch.int64).to(launched.tokens.device, non_blocking=True)]
-        return self.runner.launch(nxt, bm, tokens=ids, steps=[len(chunks[i].seq.tokens) + 1 for i in keep],
-                                  version=self.weight_version)
+        return nxt, bm, ids, [len(chunks[i].seq.tokens) + 1 for i in keep]
 
     def _score_sequences(self, sequences, prompt_lens, sampling, adapters, chunk_tokens) -> list[Sequence]:
         if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
@@ -360,16 +436,20 @@ class Engine:
 
     def _num_pages(self, num_pages, kv_cache_bytes, device) -> int:
         if num_pages is not None:
-            if not isinstance(num_pages, int) or num_pages < 1:
+            if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
                 raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
             return num_pages
+        page = self.model.kv_cache_spec().bytes_per_page()
         if kv_cache_bytes is None:
             if device.type == "cuda":
-                kv_cache_bytes = int(torch.cuda.mem_get_info(device)[0] * CUDA_KV_CACHE_FRACTION)
+                kv_cache_bytes = max(page, int(torch.cuda.mem_get_info(device)[0] * CUDA_KV_CACHE_FRACTION))
             else:
                 kv_cache_bytes = CPU_KV_CACHE_BYTES
+        elif isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < page:
+            raise ValueError(f"kv_cache_bytes must be an int of at least one KV page ({page} bytes for this model), "
+                             f"got {kv_cache_bytes!r}")
         most = self.max_batch_size * -(-self.model.max_position // PAGE_SIZE)
-        return max(1, min(most, kv_cache_bytes // self.model.kv_cache_spec().bytes_per_page()))
+        return max(1, min(most, kv_cache_bytes // page))
 
 
 def _as_list(ids) -> list:

@@ -103,6 +103,15 @@ class Scheduler:
             self.block_manager.free(seq.id)
         self.running = [s for s in self.running if s.status is Status.RUNNING]
 
+    def preempt_newest(self) -> bool:
+        """Preempt the newest running sequence (recomputed later, same bits):
+        how another user of the cache (``Engine.score``) makes room; False
+        when nothing runs."""
+        if not self.running:
+            return False
+        self._preempt(self.running.pop())
+        return True
+
     def _chunk(self, seq: Sequence, n: int) -> Chunk:
         start = seq.num_cached
         return Chunk(seq, start, start + n, self.block_manager.append(seq.id, n))

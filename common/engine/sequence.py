@@ -30,7 +30,8 @@ class Completion:
 
     tokens:          generated ids, the stop token included if one ended it
     logprobs:        (len(tokens),) fp32 CPU: the log-prob the sampler returned
-    finish_reason:   "stop" | "length" | "error" (then ``error`` says why)
+    finish_reason:   "stop" | "length" | "error" (then ``error`` says why; ``tokens`` holds
+                     those sampled before a step of its own failed)
     weight_version:  the version the last token was sampled under (-1: no token)
     weight_versions: the version of each token
     request_id:      what ``Engine.add_request`` returned
@@ -68,6 +69,7 @@ class Sequence:
         self.num_cached = 0  # positions whose k/v are in the cache
         self.status = Status.WAITING
         self.finish_reason: str | None = None
+        self.error: str | None = None
         self._stop = frozenset(sampling.stop_token_ids)
 
     @property
@@ -120,6 +122,7 @@ class Sequence:
             tokens=list(self.tokens),
             logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
             finish_reason=self.finish_reason,
+            error=self.error,
             weight_version=self.versions[-1] if self.versions else -1,
             weight_versions=tuple(self.versions),
             request_id=self.id,
