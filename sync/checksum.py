@@ -160,10 +160,11 @@ def checksums_and_nonfinite(ts, *, nonfinite: bool = True) -> list[tuple[int, in
     for i, (acc, _, _) in enumerate(accs):
         by_device.setdefault(acc.device, []).append(i)
     for idx in by_device.values():
-        zero = torch.zeros((), dtype=torch.int64, device=accs[idx[0]][0].device)
-        rows = torch.stack([torch.stack([accs[i][0], zero if accs[i][1] is None else accs[i][1]]) for i in idx])
-        for i, (v, bad) in zip(idx, rows.tolist()):
-            vals[i] = (v, bad)
+        counted = [i for i in idx if accs[i][1] is not None]
+        flat = torch.stack([accs[i][0] for i in idx] + [accs[i][1] for i in counted]).tolist()
+        bad = dict(zip(counted, flat[len(idx):]))
+        for i, v in zip(idx, flat):
+            vals[i] = (v, bad.get(i, 0))
     return [(_mix64((v & _MASK64) ^ _mix64(n)), bad) for (v, bad), (_, _, n) in zip(vals, accs)]
 
 
