@@ -15,9 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ...common.attention import attention
-from ...common.layers import LORA_MODES, AdapterRows, Fp8Linear, Linear, LoRALinear, MultiLoRALinear, Weight  # noqa: F401
-from ...common.layers import check_adapter_configs as _check_adapters
-from ...common.layers import check_lora_config as _check_lora
+from ...common.layers import AdapterRows, Fp8Linear, Linear, Weight
 from ...common.lm_head import lm_head_logits
 from ...common.rmsnorm import rmsnorm, rmsnorm_residual
 from ...common.rope import rope
@@ -25,14 +23,6 @@ from ...common.swiglu import swiglu_gate_up
 from ..base import TrainerBase
 from .config import Qwen3Config
 from .weights import LORA_TARGETS, MODEL_TYPE as NAME, lora_slices
-
-
-def check_lora_config(lora):
-    return _check_lora(lora, tuple(LORA_TARGETS), NAME)
-
-
-def check_adapter_configs(adapters):
-    return _check_adapters(adapters, tuple(LORA_TARGETS), NAME)
 
 
 class Qwen3Block(nn.Module):

@@ -1,0 +1,260 @@
+"""One loader for every model of the zoo: a model folder describes itself
+in a ``ModelSpec`` (``models/spec.py``) and these functions do the rest:
+config resolution, the trainer from a checkpoint or a seeded init, LoRA in
+three modes with PEFT adapters, unified FP8, the server and its engine, the
+``Pair``, and saving back in the Hugging Face format.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+
+import torch
+
+from ..common.layers import LORA_MODES, LoRALinear, MultiLoRALinear, check_adapter_configs, check_lora_config
+from ..common.lora import LoRAConfig
+from .spec import ModelSpec
+
+log = logging.getLogger("alignzoo.models")
+
+
+def _check_lora(spec: ModelSpec, lora):
+    return check_lora_config(lora, spec.trainer_cls.lora_targets, spec.name)
+
+
+def _check_adapters(spec: ModelSpec, adapters):
+    return check_adapter_configs(adapters, spec.trainer_cls.lora_targets, spec.name)
+
+
+def resolve_config(spec: ModelSpec, checkpoint=None, config=None):
+    """The config from a checkpoint's config.json, a preset name, a
+    config object of the model's class, a transformers config dict (has
+    ``model_type``) or a dict of field overrides on the ``tiny`` preset."""
+    cls, presets = spec.config_cls, spec.presets
+    if checkpoint is not None:
+        if config is not None:
+            raise ValueError("pass either checkpoint= or config=, not both (the checkpoint carries its config)")
+        if not os.path.isdir(os.fspath(checkpoint)):
+            raise FileNotFoundError(f"checkpoint directory {os.fspath(checkpoint)!r} does not exist")
+        return cls.from_hf(checkpoint)
+    if config is None:
+        return presets["tiny"]
+    if isinstance(config, cls):
+        return config
+    if isinstance(config, str):
+        return cls.preset(config)
+    if isinstance(config, dict):
+        if "model_type" in config:
+            return cls.from_hf(config)
+        unknown = set(config) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown {spec.name} config fields {sorted(unknown)}; fields: {sorted(cls.__dataclass_fields__)}")
+        return presets["tiny"].replace(**config)
+    raise TypeError(f"config must be a preset name ({', '.join(presets)}), a dict or a {cls.__name__}, got {type(config).__name__}")
+
+
+def init_weights(trainer, seed: int = 0) -> None:
+    """transformers' default init (normal, std 0.02; 1-D weights (norms) at one), drawn on
+    the trainer's device from a fixed seed, so a (config, seed, device type)
+    names a model."""
+    device = trainer.device
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(trainer.named_parameters()):
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.empty(p.shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=g))
+
+
+def build_trainer(spec: ModelSpec, cfg, checkpoint=None, *, device="cpu", dtype=torch.bfloat16, seed: int = 0,
+                  activation_checkpointing: bool = False, fp8: bool = False):
+    """The model's trainer, from a checkpoint or from the model's seeded init."""
+    trainer = spec.trainer_cls(cfg, device=device, dtype=dtype, activation_checkpointing=activation_checkpointing, fp8=fp8)
+    if checkpoint is None:
+        spec.init_weights(trainer, seed)
+        return trainer
+    from ..weights import HFCheckpoint, read_hf_config
+    from ..weights.fp8 import DequantizedSource, is_fp8_checkpoint
+
+    fp8_ckpt = is_fp8_checkpoint(read_hf_config(checkpoint))
+    with HFCheckpoint(checkpoint) as ckpt:
+        tensors = spec.from_hf(DequantizedSource(ckpt) if fp8_ckpt else ckpt, cfg,
+                                dtype=torch.float32 if fp8 else dtype, device=device)
+    with torch.no_grad():
+        for name, p in trainer.named_parameters():
+            p.copy_(tensors.pop(name))
+    return trainer
+
+
+def server_weights(trainer) -> dict[str, torch.Tensor]:
+    """The server's own tensors, shaped as the ones the trainer's forward
+    reads; left unfilled: the pair's first sync writes every byte (a clone
+    here would copy the whole model twice at start-up)."""
+    return {name: torch.empty_like(t) for name, t in trainer.forward_weights().items()}
+
+
+def read_lora_adapter(spec: ModelSpec, directory) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], LoRAConfig]:
+    """A PEFT adapter directory of a model of ``spec`` -> ({``layers.{i}.<projection>``: (A, B)}, config)."""
+    from ..common.lora import load_peft_adapter
+
+    adapters, lora = load_peft_adapter(directory, from_hf=spec.lora_from_hf)
+    return adapters, _check_lora(spec, lora)
+
+
+def _check_same_lora(spec: ModelSpec, have, want, where) -> None:
+    a, b = _check_lora(spec, have), _check_lora(spec, want)
+    if (a.r, a.scale, a.target_modules) != (b.r, b.scale, b.target_modules):
+        raise ValueError(f"{where} has r={b.r}, scale={b.scale}, target_modules={b.target_modules}, but the model's "
+                         f"LoRA has r={a.r}, scale={a.scale}, target_modules={a.target_modules}")
+
+
+def load(spec: ModelSpec, checkpoint=None, config=None, device=None, dtype=torch.bfloat16, *, seed: int = 0,
+         activation_checkpointing: bool = False, server_kernels: str = "aligned", fp8: bool = False,
+         lora=None, lora_mode: str | None = None, lora_adapter=None, lora_adapters: Mapping | None = None,
+         **engine_kwargs):
+    """A ``Pair`` of the model ``spec`` describes; see ``alignzoo.load_pair``.  ``server_kernels="vendor"``
+    serves with torch's own kernels (the model's ``serve_vendor.py``): a deliberately
+    misaligned pair, for showing and measuring the mismatch.  ``fp8=True``:
+    unified FP8 — FP32 masters quantized once per optimizer step, the server
+    runs the same FP8 GEMMs on the same codes.
+
+    LoRA: ``lora`` a ``LoRAConfig`` (or a dict of its fields: r, lora_alpha,
+    target_modules from q_proj k_proj v_proj o_proj gate_proj up_proj
+    down_proj, or "all-linear"; use_rslora) freezes the base and adds one
+    adapter per targeted projection and layer (B = 0: the model is unchanged
+    until it trains; A seeded from ``seed``); only the adapters are
+    trainable.  ``lora_mode``: "merged" (W' = W + s·B·A is rebuilt once per
+    optimizer step, read by the trainer and shipped to the server as the
+    layer's weight) or "separate" (base output plus the adapter branch on
+    both sides; the sync ships the adapters alone).  ``lora_adapter``: a PEFT
+    adapter directory to start from (its config is used when ``lora`` is None).
+
+    Multi-adapter LoRA (``lora_mode="multi"``, the default with
+    ``lora_adapters``): ``lora_adapters`` = ``{name: LoRAConfig, dict of its
+    fields, or PEFT adapter directory}``, each adapter its own rank, scale
+    and targets on one frozen base.  A request picks one
+    (``pair.server.generate(prompts, sampling, adapters=name or [one per
+    prompt])``, None: the base model) and many share one engine batch;
+    ``pair.trainer.logprobs(..., adapters=...)`` scores the same way, and
+    ``pair.trainer.adapter_parameters(name)`` are what an optimizer on one
+    adapter steps.  The sync ships every adapter's A and B (changed blocks).
+    """
+    if server_kernels not in ("aligned", "vendor"):
+        raise ValueError(f"server_kernels must be 'aligned' or 'vendor', got {server_kernels!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed must be an int that fits in int64 (it seeds torch.Generator), got {seed!r}")
+    if lora_mode is None:
+        lora_mode = "multi" if lora_adapters is not None else "merged"
+    if lora_mode not in LORA_MODES:
+        raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {lora_mode!r}")
+    if (lora_mode == "multi") != (lora_adapters is not None) or lora_mode == "multi" and (
+            lora is not None or lora_adapter is not None):
+        raise ValueError("multi-adapter LoRA takes lora_adapters={name: LoRAConfig, dict or PEFT dir} (and neither "
+                         "lora= nor lora_adapter=); lora_mode 'merged' and 'separate' take lora= or lora_adapter=")
+    from ..common.engine import Engine
+    from .pair import Pair
+
+    adapters = None
+    if lora_mode == "multi":
+        if not isinstance(lora_adapters, Mapping):
+            raise TypeError(f"lora_adapters must be a dict {{name: LoRAConfig, dict or PEFT dir}}, "
+                            f"got {type(lora_adapters).__name__}")
+        lora, adapters = {}, {}  # {name: config}, {name: tensors} of those read from PEFT directories
+        for name, source in lora_adapters.items():
+            if isinstance(source, (str, os.PathLike)):
+                adapters[name], lora[name] = read_lora_adapter(spec, source)
+            else:
+                lora[name] = source
+    elif lora_adapter is not None:
+        adapters, from_file = read_lora_adapter(spec, lora_adapter)
+        if lora is None:
+            lora = from_file
+        else:
+            _check_same_lora(spec, lora, from_file, f"the adapter in {os.fspath(lora_adapter)!r}")
+    if lora is not None:
+        lora = _check_adapters(spec, lora) if lora_mode == "multi" else _check_lora(spec, lora)
+        if fp8:
+            raise NotImplementedError("LoRA with fp8=True is not supported yet; use bf16 or fp32 with LoRA")
+        if lora_mode != "merged" and server_kernels == "vendor":
+            raise NotImplementedError(f"the vendor server does not apply {lora_mode} LoRA adapters; "
+                                      f"use lora_mode='merged'")
+    cfg = resolve_config(spec, checkpoint, config)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    t0 = time.perf_counter()
+    trainer = build_trainer(spec, cfg, checkpoint, device=device, dtype=dtype, seed=seed,
+                            activation_checkpointing=activation_checkpointing, fp8=fp8)
+    if lora is not None:
+        trainer.add_lora(lora, lora_mode, seed=seed)
+        if lora_mode == "multi":
+            for name, tensors in adapters.items():
+                trainer.set_lora_adapters(tensors, adapter=name)
+        elif adapters is not None:
+            trainer.set_lora_adapters(adapters)
+    log.info("%s trainer built on %s in %.1fs (%s%s)", spec.name, device, time.perf_counter() - t0,
+             "checkpoint " + os.fspath(checkpoint) if checkpoint is not None else f"random init, seed {seed}",
+             "" if lora is None else f"; LoRA adapters {', '.join(lora)}" if lora_mode == "multi"
+             else f"; LoRA r={lora.r} {lora_mode} on {','.join(lora.target_modules)}")
+    t0 = time.perf_counter()
+    server_cls = spec.vendor_server_cls() if server_kernels == "vendor" else spec.server_cls
+    if lora_mode == "multi":
+        model = server_cls(cfg, server_weights(trainer),
+                           lora_adapters=tuple((n, c.scale) for n, c in trainer.adapter_configs.items()))
+    else:
+        lora_scale = lora.scale if lora is not None and lora_mode == "separate" else None
+        model = server_cls(cfg, server_weights(trainer), lora_scale=lora_scale)
+    server = Engine(model, **engine_kwargs)
+    log.info("%s server engine ready in %.1fs (%d KV pages)", spec.name, time.perf_counter() - t0, server.num_pages)
+    return Pair(spec.name, cfg, trainer, server)
+
+
+def save_pretrained(spec: ModelSpec, trainer, directory, *, max_shard_bytes: int | None = None,
+                    adapter_only: bool = False, adapter: str | None = None) -> None:
+    """Write the trainer's weights as a transformers checkpoint of the model.
+
+    With LoRA: every adapter merged into its weight (W' = ``lora_merge_fwd``,
+    the bytes a merged-mode pair serves, so a plain pair loaded from it
+    gives that pair's log-probs bitwise; a separate-mode pair's log-probs
+    round differently).  ``adapter_only=True``: only the adapters, as a PEFT
+    directory (adapter_config.json + adapter_model.safetensors, modules
+    ``base_model.model.model.layers.{i}.self_attn.q_proj`` ...).  Multi-mode
+    LoRA: ``adapter`` names the one adapter to merge or write."""
+    from ..weights import save_hf_checkpoint
+
+    lora = trainer.lora_config(adapter)  # raises unless adapter fits the mode
+    if adapter_only:
+        if trainer.lora_mode is None:
+            raise ValueError("adapter_only=True needs a LoRA model (load_pair(..., lora=...))")
+        from ..common.lora import save_peft_adapter
+
+        save_peft_adapter(directory, trainer.lora_adapters(adapter), lora, to_hf=spec.lora_to_hf)
+        return
+    cfg = trainer.cfg
+    wdtype = trainer.embed.weight.dtype
+    dtype = str(wdtype).replace("torch.", "")
+    tensors = {n: p.detach() for n, p in trainer.named_parameters() if ".lora_" not in n}
+    j = trainer.adapter_index(adapter) if trainer.lora_mode == "multi" else None
+    for name, m in trainer.named_modules():
+        if isinstance(m, LoRALinear):
+            tensors[name + ".weight"] = m.merge()
+        elif isinstance(m, MultiLoRALinear):
+            tensors[name + ".weight"] = m.merge(j)
+    tensors = {n: t.to(wdtype) for n, t in tensors.items()}  # FP8 masters: fp32
+    kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    save_hf_checkpoint(directory, cfg.to_hf(dtype), spec.to_hf(tensors, cfg), **kw)
+
+
+def load_adapter(spec: ModelSpec, pair, directory, adapter: str | None = None) -> int:
+    """Load a PEFT adapter directory into ``pair``'s LoRA adapters (multi
+    mode: into the one named ``adapter``; same r, scale and target modules
+    as it has) and sync; returns the new weight version."""
+    t = pair.trainer
+    if t.lora_mode is None:
+        raise ValueError("the pair has no LoRA adapters: load it with load_pair(..., lora_adapter=directory)")
+    have = t.lora_config(adapter)  # a clear error unless ``adapter`` fits the mode
+    adapters, lora = read_lora_adapter(spec, directory)
+    _check_same_lora(spec, have, lora, f"the adapter in {os.fspath(directory)!r}")
+    t.set_lora_adapters(adapters, adapter=adapter)
+    return pair.sync()
