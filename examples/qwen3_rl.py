@@ -32,7 +32,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rl_common import OBJECTIVES, OrderedGradSum, check_alignment, group_advantages, token_objective  # noqa: E402
+from rl_common import (  # noqa: E402
+    OBJECTIVES, OrderedGradSum, check_alignment, group_advantages, reward_summary, token_objective)
 
 import alignzoo  # noqa: E402
 from alignzoo import SamplingParams  # noqa: E402
@@ -84,7 +85,10 @@ def parse(argv=None):
                                                  "(with --lora: merged, and the PEFT adapter in SAVE/adapter; "
                                                  "--lora-mode multi: each task's PEFT adapter in SAVE/<task>)")
     ap.add_argument("--no-plot", action="store_true")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    return args
 
 
 def multi_lora(args) -> bool:
@@ -245,11 +249,9 @@ def main(argv=None) -> int:
             f.write(json.dumps(row) + "\n")
             f.flush()
             bar.set_postfix(reward=f"{row['reward']:.3f}", k3_max=f"{row['k3_max']:.2g}", tokens=row["tokens"])
-    first = sum(r["reward"] for r in log[:3]) / min(3, len(log))
-    last = sum(r["reward"] for r in log[-5:]) / min(5, len(log))
     worst = max(r["k3_max"] for r in log)
     differing = sum(r["differing_tokens"] for r in log)
-    print(f"reward {first:.3f} (first steps) -> {last:.3f} (last 5 steps); "
+    print(f"{reward_summary([r['reward'] for r in log])}; "
           f"K3 max over the run {worst:.3g}; {differing} of {sum(r['tokens'] for r in log)} tokens differ")
     if not args.no_plot:
         path = os.path.join(args.out, "rl.png")

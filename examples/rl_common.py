@@ -77,3 +77,16 @@ def check_alignment(lp_trainer: Sequence[torch.Tensor], lp_server: Sequence[torc
     m = mismatch(a, b)
     return {"tokens": m.tokens, "differing": m.differing, "k3_mean": m.k3_mean, "k3_max": m.k3_max,
             "max_abs_dlogprob": m.max_abs_diff}
+
+
+
+def reward_summary(rewards: Sequence[float], window: int = 5) -> str:
+    """Mean reward of the first k steps against the last k, k = min(window, steps // 2): the two windows
+    never share a step (a fixed "first 3" and "last 5" were the same steps in a 4-step run)."""
+    n = len(rewards)
+    if n < 2:
+        return f"mean reward {rewards[0]:.3f} (one step)" if n else "no steps"
+    k = min(window, n // 2)
+    steps = "step" if k == 1 else f"{k} steps"
+    first, last = sum(rewards[:k]) / k, sum(rewards[n - k:]) / k
+    return f"mean reward {first:.3f} over the first {steps} -> {last:.3f} over the last {steps} (of {n})"

@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import qwen3_rl  # noqa: E402
-from rl_common import OrderedGradSum, group_advantages, token_objective  # noqa: E402
+from rl_common import OrderedGradSum, group_advantages, reward_summary, token_objective  # noqa: E402
 
 
 def read_log(out):
@@ -74,11 +74,31 @@ def test_objectives_on_policy_gradient(kind):
     assert torch.allclose(group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0])), torch.tensor([1.0, -1.0, 1.0, -1.0]), atol=1e-5)
 
 
-def test_unaligned_mode_shows_the_mismatch(tmp_path):
+def test_unaligned_mode_shows_the_mismatch(tmp_path, capsys):
     out = str(tmp_path / "u")
     assert qwen3_rl.main(["--steps", "2", "--unaligned", "--out", out, "--no-plot"]) == 0
     log = read_log(out)
     assert all(r["differing_tokens"] > 0 and r["k3_max"] > 0 for r in log)
+    first, last = (f"{r['reward']:.3f}" for r in log)
+    assert f"mean reward {first} over the first step -> {last} over the last step (of 2)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 9, 10, 24])
+def test_reward_summary_windows_are_disjoint(n):
+    """Step i's reward is 10**i, so each window's mean names exactly the steps in it."""
+    rewards = [10.0 ** i for i in range(n)]
+    k = min(5, n // 2)
+    text = reward_summary(rewards)
+    first, last = sum(rewards[:k]) / k, sum(rewards[n - k:]) / k
+    assert k <= n - k
+    assert text.startswith(f"mean reward {first:.3f} over the first ") and f"-> {last:.3f} over the last " in text
+    assert text.count(f"{k} steps" if k > 1 else "step ") == 2 and text.endswith(f"(of {n})")
+
+
+def test_reward_summary_one_step_and_steps_at_least_one():
+    assert reward_summary([0.25]) == "mean reward 0.250 (one step)"
+    with pytest.raises(SystemExit):
+        qwen3_rl.parse(["--steps", "0"])
 
 
 def test_multi_adapter_tasks_are_exact_and_reload(tmp_path, capsys):
