@@ -5,14 +5,21 @@
                                                           ladder rungs 1-4 on a model's pair
     alignzoo models                                       models whose pair works
     alignzoo generate MODEL --prompt "1 2 3" [...]        sample a completion (token ids)
+
+A bad argument is one line on stderr (``alignzoo: error: ...``) and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
+
+# What the library raises for input it refuses: a one-line message, exit 2.  Anything else is a bug
+# and keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, NotImplementedError)
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -21,15 +28,97 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def _device(name: str) -> torch.device | None:
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda asked for, but torch sees no CUDA device", file=sys.stderr)
-        return None
+def _say(msg: str) -> None:
+    print(f"alignzoo: {msg}", file=sys.stderr, flush=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
+# --- argument types: argparse turns their ArgumentTypeError into "argument --x: ..." and exit 2 ------
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _seed(text: str) -> int:
+    v = _at_least(0)(text)
+    if v >= 2**63:
+        raise argparse.ArgumentTypeError(f"must fit in int64, got {v}")
+    return v
+
+
+def _sampling_field(name: str, kind: type):
+    """Parse one ``SamplingParams`` field and let ``SamplingParams`` itself judge its range, so the
+    CLI refuses exactly what the library refuses."""
+    def parse(text: str):
+        from .common.sampling import SamplingParams
+
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        try:
+            SamplingParams(**{name: v})
+        except (ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return v
+    parse.__name__ = name
+    return parse
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu or cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: alignzoo runs on cpu or cuda[:N]")
+    if device.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise argparse.ArgumentTypeError(f"{text!r} asked for, but torch sees no CUDA device")
+        if device.index is not None and device.index >= n:
+            raise argparse.ArgumentTypeError(f"{text!r} asked for, but torch sees {n} CUDA device(s)")
     return device
 
 
-def _load_pair(args: argparse.Namespace, device: torch.device, max_batch_size: int):
+def _checkpoint(text: str) -> str:
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; give the checkpoint's directory")
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text!r} has no config.json: not a Hugging Face checkpoint directory")
+    return text
+
+
+def _token_ids(text: str) -> list[int]:
+    parts = text.replace(",", " ").split()
+    if not parts:
+        raise argparse.ArgumentTypeError("the prompt is empty: give token ids, e.g. \"1 2 3\"")
+    bad = [t for t in parts if not (t.isascii() and t.isdigit())]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not a token id: prompts are non-negative integers "
+                                         f"(token ids), e.g. \"1 2 3\"")
+    return [int(t) for t in parts]
+
+
+# --- commands ---------------------------------------------------------------------------------------
+
+def _load_pair(args: argparse.Namespace, max_batch_size: int):
     import logging
 
     from . import load_pair
@@ -37,26 +126,34 @@ def _load_pair(args: argparse.Namespace, device: torch.device, max_batch_size: i
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     extra = {"fp8": True} if args.fp8 else {}
-    return load_pair(args.model, checkpoint=args.checkpoint, config=None if args.checkpoint else args.config,
-                     device=device, dtype=dtype, progress=sys.stderr.isatty(), max_batch_size=max_batch_size, **extra)
+    config = None if args.checkpoint else _preset(args)
+    return load_pair(args.model, checkpoint=args.checkpoint, config=config, device=args.device, dtype=dtype,
+                     progress=sys.stderr.isatty(), max_batch_size=max_batch_size, **extra)
 
 
-def cmd_check_model(args: argparse.Namespace, device: torch.device) -> int:
-    from tqdm import tqdm
+def _preset(args: argparse.Namespace) -> str:
+    return "tiny" if args.config is None else args.config
 
+
+def _where(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def cmd_check_model(args: argparse.Namespace) -> int:
     from .models.checks import run_ladder
 
     t0 = time.perf_counter()
-    pair = _load_pair(args, device, args.batch)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    _say(f"building the {args.model} pair ({args.checkpoint or _preset(args)}) on {args.device}")
+    pair = _load_pair(args, args.batch)
     c = pair.config
-    print(f"alignzoo check {args.model} on {where} (torch {torch.__version__}): {args.checkpoint or args.config}, "
-          f"{c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, {args.dtype}{' + fp8' if args.fp8 else ''}; "
-          f"{args.batch} sequences up to {args.length} tokens; loaded in {time.perf_counter() - t0:.1f}s")
-    bar = tqdm(total=4, desc="rungs", file=sys.stderr, disable=not sys.stderr.isatty())
+    if args.length > c.max_position:
+        raise ValueError(f"--length {args.length} is past the model's {c.max_position} positions")
+    print(f"alignzoo check {args.model} on {_where(args.device)} (torch {torch.__version__}): "
+          f"{args.checkpoint or _preset(args)}, {c.num_layers} layers, hidden {c.hidden_size}, "
+          f"vocab {c.vocab_size}, {args.dtype}{' + fp8' if args.fp8 else ''}; "
+          f"{args.batch} sequences up to {args.length} tokens; loaded in {time.perf_counter() - t0:.1f}s", flush=True)
     rows = run_ladder(pair, length=args.length, batch=args.batch, seed=args.seed,
-                      progress=lambda s: (bar.set_description(s), bar.update(s.startswith("rung") and s[5] != "1")))
-    bar.close()
+                      progress=lambda s: _say(f"[{time.perf_counter() - t0:6.1f}s] {s}"))
     table = [[r.rung, r.check, "PASS" if r.passed else "FAIL", r.compared, r.differing,
               f"{r.extra['max_abs']:.3g}", f"{r.extra['k3_max']:.3g}"] for r in rows]
     print(_table(table, ["rung", "check", "result", "tokens", "differing", "max|d|", "K3 max"]))
@@ -71,27 +168,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     from . import list_models
     from .common.checks import available_primitives, run_primitive
 
-    device = _device(args.device)
-    if device is None:
-        return 2
     if args.targets and args.targets[0] in list_models():
         if len(args.targets) > 1:
-            print("error: check one model at a time", file=sys.stderr)
-            return 2
+            raise ValueError(f"check one model at a time (got {' '.join(args.targets)})")
         args.model = args.targets[0]
-        return cmd_check_model(args, device)
+        return cmd_check_model(args)
     names = args.targets or available_primitives()
     unknown = [n for n in names if n not in available_primitives()]
     if unknown:
-        print(f"error: unknown primitive(s) {', '.join(unknown)}; known: {', '.join(available_primitives())}; "
-              f"models: {', '.join(list_models())}", file=sys.stderr)
-        return 2
+        raise ValueError(f"unknown primitive(s) or model {', '.join(unknown)}; primitives: "
+                         f"{', '.join(available_primitives())}; models: {', '.join(list_models())}")
     rows, failed = [], 0
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"alignzoo check on {where} (torch {torch.__version__})")
+    print(f"alignzoo check on {_where(args.device)} (torch {torch.__version__})")
     for name in tqdm(names, desc="primitives", unit="op", file=sys.stderr, disable=not sys.stderr.isatty()):
         t0 = time.perf_counter()
-        results = run_primitive(name, device)
+        results = run_primitive(name, args.device)
         dt = time.perf_counter() - t0
         for r in results:
             failed += not r.passed
@@ -110,63 +201,95 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ids(text: str) -> list[int]:
-    return [int(t) for t in text.replace(",", " ").split()]
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from .common.sampling import SamplingParams
 
-    device = _device(args.device)
-    if device is None:
-        return 2
-    pair = _load_pair(args, device, len(args.prompt))
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         max_new_tokens=args.max_new_tokens, seed=args.seed)
-    prompts = [_ids(p) for p in args.prompt]
-    for prompt, out in zip(prompts, pair.server.generate(prompts, sp)):
+    pair = _load_pair(args, len(args.prompt))
+    if args.checkpoint is None:
+        _say(f"note: no --checkpoint given: sampling from a {args.model} '{_preset(args)}' model with "
+             f"random weights (init seed 0; sampling seed {args.seed}), so the tokens mean nothing. "
+             f"Pass --checkpoint DIR for a trained model.")
+    errors = 0
+    for i, (prompt, out) in enumerate(zip(args.prompt, pair.server.generate(args.prompt, sp))):
         if out.error:
-            print(f"error: {out.error}", file=sys.stderr)
+            _say(f"error: prompt {i + 1}: {out.error}")
+            errors += 1
             continue
         print(f"prompt {prompt} -> {out.tokens}  ({out.finish_reason}, weight version {out.weight_version})")
         print("  logprobs " + " ".join(f"{x:.4f}" for x in out.logprobs.tolist()))
-    return 0
+    return 2 if errors else 0
 
+
+# --- parser -----------------------------------------------------------------------------------------
 
 def _model_args(c: argparse.ArgumentParser) -> None:
-    c.add_argument("--checkpoint", default=None, help="Hugging Face checkpoint directory")
-    c.add_argument("--config", default="tiny", help="preset when no checkpoint is given (default tiny)")
+    src = c.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", type=_checkpoint, default=None, help="Hugging Face checkpoint directory")
+    src.add_argument("--config", default=None, help="preset when no checkpoint is given (default tiny)")
     c.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     c.add_argument("--fp8", action="store_true", help="unified FP8 projections (FP32 masters, e4m3 128x128 blocks)")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=_seed, default=0)
+    c.add_argument("--threads", type=_at_least(1), default=None,
+                   help="torch CPU threads (default: OMP_NUM_THREADS if set, else 1)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="alignzoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _set_threads(args: argparse.Namespace) -> None:
+    # One thread unless asked: the tiny check gains little from two (9.4 vs 10.8 s on an idle 2-core
+    # machine), and OpenMP's spinning threads took it to 86-103 s on a busy one (12-19 s with one).
+    n = args.threads or (None if os.environ.get("OMP_NUM_THREADS") else 1)
+    if n and args.device.type == "cpu":
+        torch.set_num_threads(n)
+
+
+def parser() -> argparse.ArgumentParser:
+    from . import list_models
+
+    p = _Parser(prog="alignzoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     c = sub.add_parser("check", help="ladder rungs 1-2 (and accuracy) per primitive, or rungs 1-4 on a model")
     c.add_argument("targets", nargs="*", help="primitives to check (default: all), or one model name")
-    c.add_argument("--device", default=device)
-    c.add_argument("--length", type=int, default=1024, help="longest sequence of a model check")
-    c.add_argument("--batch", type=int, default=4, help="sequences in a model check")
+    c.add_argument("--device", type=_device, default=device)
+    # 2 tokens at least: one prompt token and one to sample
+    c.add_argument("--length", type=_at_least(2), default=1024, help="longest sequence of a model check")
+    c.add_argument("--batch", type=_at_least(1), default=4, help="sequences in a model check")
     _model_args(c)
     c.set_defaults(fn=cmd_check)
     g = sub.add_parser("generate", help="sample completions of token-id prompts")
-    g.add_argument("model")
-    g.add_argument("--prompt", action="append", required=True, help='token ids, e.g. "1 2 3" (repeatable)')
-    g.add_argument("--device", default=device)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("model", choices=list_models())
+    g.add_argument("--prompt", type=_token_ids, action="append", required=True,
+                   help='token ids, e.g. "1 2 3" (repeatable)')
+    g.add_argument("--device", type=_device, default=device)
+    g.add_argument("--temperature", type=_sampling_field("temperature", float), default=1.0)
+    g.add_argument("--top-k", type=_sampling_field("top_k", int), default=0)
+    g.add_argument("--top-p", type=_sampling_field("top_p", float), default=1.0)
+    g.add_argument("--min-p", type=_sampling_field("min_p", float), default=0.0)
+    g.add_argument("--max-new-tokens", type=_sampling_field("max_new_tokens", int), default=16)
     _model_args(g)
     g.set_defaults(fn=cmd_generate)
     m = sub.add_parser("models", help="list the models whose aligned pair works")
     m.set_defaults(fn=cmd_models)
-    args = p.parse_args(argv)
-    return args.fn(args)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status (argparse's own errors and --help included)."""
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
+    threads = torch.get_num_threads()
+    try:
+        if hasattr(args, "device"):
+            _set_threads(args)
+        return args.fn(args)
+    except USER_ERRORS as e:
+        _say("error: " + " ".join(str(e).split("\n")))
+        return 2
+    finally:
+        torch.set_num_threads(threads)  # an in-process caller (a test) keeps its own setting
 
 
 if __name__ == "__main__":
