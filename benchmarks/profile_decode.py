@@ -86,7 +86,7 @@ def kernel_table(title: str, kernels: list, key: str, label: str) -> list:
 
 def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> dict:
     from alignzoo import SamplingParams
-    from alignzoo.common.engine.model_runner import static_decode_batch
+    from alignzoo.common.engine.model_api import static_decode_batch
     from alignzoo.common.sampling import head_width, params_to_tensors, sample_fwd
 
     eng = pair.server
@@ -126,15 +126,15 @@ def profile_batch(pair, B: int, prompt: int, steps: int, g: torch.Generator) -> 
     sample_ms = cuda_ms(sample)
     while eng.has_unfinished():
         eng.step()
-    eager = static_decode_batch(B, runner.graph_width, dev)  # pad rows: nothing is written to the cache
+    eager = static_decode_batch(B, runner.graph_widths, dev)  # pad rows: nothing is written to the cache
     on_cuda = dev.type == "cuda"
     activity = torch.profiler.ProfilerActivity.CUDA if on_cuda else torch.profiler.ProfilerActivity.CPU
     with torch.inference_mode():
-        runner.model.forward(eager, runner.kv_cache)
+        runner.model.forward(eager, runner.caches)
         sync_device(dev)
         with torch.profiler.profile(activities=[activity]) as prof:
             for _ in range(3):
-                runner.model.forward(eager, runner.kv_cache)
+                runner.model.forward(eager, runner.caches)
             sync_device(dev)
     total = (lambda e: e.device_time_total) if on_cuda else (lambda e: e.self_cpu_time_total)
     kernels = [{"kernel": e.key[:90], "calls": e.count // 3, "ms_per_forward": total(e) / 3e3}

@@ -328,7 +328,7 @@ def step_engine(args, emit, server_kernels: str) -> None:
     if side == "aligned":
         from alignzoo.common.kv_cache import PAGE_SIZE
 
-        kv_token = eng.model.kv_cache_spec().bytes_per_page() // PAGE_SIZE
+        kv_token = sum(p.page_bytes() for p in eng.model.cache_pools().values()) // PAGE_SIZE
         emit("engine", {"weight_bytes": decode_weight_bytes(eng.model), "kv_bytes_per_token": kv_token,
                         "max_position": cfg.max_position, "overlap": eng.overlap})
         from alignzoo.models.checks import run_ladder
@@ -412,12 +412,12 @@ def step_warm_task(args, task: dict) -> None:
         prompts = [torch.randint(0, V, (args.prompt,), generator=g).tolist() for _ in range(bs)]
         eng.generate(prompts, SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=2, seed=1, stop_token_ids=()))
     else:  # a decode graph bucket: the forward capture_decode_graphs warms up, and the sampler at bs rows
-        from alignzoo.common.engine.model_runner import static_decode_batch
+        from alignzoo.common.engine.model_api import static_decode_batch
         from alignzoo.common.sampling import params_to_tensors, sample_fwd
 
         with torch.inference_mode():
-            logits = eng.model.forward(static_decode_batch(bs, eng.runner.graph_width, eng.model.device),
-                                       eng.runner.kv_cache)
+            logits = eng.model.forward(static_decode_batch(bs, eng.runner.graph_widths, eng.model.device),
+                                       eng.runner.caches)
             params = params_to_tensors([SamplingParams(temperature=1.0, top_p=0.95, seed=1)] * bs, [0] * bs)
             sample_fwd(logits, **{k: v.to(logits.device) for k, v in params.items()})
     from bench_engine import sync_device

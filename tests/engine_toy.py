@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from alignzoo.common.attention import paged_attention_fwd
-from alignzoo.common.engine import ForwardBatch, KVCacheSpec
-from alignzoo.common.kv_cache import allocate_kv_cache, write_kv_fwd
+from alignzoo.common.engine import ForwardBatch
+from alignzoo.common.kv_cache import PagedPool, write_kv_fwd
 from alignzoo.common.lm_head import lm_head_logits
 from alignzoo.common.lora import lora_add_multi_fwd
 from alignzoo.common.matmul import matmul_fwd
@@ -43,28 +43,29 @@ class ToyServeModel:
         self.lora = [([w(r, hidden, std=hidden**-0.5) for r in ranks], [w(q + 2 * kv, r, std=r**-0.5) for r in ranks])
                      for _ in range(num_layers)]
         self.lora_scales = [8 / r for r in ranks]
+        self.weights = {"embed": self.embed, "pos_embed": self.pos_embed, "lm_head": self.lm_head}
+        self.weights |= {f"layers.{i}.{n}": t for i, ws in enumerate(self.layers) for n, t in zip(("qkv", "o"), ws)}
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype)
+    def cache_pools(self):
+        return {"kv": PagedPool({"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)},
+                                self.dtype, len(self.layers))}
 
-    def allocate_kv_cache(self, num_pages: int):
-        return [allocate_kv_cache(num_pages, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
-                for _ in self.layers]
-
-    def forward(self, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, caches) -> torch.Tensor:
         """-> (R, V) fp32 logits of ``batch.logit_rows``."""
         T = batch.tokens.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed[batch.tokens] + self.pos_embed[batch.positions]  # (T, H)
-        for (wqkv, wo), (a_n, b_n), (k_cache, v_cache) in zip(self.layers, self.lora, kv_cache):
+        kv = batch.pools["kv"]
+        for (wqkv, wo), (a_n, b_n), layer in zip(self.layers, self.lora, caches["kv"]):
+            k_cache, v_cache = layer["k"], layer["v"]
             qkv = matmul_fwd(x, wqkv)  # (T, (hq + 2 hkv) d)
             if a_n:
                 qkv = lora_add_multi_fwd(qkv, x, batch.adapter_ids, a_n, b_n, self.lora_scales)
             q = qkv[:, : hq * d].reshape(T, hq, d).contiguous()
             k = qkv[:, hq * d : (hq + hkv) * d].reshape(T, hkv, d).contiguous()
             v = qkv[:, (hq + hkv) * d :].reshape(T, hkv, d).contiguous()
-            write_kv_fwd(k, v, k_cache, v_cache, batch.slot_mapping)
-            o, _ = paged_attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
+            write_kv_fwd(k, v, k_cache, v_cache, kv.slot_mapping)
+            o, _ = paged_attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens, kv.block_table,
                                        max_seqlen_q=batch.max_seqlen_q)  # (T, hq, d)
             x = x + matmul_fwd(o.reshape(T, hq * d), wo)
         return lm_head_logits(x[batch.logit_rows].contiguous(), self.lm_head)  # (R, V) fp32

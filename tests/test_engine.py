@@ -11,8 +11,9 @@ import pytest
 import torch
 from engine_toy import ToyServeModel
 
-from alignzoo.common.engine import Completion, Engine, ForwardBatch, ServeModel, graph_batch_sizes
-from alignzoo.common.engine.model_runner import DecodeGraphs, first_rows, static_decode_batch
+from alignzoo.common.engine import Completion, Engine, ForwardBatch, PagedRows, ServeModel, graph_batch_sizes
+from alignzoo.common.engine.model_api import first_rows, static_decode_batch
+from alignzoo.common.engine.model_runner import DecodeGraphs
 from alignzoo.common.engine.scheduler import Scheduler
 from alignzoo.common.sampling import SamplingParams
 
@@ -204,13 +205,13 @@ def test_greedy_is_argmax_with_logprob_zero(model, alone):
     assert torch.equal(out.logprobs, torch.zeros(len(out.tokens)))
     seq = out.prompt + out.tokens
     T, P = len(seq) - 1, len(out.prompt)
-    kv = model.allocate_kv_cache(2)
+    caches = {n: p.allocate(2, "cpu") for n, p in model.cache_pools().items()}
     batch = ForwardBatch(
         tokens=torch.tensor(seq[:-1]), positions=torch.arange(T), cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32),
-        seq_lens=torch.tensor([T], dtype=torch.int32), block_table=torch.tensor([[0, 1]], dtype=torch.int32),
-        slot_mapping=torch.arange(T), logit_rows=torch.arange(P - 1, T), adapter_ids=torch.full((T,), -1),
-        max_seqlen_q=T)
-    logits = model.forward(batch, kv)
+        seq_lens=torch.tensor([T], dtype=torch.int32), logit_rows=torch.arange(P - 1, T),
+        adapter_ids=torch.full((T,), -1), state_slots=torch.full((1,), -1),
+        pools={"kv": PagedRows(torch.tensor([[0, 1]], dtype=torch.int32), torch.arange(T))}, max_seqlen_q=T)
+    logits = model.forward(batch, caches)
     assert logits.argmax(-1).tolist() == out.tokens
 
 
@@ -355,12 +356,12 @@ class EagerReplay:
     """Stands in for a captured CUDA graph on the CPU: a replay runs the
     forward on the static inputs and writes the static output."""
 
-    def __init__(self, model, kv_cache, batch, out):
-        self.args, self.out = (model, kv_cache, batch), out
+    def __init__(self, model, caches, batch, out):
+        self.args, self.out = (model, caches, batch), out
 
     def replay(self):
-        model, kv_cache, batch = self.args
-        self.out.copy_(model.forward(batch, kv_cache))
+        model, caches, batch = self.args
+        self.out.copy_(model.forward(batch, caches))
 
 
 def test_padded_decode_path_on_cpu(model, alone):
@@ -370,9 +371,9 @@ def test_padded_decode_path_on_cpu(model, alone):
     runner = eng.runner
     sizes = graph_batch_sizes(6)
     assert sizes == [1, 2, 4, 6]
-    static = static_decode_batch(6, runner.graph_width, "cpu")
+    static = static_decode_batch(6, runner.graph_widths, "cpu")
     logits = {bs: torch.empty(bs, model.vocab_size) for bs in sizes}
-    runner.graphs = DecodeGraphs(static, {bs: EagerReplay(model, runner.kv_cache, first_rows(static, bs), logits[bs])
+    runner.graphs = DecodeGraphs(static, {bs: EagerReplay(model, runner.caches, first_rows(static, bs), logits[bs])
                                           for bs in sizes}, logits)
     replays = []
     real = runner._replay
@@ -421,12 +422,12 @@ def test_adapters_share_a_batch(lora_model):
     # the padded graph path: adapter ids copied into the static batch, pad rows -1
     eng = Engine(m, num_pages=64, max_batch_size=6)
     runner, sizes = eng.runner, graph_batch_sizes(6)
-    static = static_decode_batch(6, runner.graph_width, "cpu")
+    static = static_decode_batch(6, runner.graph_widths, "cpu")
     logits = {bs: torch.empty(bs, m.vocab_size) for bs in sizes}
-    runner.graphs = DecodeGraphs(static, {bs: EagerReplay(m, runner.kv_cache, first_rows(static, bs), logits[bs])
+    runner.graphs = DecodeGraphs(static, {bs: EagerReplay(m, runner.caches, first_rows(static, bs), logits[bs])
                                           for bs in sizes}, logits)
     replays, real = [], runner._replay
-    runner._replay = lambda bs, *a: (replays.append(a[4]), real(bs, *a))[1]
+    runner._replay = lambda bs, host: (replays.append(host["adapter_ids"] + [-1] * (bs - len(host["adapter_ids"]))), real(bs, host))[1]
     for got, want in zip(eng.generate(PROMPTS, LORA_PARAMS, adapters=LORA_PICK), alone):
         assert_same(got, want)
     assert [-1, 0, 1, 0, 2, -1] in replays  # five decode rows and a pad row in bucket 6

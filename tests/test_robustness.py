@@ -406,8 +406,8 @@ def test_an_integer_weight_is_refused_not_cast(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("kw,match", [
-    ({"kv_cache_bytes": -1}, "kv_cache_bytes must be an int of at least one KV page"),
-    ({"kv_cache_bytes": 0}, "kv_cache_bytes must be an int of at least one KV page"),
+    ({"kv_cache_bytes": -1}, "kv_cache_bytes must be an int of at least one page of every cache pool"),
+    ({"kv_cache_bytes": 0}, "kv_cache_bytes must be an int of at least one page of every cache pool"),
     ({"seed": 2**64}, "seed must be an int that fits in int64"),
 ], ids=["kv_negative", "kv_zero", "seed"])
 def test_load_pair_arguments_are_validated(kw, match):
@@ -432,7 +432,7 @@ def test_score_waits_for_pages_held_by_streamed_generation(pair):
         assert torch.equal(got, w)
     preempted = eng.num_preemptions
     assert preempted >= 1
-    with pytest.raises(ValueError, match=r"sequence 0: the request needs 7 KV pages .* the whole cache has 6"):
+    with pytest.raises(ValueError, match=r"sequence 0: the request needs 7 pages of the 'kv' cache .* which has 6"):
         eng.score([list(range(1, 101)) * 4 + [1]], [1], sps[0])
     assert eng.num_preemptions == preempted  # refused up front
     while eng.has_unfinished():

@@ -37,7 +37,8 @@ from collections.abc import Callable, Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
-from ..kv_cache import PAGE_SIZE, BlockManager
+from ..kv_cache import PAGE_SIZE, CacheManager, PoolLimits
+from ..kv_cache.pools import blocks_for_bytes, pool_bytes, pool_units
 from ..sampling import SamplingParams
 from .model_api import ServeModel
 from .model_runner import Launched, ModelRunner
@@ -97,8 +98,8 @@ class Engine:
         ``kv_cache_bytes``: an int of at least one page's bytes (a smaller
         cache could hold no request)."""
         if not isinstance(model, ServeModel):
-            raise TypeError(f"model must implement ServeModel (vocab_size, max_position, device, kv_cache_spec, "
-                            f"allocate_kv_cache, forward); got {type(model).__name__}")
+            raise TypeError(f"model must implement ServeModel (vocab_size, max_position, device, weights, "
+                            f"cache_pools, forward); got {type(model).__name__}")
         for name, v in (("max_batch_tokens", max_batch_tokens), ("max_batch_size", max_batch_size)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -112,10 +113,14 @@ class Engine:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.progress = progress
-        self.num_pages = self._num_pages(num_pages, kv_cache_bytes, device)
-        self.block_manager = BlockManager(self.num_pages, shuffle_seed=page_shuffle_seed)
+        pools = model.cache_pools()
+        limits = PoolLimits(max_batch_size, max_batch_tokens)
+        self.num_pages = self._num_pages(pools, limits, num_pages, kv_cache_bytes, device)
+        self.pool_units = pool_units(pools, self.num_pages, limits)  # pages (slots) of each pool
+        self.block_manager = CacheManager({n: p.ledger(self.pool_units[n], name=n, shuffle_seed=page_shuffle_seed)
+                                           for n, p in pools.items()})
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, max_batch_size)
-        self.runner = ModelRunner(model, self.num_pages, max_batch_size=max_batch_size, cuda_graphs=cuda_graphs)
+        self.runner = ModelRunner(model, self.pool_units, max_batch_size=max_batch_size, cuda_graphs=cuda_graphs)
         self.weight_version = 0
         self._score_preemptions = 0
         self._hooks: deque[Callable[[], None]] = deque()
@@ -210,7 +215,7 @@ class Engine:
 
     def score(self, sequences: Seq[Seq[int]], prompt_lens: Seq[int],
               sampling: SamplingParams | Seq[SamplingParams], *, adapters: str | None | Seq[str | None] = None,
-              chunk_tokens: int | None = None) -> list[torch.Tensor]:
+              chunk_tokens: int | None = None, return_extras: bool = False):
         """Teacher-forced log-probs: for each sequence, (len - prompt_len,) fp32
         CPU, the log-prob of ``sequence[prompt_len:]`` under the sampling
         transforms (and LoRA adapter: as ``generate``), bitwise what
@@ -222,7 +227,9 @@ class Engine:
         left free by running requests, and free them after; when none are
         free, running requests are preempted (recomputed later, same bits).
         Raises ValueError on bad input, naming the sequence (and one that needs
-        more pages than the whole cache), and holds no pages after a failure."""
+        more pages than the whole cache), and holds no pages after a failure.
+        ``return_extras``: (log-probs, per sequence the model's per-token
+        extras {name: (len - 1, ...)}) instead."""
         seqs = self._score_sequences(sequences, prompt_lens, sampling, adapters, chunk_tokens)
         with self._lock:
             self._drain()
@@ -233,7 +240,8 @@ class Engine:
                 i, err = self._score_culprit(seqs, chunk_tokens) if len(seqs) > 1 else (0, e)
                 where, err = (f"sequence {i}: ", err) if i is not None else ("", e)
                 raise ValueError(f"{where}scoring failed: {type(err).__name__}: {err}") from e
-        return [torch.tensor(seq.logprobs, dtype=torch.float32) for seq in seqs]
+        lps = [torch.tensor(seq.logprobs, dtype=torch.float32) for seq in seqs]
+        return (lps, [seq.gathered_extras() for seq in seqs]) if return_extras else lps
 
     # ------------------------------------------------------------ internals
     def _score(self, seqs: list[Sequence], chunk_tokens: int | None) -> None:
@@ -245,15 +253,18 @@ class Engine:
             while not sched.idle:
                 if not sched.running:  # the oldest waits for pages only while generated requests hold them
                     first = sched.waiting[0]
-                    while (self.block_manager.pages_needed(first.id, first.num_fed) > self.block_manager.num_free
+                    while (not self.block_manager.can_append(first.id, first.num_fed)
                            and self.scheduler.preempt_newest()):
                         pass
                 chunks = sched.schedule()
                 with torch.inference_mode():
-                    results = self.runner.run(chunks, self.block_manager)
-                for c, res in zip(chunks, results):
+                    launched = self.runner.launch(chunks, self.block_manager)
+                    results = launched.read()
+                for i, (c, res) in enumerate(zip(chunks, results)):
                     c.seq.num_cached = c.end
                     c.seq.logprobs += [lp for _, lp in res]
+                    if launched.extras:
+                        c.seq.add_extras(launched.chunk_extras(i))
                 sched.retire([c.seq for c in chunks if c.seq.num_cached == c.seq.num_fed])
         finally:  # a failed call must not keep pages
             for seq in sched.running:
@@ -306,15 +317,17 @@ class Engine:
             ahead, self._ahead = self._ahead, None  # launched from this step's device tokens: run it again too
             done = self._run_alone(launched.chunks, e, launched.version)
             return done + (self._run_alone(ahead.chunks, None, ahead.version) if ahead is not None else [])
-        return self._record(launched.chunks, results, launched.version)
+        return self._record(launched, results)
 
-    def _record(self, chunks: list[Chunk], results, version: int) -> list[Completion]:
-        finished = []
-        for c, res in zip(chunks, results):
+    def _record(self, launched: Launched, results) -> list[Completion]:
+        finished, version = [], launched.version
+        for i, (c, res) in enumerate(zip(launched.chunks, results)):
             seq = c.seq
             if seq.status is Status.FINISHED:  # it stopped at the step before: this row rode along
                 continue
             seq.num_cached = c.end
+            if launched.extras:
+                seq.add_extras(launched.chunk_extras(i))
             for tok, lp in res:
                 seq.append(tok, lp, version)
             if seq.finish_reason is not None:
@@ -333,11 +346,12 @@ class Engine:
         done = []
         for c in chunks:
             try:
-                results = self.runner.launch([c], self.block_manager, version=version).read()
+                alone = self.runner.launch([c], self.block_manager, version=version)
+                results = alone.read()
             except Exception as e:
                 done.append(self._drop(c.seq, e))
                 continue
-            done += self._record([c], results, version)
+            done += self._record(alone, results)
         return done
 
     def _drop(self, seq: Sequence, error: Exception) -> Completion:
@@ -369,7 +383,7 @@ class Engine:
         if any(c.end - c.start != 1 or c.seq.teacher_forced or c.end != c.seq.num_tokens for c in chunks):
             return None
         keep = [i for i, c in enumerate(chunks) if len(c.seq.tokens) + 1 < c.seq.sampling.max_new_tokens]
-        if not keep or sum(bm.pages_needed(chunks[i].seq.id, 1) for i in keep) > bm.num_free:
+        if not keep or not bm.fits((chunks[i].seq.id, 1) for i in keep):
             return None
         nxt = [Chunk(chunks[i].seq, chunks[i].end, chunks[i].end + 1, bm.append(chunks[i].seq.id, 1)) for i in keep]
         ids = launched.tokens if len(keep) == len(chunks) else \
@@ -429,27 +443,29 @@ class Engine:
         return prompt
 
     def _check_fits(self, positions: int) -> None:
-        need = -(-positions // PAGE_SIZE)
-        if need > self.num_pages:
-            raise ValueError(f"the request needs {need} KV pages ({positions} cached positions) but the whole cache "
-                             f"has {self.num_pages}: it could never run, even alone")
+        short = self.block_manager.fits_alone(positions)
+        if short is not None:
+            raise ValueError(f"the request needs {short}: it could never run, even alone")
 
-    def _num_pages(self, num_pages, kv_cache_bytes, device) -> int:
+    def _num_pages(self, pools, limits: PoolLimits, num_pages, kv_cache_bytes, device) -> int:
+        """64-position blocks the pools hold (``num_pages``, else what
+        ``kv_cache_bytes`` buys), capped at what max_batch_size sequences of
+        max_position positions could use."""
         if num_pages is not None:
             if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
                 raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
             return num_pages
-        page = self.model.kv_cache_spec().bytes_per_page()
+        least = pool_bytes(pools, pool_units(pools, 1, limits))
         if kv_cache_bytes is None:
             if device.type == "cuda":
-                kv_cache_bytes = max(page, int(torch.cuda.mem_get_info(device)[0] * CUDA_KV_CACHE_FRACTION))
+                kv_cache_bytes = max(least, int(torch.cuda.mem_get_info(device)[0] * CUDA_KV_CACHE_FRACTION))
             else:
                 kv_cache_bytes = CPU_KV_CACHE_BYTES
-        elif isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < page:
-            raise ValueError(f"kv_cache_bytes must be an int of at least one KV page ({page} bytes for this model), "
-                             f"got {kv_cache_bytes!r}")
+        elif isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < least:
+            raise ValueError(f"kv_cache_bytes must be an int of at least one page of every cache pool ({least} bytes "
+                             f"for this model), got {kv_cache_bytes!r}")
         most = self.max_batch_size * -(-self.model.max_position // PAGE_SIZE)
-        return max(1, min(most, kv_cache_bytes // page))
+        return blocks_for_bytes(pools, kv_cache_bytes, limits, most)
 
 
 def _as_list(ids) -> list:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from ..kv_cache import PAGE_SIZE, BlockManager
+from ..kv_cache import CacheManager, StatePool
 from ..matmul import graph_launches
 from ..sampling import head_width, params_to_tensors, sample_fwd, sampling_logprobs_fwd
-from .model_api import ForwardBatch, ServeModel
+from .model_api import ForwardBatch, ServeModel, batch_tensors, field_spec, first_rows, from_tensors, static_decode_batch
 from .scheduler import Chunk
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -36,60 +36,43 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 @dataclass
 class DecodeGraphs:
     """Captured decode forwards: ``graphs[bs]`` reads ``static`` sliced to bs
-    rows and writes ``logits[bs]`` (bs, V)."""
+    rows and writes ``logits[bs]`` (bs, V) and ``extras[bs]`` ({name: (bs, ...)})."""
 
     static: ForwardBatch
     graphs: dict[int, torch.cuda.CUDAGraph]
     logits: dict[int, torch.Tensor]
+    extras: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.graphs if b >= n), None)
 
 
-def first_rows(b: ForwardBatch, n: int) -> ForwardBatch:
-    """The first n rows of a decode batch (views: a graph reads them in place)."""
-    return replace(b, tokens=b.tokens[:n], positions=b.positions[:n], cu_seqlens_q=b.cu_seqlens_q[: n + 1],
-                   seq_lens=b.seq_lens[:n], block_table=b.block_table[:n], slot_mapping=b.slot_mapping[:n],
-                   logit_rows=b.logit_rows[:n], adapter_ids=b.adapter_ids[:n])
+def split_output(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A model's forward output -> (logits, extras)."""
+    return (out[0], dict(out[1])) if isinstance(out, tuple) else (out, {})
 
 
-def static_decode_batch(n: int, width: int, device) -> ForwardBatch:
-    """n pad rows: token 0, position 0, slot -1 (nothing written), seq_len 1
-    over a zero block-table row of the fixed ``width``, no adapter (-1)."""
-    return ForwardBatch(
-        tokens=torch.zeros(n, dtype=torch.int64, device=device),
-        positions=torch.zeros(n, dtype=torch.int64, device=device),
-        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.ones(n, dtype=torch.int32, device=device),
-        block_table=torch.zeros(n, width, dtype=torch.int32, device=device),
-        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
-        logit_rows=torch.arange(n, dtype=torch.int64, device=device),
-        adapter_ids=torch.full((n,), -1, dtype=torch.int64, device=device),
-        max_seqlen_q=1,
-    )
-
-
-def capture_decode_graphs(model: ServeModel, kv_cache, batch_sizes: list[int], width: int) -> DecodeGraphs:
+def capture_decode_graphs(model: ServeModel, caches, batch_sizes: list[int], widths: dict[str, int]) -> DecodeGraphs:
     """Capture ``model.forward`` for decode batches of each size, reading the
     static pad rows until a replay copies real rows in.  Largest first, so the
     memory pool the first capture sizes serves the smaller ones; replays run
     one at a time, which makes sharing it safe."""
-    static = static_decode_batch(max(batch_sizes), width, model.device)
-    graphs, logits, pool = {}, {}, None
+    static = static_decode_batch(max(batch_sizes), widths, model.device)
+    graphs, logits, extras, pool = {}, {}, {}, None
     for bs in sorted(batch_sizes, reverse=True):
         t0 = time.perf_counter()
         batch = first_rows(static, bs)
         with graph_launches():  # the matmuls may run the Gluon kernel: only device time replays
-            model.forward(batch, kv_cache)  # warm-up: Triton compiles and picks configs outside the capture
+            model.forward(batch, caches)  # warm-up: Triton compiles and picks configs outside the capture
             torch.cuda.synchronize(model.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits[bs] = model.forward(batch, kv_cache)
+                logits[bs], extras[bs] = split_output(model.forward(batch, caches))
         pool = graph.pool() if pool is None else pool
         graphs[bs] = graph
         log.info("captured the decode graph for batch %d in %.1fs", bs, time.perf_counter() - t0)
     torch.cuda.synchronize(model.device)
-    return DecodeGraphs(static, dict(sorted(graphs.items())), logits)
+    return DecodeGraphs(static, dict(sorted(graphs.items())), logits, extras)
 
 
 def _draw_params(seqs: list, V: int, steps: list[int] | None = None) -> tuple[dict, int]:
@@ -117,6 +100,8 @@ class Launched:
     version: int
     host: tuple[torch.Tensor, torch.Tensor] | None
     event: torch.cuda.Event | None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # host copies, (T, ...) each
+    cu: list[int] = field(default_factory=list)  # each chunk's first token row, then T
 
     def read(self) -> list[list[tuple[int, float]]]:
         if self.event is not None:
@@ -126,6 +111,10 @@ class Launched:
             for i, tok, lp in zip(self.rows, self.host[0].tolist(), self.host[1].tolist()):
                 results[i].append((tok, lp))
         return results
+
+    def chunk_extras(self, i: int) -> dict[str, torch.Tensor]:
+        """Chunk i's rows of the per-token extras (after ``read``)."""
+        return {n: t[self.cu[i]:self.cu[i + 1]] for n, t in self.extras.items()}
 
 
 class SampleGraphs:
@@ -204,41 +193,52 @@ class SampleGraphs:
 
 
 class ModelRunner:
-    def __init__(self, model: ServeModel, num_pages: int, *, max_batch_size: int, cuda_graphs: bool):
+    """Allocates the model's cache pools (``units``: pages or slots of each)
+    and runs steps: one packed batch per step, eager or replayed from the
+    decode graph of the next bucket up."""
+
+    def __init__(self, model: ServeModel, units: dict[str, int], *, max_batch_size: int, cuda_graphs: bool):
         self.model = model
         self.device = torch.device(model.device)
-        self.kv_cache = model.allocate_kv_cache(num_pages)
+        self.pools = model.cache_pools()
+        self.caches = {n: p.allocate(units[n], self.device) for n, p in self.pools.items()}
+        self.paged = [n for n, p in self.pools.items() if not isinstance(p, StatePool)]
+        self.has_state = len(self.paged) < len(self.pools)
         self._pin = self.device.type == "cuda"
-        self.graph_width = -(-model.max_position // PAGE_SIZE)
+        self.graph_widths = {n: self.pools[n].graph_width(model.max_position) for n in self.paged}
         self.graphs: DecodeGraphs | None = None
         self.sample_graphs: SampleGraphs | None = None
         if cuda_graphs:
             with torch.inference_mode():
-                self.graphs = capture_decode_graphs(model, self.kv_cache, graph_batch_sizes(max_batch_size),
-                                                    self.graph_width)
+                self.graphs = capture_decode_graphs(model, self.caches, graph_batch_sizes(max_batch_size),
+                                                    self.graph_widths)
             self.sample_graphs = SampleGraphs(self.graphs, SAMPLE_GRAPH_MAX_BATCH)
 
-    def run(self, chunks: list[Chunk], block_manager: BlockManager) -> list[list[tuple[int, float]]]:
+    def run(self, chunks: list[Chunk], cache: CacheManager) -> list[list[tuple[int, float]]]:
         """Forward the chunks as one batch; per chunk, the (token, log-prob)
         of each logit row: the sampled token of a generated sequence, or the
         given next token of a teacher-forced one."""
-        return self.launch(chunks, block_manager).read()
+        return self.launch(chunks, cache).read()
 
-    def launch(self, chunks: list[Chunk], block_manager: BlockManager, *, tokens: torch.Tensor | None = None,
+    def launch(self, chunks: list[Chunk], cache: CacheManager, *, tokens: torch.Tensor | None = None,
                steps: list[int] | None = None, version: int = 0) -> Launched:
         """``run`` without the wait: enqueue the forward, the sampling and the
-        copies of the sampled rows to the host.  ``tokens`` (one per chunk, on
-        the device) and ``steps`` (the sampler step of each chunk's sequence)
-        stand in for a decode step's inputs that the host does not know yet:
-        the tokens the previous step is still drawing (``Launched.tokens``)."""
-        toks, positions, slots, seq_lens, cu, rows, wanted, adapters = [], [], [], [], [0], [], [], []
+        copies of the sampled rows (and per-token extras) to the host.
+        ``tokens`` (one per chunk, on the device) and ``steps`` (the sampler
+        step of each chunk's sequence) stand in for a decode step's inputs
+        that the host does not know yet: the tokens the previous step is still
+        drawing (``Launched.tokens``)."""
+        toks, positions, seq_lens, cu, rows, wanted, adapters, states = [], [], [], [0], [], [], [], []
+        slots = {n: [] for n in self.paged}
         for i, c in enumerate(chunks):
             seq = c.seq
             if tokens is None:
                 toks += seq.token_ids(c.start, c.end)
             positions += range(c.start, c.end)
-            slots += c.slots
+            for n in self.paged:
+                slots[n] += c.slots[n]
             adapters += [seq.adapter_id] * (c.end - c.start)
+            states.append(cache.state_slot(seq.id) if self.has_state else -1)
             # a chunk ahead of its own last token (device ids) wants its one row: the host does not know that token yet
             for p in (seq.logit_positions(c.start, c.end) if tokens is None else (c.end - 1,)):
                 rows.append(cu[-1] + p - c.start)
@@ -248,42 +248,46 @@ class ModelRunner:
         if tokens is not None and not (len(tokens) == len(positions) == len(chunks)):
             raise ValueError(f"device tokens stand in for one token per chunk: {len(tokens)} tokens, "
                              f"{len(positions)} positions, {len(chunks)} chunks")
-        tables = [block_manager.table_view(c.seq.id) for c in chunks]
+        tables = {n: [cache.table_view(n, c.seq.id) for c in chunks] for n in self.paged}
+        host = {"tokens": toks if tokens is None else tokens, "positions": positions, "seq_lens": seq_lens,
+                "adapter_ids": adapters, "state_slots": states}
+        for n in self.paged:
+            host[f"pools.{n}.slot_mapping"] = slots[n]
         B = len(chunks)
         bucket = self.graphs.bucket(B) if self.graphs is not None and len(positions) == len(rows) == B else None
         staged = None
         if bucket is not None:
             staged = self._stage_sampler(bucket, [c.seq for c in chunks], steps)  # before the forward is launched
-            pad = bucket - B
-            logits = self._replay(bucket, toks + [0] * pad if tokens is None else tokens, positions + [0] * pad,
-                                  seq_lens + [1] * pad, slots + [-1] * pad, adapters + [-1] * pad,
-                                  self._block_table(tables, bucket, self.graph_width))[:B]
+            for n in self.paged:
+                host[f"pools.{n}.block_table"] = self._block_table(tables[n], bucket, self.graph_widths[n])
+            logits, extras = self._replay(bucket, host)
+            logits, extras = logits[:B], {k: v[:B] for k, v in extras.items()}
         else:
-            batch = ForwardBatch(
-                tokens=self._to_device(toks, torch.int64) if tokens is None else tokens,
-                positions=self._to_device(positions, torch.int64),
-                cu_seqlens_q=self._to_device(cu, torch.int32),
-                seq_lens=self._to_device(seq_lens, torch.int32),
-                block_table=self._block_table(tables, B, max(map(len, tables))).to(self.device, non_blocking=True),
-                slot_mapping=self._to_device(slots, torch.int64),
-                # a step of prefill chunks only still asks for one row: no model meets R = 0
-                logit_rows=self._to_device(rows or [len(positions) - 1], torch.int64),
-                adapter_ids=self._to_device(adapters, torch.int64),
-                max_seqlen_q=max(b - a for a, b in zip(cu, cu[1:])),
-            )
-            logits = self.model.forward(batch, self.kv_cache)  # (R, V) fp32
+            # a step of prefill chunks only still asks for one row: no model meets R = 0
+            host |= {"cu_seqlens_q": cu, "logit_rows": rows or [len(positions) - 1]}
+            for n in self.paged:
+                host[f"pools.{n}.block_table"] = self._block_table(tables[n], B, max(map(len, tables[n])))
+            batch = from_tensors({p: self._to_device(v, field_spec(p)[0]) for p, v in host.items()},
+                                 max(b - a for a, b in zip(cu, cu[1:])))
+            logits, extras = split_output(self.model.forward(batch, self.caches))  # (R, V) fp32
+        extras_host = {k: self._to_host(v) for k, v in extras.items()}
         if not rows:
-            return Launched(chunks, [], None, version, None, None)
+            return Launched(chunks, [], None, version, None, self._event(), extras_host, cu)
         tok, lp = self._sample(logits, [(chunks[i].seq, p, i) for i, p in wanted], staged, steps)
-        host = (torch.empty(tok.shape, dtype=tok.dtype, pin_memory=self._pin),
-                torch.empty(lp.shape, dtype=lp.dtype, pin_memory=self._pin))
-        host[0].copy_(tok, non_blocking=self._pin)
-        host[1].copy_(lp, non_blocking=self._pin)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return Launched(chunks, [i for i, _ in wanted], tok, version, host, event)
+        return Launched(chunks, [i for i, _ in wanted], tok, version, (self._to_host(tok), self._to_host(lp)),
+                        self._event(), extras_host, cu)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin)
+        out.copy_(t, non_blocking=self._pin)
+        return out
+
+    def _event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _stage_sampler(self, bucket: int, seqs: list, steps: list[int] | None = None) -> tuple[int, int] | None:
         """A decode step whose rows are all drawn, in a bucket with a sampler
@@ -331,7 +335,10 @@ class ModelRunner:
         lp_all[at] = sampling_logprobs_fwd(lg, given, **params, head=head)[0]
         return tok_all, lp_all
 
-    def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+    def _to_device(self, data, dtype: torch.dtype) -> torch.Tensor:
+        """A host list or tensor (or a device tensor, as is) on the model's device."""
+        if isinstance(data, torch.Tensor):
+            return data.to(self.device, non_blocking=True)
         return torch.tensor(data, dtype=dtype, pin_memory=self._pin).to(self.device, non_blocking=True)
 
     def _block_table(self, tables: list[list[int]], rows: int, width: int) -> torch.Tensor:
@@ -350,18 +357,21 @@ class ModelRunner:
             out[:len(tables), :longest] = torch.tensor(flat, dtype=torch.int32).view(len(tables), longest)
         return out
 
-    def _replay(self, bs, tokens, positions, seq_lens, slots, adapters, block_table) -> torch.Tensor:
-        """``tokens``: bs ids (host list), or the real rows' ids on the device (pad rows get 0)."""
-        s = first_rows(self.graphs.static, bs)
-        if isinstance(tokens, torch.Tensor):
-            s.tokens[:len(tokens)].copy_(tokens)
-            s.tokens[len(tokens):].zero_()
-        else:
-            s.tokens.copy_(torch.tensor(tokens, dtype=torch.int64, pin_memory=self._pin), non_blocking=True)
-        for dst, data, dtype in ((s.positions, positions, torch.int64),
-                                 (s.seq_lens, seq_lens, torch.int32), (s.slot_mapping, slots, torch.int64),
-                                 (s.adapter_ids, adapters, torch.int64)):
-            dst.copy_(torch.tensor(data, dtype=dtype, pin_memory=self._pin), non_blocking=True)
-        s.block_table.copy_(block_table, non_blocking=True)
+    def _replay(self, bs: int, host: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Copy a decode step's rows (``host``: {batch path: host list or
+        (bs, W) table; "tokens" may be the real rows' ids on the device}) into
+        bucket bs's static inputs, pad rows with each field's pad value, and
+        replay.  -> (logits, extras) of the bucket's bs rows."""
+        static = batch_tensors(first_rows(self.graphs.static, bs))
+        for path, data in host.items():
+            dst = static[path]
+            if isinstance(data, torch.Tensor) and data.device.type != "cpu":  # device ids of the real rows
+                dst[:len(data)].copy_(data)
+                dst[len(data):].fill_(field_spec(path)[1])
+                continue
+            if not isinstance(data, torch.Tensor):
+                data = torch.tensor(data + [field_spec(path)[1]] * (bs - len(data)), dtype=dst.dtype,
+                                    pin_memory=self._pin)
+            dst.copy_(data, non_blocking=True)
         self.graphs.graphs[bs].replay()
-        return self.graphs.logits[bs]
+        return self.graphs.logits[bs], self.graphs.extras.get(bs, {})

@@ -18,22 +18,23 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ..kv_cache import BlockManager
+from ..kv_cache import CacheManager
 from .sequence import Sequence, Status
 
 
 @dataclass
 class Chunk:
-    """Positions [start, end) of ``seq`` fed this step, and their cache slots."""
+    """Positions [start, end) of ``seq`` fed this step, and their slots in
+    each paged pool ({pool: one slot per position, -1 for none})."""
 
     seq: Sequence
     start: int
     end: int
-    slots: list[int]
+    slots: dict[str, list[int]]
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_batch_size: int,
+    def __init__(self, block_manager: CacheManager, max_batch_tokens: int, max_batch_size: int,
                  max_chunk: int | None = None):
         """``max_chunk`` caps one sequence's new tokens per step (None: only
         the step's ``max_batch_tokens`` does)."""
@@ -63,7 +64,7 @@ class Scheduler:
             if n == 1:  # a decode row: one call when its page has room or one is free
                 slot = bm.append_one(seq.id)
                 if slot is not None:
-                    chunks.append(Chunk(seq, seq.num_cached, seq.num_cached + 1, [slot]))
+                    chunks.append(Chunk(seq, seq.num_cached, seq.num_cached + 1, {p: [s] for p, s in slot.items()}))
                     budget -= 1
                     i += 1
                     continue
@@ -82,7 +83,7 @@ class Scheduler:
         # Admitting right after a preemption would only preempt again.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            if bm.pages_needed(seq.id, seq.num_fed) > bm.num_free:
+            if not bm.can_append(seq.id, seq.num_fed):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -91,9 +92,9 @@ class Scheduler:
             chunks.append(self._chunk(seq, n))
             budget -= n
         if not chunks and not self.idle:
-            need = bm.pages_needed(self.waiting[0].id, self.waiting[0].num_fed)
-            raise RuntimeError(f"no request can run: the oldest waiting one needs {need} KV pages and "
-                               f"{bm.num_free} of {bm.num_pages} are free (other users of the cache hold the rest)")
+            first = self.waiting[0]
+            raise RuntimeError(f"no request can run: the oldest waiting one needs {bm.shortfall(first.id, first.num_fed)} "
+                               f"(other users of the cache hold the rest)")
         return chunks
 
     def retire(self, finished: list[Sequence]) -> None:

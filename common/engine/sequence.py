@@ -11,7 +11,7 @@ import enum
 import operator
 import itertools
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,9 @@ class Completion:
     weight_versions: the version of each token
     request_id:      what ``Engine.add_request`` returned
     adapter:         the LoRA adapter it was served with (None: the base model)
+    extras:          the model's per-token extras ({name: (positions fed, ...)}:
+                     prompt and generated tokens but the last; empty if the
+                     model has none), e.g. the routed experts for router replay
     """
 
     prompt: list[int]
@@ -47,6 +50,7 @@ class Completion:
     weight_versions: tuple[int, ...] = ()
     request_id: int = -1
     adapter: str | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Sequence:
@@ -70,6 +74,7 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.extras: dict[str, list[torch.Tensor]] = {}  # per-token model outputs, chunk by chunk from position 0
         self._stop = frozenset(sampling.stop_token_ids)
 
     @property
@@ -108,10 +113,19 @@ class Sequence:
         elif len(self.tokens) >= self.sampling.max_new_tokens:
             self.finish_reason = "length"
 
+    def add_extras(self, rows: dict[str, torch.Tensor]) -> None:
+        """The model's extras of the positions just fed (in order)."""
+        for n, t in rows.items():
+            self.extras.setdefault(n, []).append(t)
+
+    def gathered_extras(self) -> dict[str, torch.Tensor]:
+        return {n: torch.cat(ts) for n, ts in self.extras.items()}
+
     def reset(self) -> None:
         """Preempted: its pages are gone; it will prefill everything again
         (a teacher-forced one rescores from the prompt)."""
         self.num_cached = 0
+        self.extras.clear()
         self.status = Status.WAITING
         if self.teacher_forced:
             self.logprobs.clear()
@@ -127,6 +141,7 @@ class Sequence:
             weight_versions=tuple(self.versions),
             request_id=self.id,
             adapter=self.adapter_name,
+            extras=self.gathered_extras(),
         )
 
 

@@ -174,6 +174,8 @@ class CacheManager:
     def __init__(self, ledgers: Mapping[str, object]):
         if not ledgers:
             raise ValueError("a cache manager needs at least one pool")
+        if not any(isinstance(l, BlockManager) for l in ledgers.values()):
+            raise ValueError("a model needs at least one paged pool (its K/V or latent rows)")
         order = sorted(ledgers, key=lambda n: isinstance(ledgers[n], WindowManager))
         if sum(isinstance(ledgers[n], WindowManager) for n in order) > 1:
             raise ValueError("at most one window pool per model: a second could not undo a failed decode step")
@@ -183,6 +185,25 @@ class CacheManager:
         self._only = next(iter(self.paged.items())) if len(self.ledgers) == 1 and self.paged else None
 
     # -- queries --------------------------------------------------------
+    @property
+    def main(self) -> BlockManager:
+        """The first paged pool the model declares (its K/V): the one whose
+        pages ``num_free`` and ``num_pages`` count."""
+        return next(iter(self.paged.values()))
+
+    @property
+    def num_free(self) -> int:
+        return self.main.num_free
+
+    @property
+    def num_pages(self) -> int:
+        return self.main.num_pages
+
+    @property
+    def idle(self) -> bool:
+        """Nothing is held in any pool."""
+        return all(l.num_free == l.num_pages for l in self.ledgers.values())
+
     def __contains__(self, seq_id: Hashable) -> bool:
         return any(seq_id in l for l in self.ledgers.values())
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from ...common.attention import paged_attention_fwd
-from ...common.engine.model_api import ForwardBatch, KVCacheSpec
-from ...common.kv_cache import allocate_kv_cache
+from ...common.engine.model_api import ForwardBatch
+from ...common.kv_cache import PagedPool
 from ...common.lm_head import lm_head_logits_fwd
 from ...common.rmsnorm import rmsnorm_fwd
 from ...common.qk_norm_rope import qk_norm_rope_kv_fwd
@@ -51,20 +51,17 @@ class Qwen3Server(ServerBase):
     def lora_slices(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
         return lora_slices(self.cfg)
 
-    def kv_cache_spec(self) -> KVCacheSpec:
+    def cache_pools(self) -> dict[str, PagedPool]:
+        """One paged K/V pool: per layer a k and a v row of (Hkv, D) per position."""
         c = self.cfg
-        return KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
-
-    def allocate_kv_cache(self, num_pages: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        c = self.cfg
-        return [allocate_kv_cache(num_pages, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
-                for _ in range(c.num_layers)]
+        return {"kv": PagedPool({"k": (c.num_kv_heads, c.head_dim), "v": (c.num_kv_heads, c.head_dim)}, self.dtype,
+                                c.num_layers)}
 
     def _norm(self, x, name, residual=None):
         y, new_residual, _ = rmsnorm_fwd(x, self.w(name), self.cfg.rms_norm_eps, residual)
         return y, new_residual
 
-    def forward(self, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, caches) -> torch.Tensor:
         """-> FP32 logits (R, V) of ``batch.logit_rows``.
 
         Per layer: attn_norm (fused residual add after the first), the qkv
@@ -76,16 +73,17 @@ class Qwen3Server(ServerBase):
         cfg = self.cfg
         T, Hq, Hkv, D = batch.tokens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x, residual = self.w("embed.weight")[batch.tokens], None
-        for i, (k_cache, v_cache) in enumerate(kv_cache):
-            p = f"layers.{i}."
+        kv = batch.pools["kv"]
+        for i, layer in enumerate(caches["kv"]):
+            k_cache, v_cache, p = layer["k"], layer["v"], f"layers.{i}."
             if residual is None:
                 h, residual = self._norm(x, p + "attn_norm.weight")[0], x
             else:
                 h, residual = self._norm(x, p + "attn_norm.weight", residual)
             qkv = self.linear(h, p + "qkv.", batch.adapter_ids)  # (T, (Hq + 2 Hkv) D)
             q = qk_norm_rope_kv_fwd(qkv, self.w(p + "q_norm.weight"), self.w(p + "k_norm.weight"), cfg.rms_norm_eps,
-                                    batch.positions, self.rope, k_cache, v_cache, batch.slot_mapping, Hq, Hkv)
-            o = paged_attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
+                                    batch.positions, self.rope, k_cache, v_cache, kv.slot_mapping, Hq, Hkv)
+            o = paged_attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens, kv.block_table,
                                     max_seqlen_q=batch.max_seqlen_q)[0]
             x = self.linear(o.reshape(T, Hq * D), p + "o.", batch.adapter_ids)
             h, residual = self._norm(x, p + "mlp_norm.weight", residual)

@@ -53,17 +53,18 @@ class Qwen3VendorServer(Qwen3Server):
             return emb.cos(), emb.sin()
         return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
 
-    def forward(self, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, caches) -> torch.Tensor:
         cfg = self.cfg
         T, Hq, Hkv, D = batch.tokens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         cos, sin = self._cos_sin(batch.positions)
-        attend = VendorAttention(batch.cu_seqlens_q, batch.seq_lens, batch.block_table, batch.max_seqlen_q,
-                                 kv_cache[0][0].shape[0], n_tokens=T)
+        kv = batch.pools["kv"]
+        attend = VendorAttention(batch.cu_seqlens_q, batch.seq_lens, kv.block_table, batch.max_seqlen_q,
+                                 caches["kv"][0]["k"].shape[0], n_tokens=T)
         x = self.w("embed.weight")[batch.tokens]
         residual = x
-        for i, (k_cache, v_cache) in enumerate(kv_cache):
-            p = f"layers.{i}."
+        for i, layer in enumerate(caches["kv"]):
+            k_cache, v_cache, p = layer["k"], layer["v"], f"layers.{i}."
             if i:
                 residual = x + residual
             h = _rmsnorm(residual, self.w(p + "attn_norm.weight"), eps)
@@ -71,7 +72,7 @@ class Qwen3VendorServer(Qwen3Server):
             q = _rope(_rmsnorm(q.reshape(T, Hq, D), self.w(p + "q_norm.weight"), eps), cos, sin)
             k = _rope(_rmsnorm(k.reshape(T, Hkv, D), self.w(p + "k_norm.weight"), eps), cos, sin).contiguous()
             v = v.reshape(T, Hkv, D).contiguous()
-            write_kv_fwd(k, v, k_cache, v_cache, batch.slot_mapping)
+            write_kv_fwd(k, v, k_cache, v_cache, kv.slot_mapping)
             o = attend(q.contiguous(), k, v, k_cache, v_cache).reshape(T, Hq * D)
             residual = F.linear(o, self.w(p + "o.weight")) + residual
             h = _rmsnorm(residual, self.w(p + "mlp_norm.weight"), eps)
