@@ -3,6 +3,10 @@
     alignzoo check [PRIMITIVE ...] [--device cpu|cuda]   ladder rungs 1-2 per primitive
     alignzoo check MODEL [--checkpoint DIR | --config PRESET] [--fp8] [--device D] [--length N] [--batch B]
                                                           ladder rungs 1-4 on a model's pair
+    alignzoo check MODEL ... --receipt FILE.json          ... and write a parity receipt
+    alignzoo receipt verify FILE.json [--device D]        re-run a receipt's check and compare
+    alignzoo bisect MODEL [--against server|vendor|trainer-fp32] [--length N]
+                                                          the first op where a path parts from the trainer
     alignzoo models                                       models whose pair works
     alignzoo generate MODEL --prompt "1 2 3" [...]        sample a completion (token ids)
 
@@ -118,7 +122,7 @@ def _token_ids(text: str) -> list[int]:
 
 # --- commands ---------------------------------------------------------------------------------------
 
-def _load_pair(args: argparse.Namespace, max_batch_size: int):
+def _load_pair(args: argparse.Namespace, max_batch_size: int, **kw):
     import logging
 
     from . import load_pair
@@ -128,7 +132,7 @@ def _load_pair(args: argparse.Namespace, max_batch_size: int):
     extra = {"fp8": True} if args.fp8 else {}
     config = None if args.checkpoint else _preset(args)
     return load_pair(args.model, checkpoint=args.checkpoint, config=config, device=args.device, dtype=dtype,
-                     progress=sys.stderr.isatty(), max_batch_size=max_batch_size, **extra)
+                     progress=sys.stderr.isatty(), max_batch_size=max_batch_size, **extra, **kw)
 
 
 def _preset(args: argparse.Namespace) -> str:
@@ -152,8 +156,17 @@ def cmd_check_model(args: argparse.Namespace) -> int:
           f"{args.checkpoint or _preset(args)}, {c.num_layers} layers, hidden {c.hidden_size}, "
           f"vocab {c.vocab_size}, {args.dtype}{' + fp8' if args.fp8 else ''}; "
           f"{args.batch} sequences up to {args.length} tokens; loaded in {time.perf_counter() - t0:.1f}s", flush=True)
+    started, t_check = time.time(), time.perf_counter()
     rows = run_ladder(pair, length=args.length, batch=args.batch, seed=args.seed,
                       progress=lambda s: _say(f"[{time.perf_counter() - t0:6.1f}s] {s}"))
+    if args.receipt:
+        from .models.receipt import make_receipt, write_receipt
+
+        run = {"length": args.length, "batch": args.batch, "seed": args.seed, "dtype": args.dtype, "fp8": args.fp8,
+               "device": str(args.device)}
+        write_receipt(args.receipt, make_receipt(pair, rows, checkpoint=args.checkpoint, run=run, started=started,
+                                                 seconds=time.perf_counter() - t_check))
+        _say(f"receipt written to {args.receipt}")
     table = [[r.rung, r.check, "PASS" if r.passed else "FAIL", r.compared, r.differing,
               f"{r.extra['max_abs']:.3g}", f"{r.extra['k3_max']:.3g}"] for r in rows]
     print(_table(table, ["rung", "check", "result", "tokens", "differing", "max|d|", "K3 max"]))
@@ -173,6 +186,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             raise ValueError(f"check one model at a time (got {' '.join(args.targets)})")
         args.model = args.targets[0]
         return cmd_check_model(args)
+    if args.receipt:
+        raise ValueError("--receipt writes a model check's receipt: name a model (alignzoo check MODEL --receipt F)")
     names = args.targets or available_primitives()
     unknown = [n for n in names if n not in available_primitives()]
     if unknown:
@@ -191,6 +206,33 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(_table(rows, ["primitive", "rung", "check", "result", "compared", "differing", "detail", "time"]))
     print(f"\n{len(rows) - failed}/{len(rows)} checks passed")
     return 1 if failed else 0
+
+
+def cmd_bisect(args: argparse.Namespace) -> int:
+    from .models.bisect import bisect
+
+    t0 = time.perf_counter()
+    _say(f"building the {args.model} pair ({args.checkpoint or _preset(args)}) on {args.device}, eager")
+    pair = _load_pair(args, args.batch, cuda_graphs=False)
+    if args.length > pair.config.max_position:
+        raise ValueError(f"--length {args.length} is past the model's {pair.config.max_position} positions")
+    reports = bisect(pair, against=args.against, length=args.length, batch=args.batch, seed=args.seed,
+                     progress=lambda s: _say(f"[{time.perf_counter() - t0:6.1f}s] {s}"))
+    print(f"alignzoo bisect {args.model} against {args.against} on {_where(args.device)}: {args.batch} sequences "
+          f"up to {args.length} tokens")
+    for r in reports:
+        print("\n".join(r.lines()))
+    return 0 if all(r.equal for r in reports) else 1
+
+
+def cmd_receipt(args: argparse.Namespace) -> int:
+    from .models.receipt import verify
+
+    t0 = time.perf_counter()
+    ok, lines = verify(args.file, device=args.device,
+                       progress=lambda s: _say(f"[{time.perf_counter() - t0:6.1f}s] {s}"))
+    print("\n".join(lines))
+    return 0 if ok else 1
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -239,7 +281,7 @@ def _set_threads(args: argparse.Namespace) -> None:
     # One thread unless asked: the tiny check gains little from two (9.4 vs 10.8 s on an idle 2-core
     # machine), and OpenMP's spinning threads took it to 86-103 s on a busy one (12-19 s with one).
     n = args.threads or (None if os.environ.get("OMP_NUM_THREADS") else 1)
-    if n and args.device.type == "cpu":
+    if n and (args.device is None or args.device.type == "cpu"):
         torch.set_num_threads(n)
 
 
@@ -255,8 +297,24 @@ def parser() -> argparse.ArgumentParser:
     # 2 tokens at least: one prompt token and one to sample
     c.add_argument("--length", type=_at_least(2), default=1024, help="longest sequence of a model check")
     c.add_argument("--batch", type=_at_least(1), default=4, help="sequences in a model check")
+    c.add_argument("--receipt", default=None, metavar="FILE.json", help="write a parity receipt (model checks)")
     _model_args(c)
     c.set_defaults(fn=cmd_check)
+    b = sub.add_parser("bisect", help="the first op where the trainer and another path part, and the ops after")
+    b.add_argument("model", choices=list_models())
+    b.add_argument("--against", choices=("server", "vendor", "trainer-fp32"), default="server")
+    b.add_argument("--device", type=_device, default=device)
+    b.add_argument("--length", type=_at_least(2), default=300, help="longest sequence")
+    b.add_argument("--batch", type=_at_least(1), default=3, help="sequences")
+    _model_args(b)
+    b.set_defaults(fn=cmd_bisect)
+    r = sub.add_parser("receipt", help="verify a parity receipt by re-running its check")
+    r.add_argument("action", choices=("verify",))
+    r.add_argument("file", help="the receipt (alignzoo check MODEL --receipt FILE.json)")
+    r.add_argument("--device", type=_device, default=None, help="re-run there instead of the receipt's device")
+    r.add_argument("--threads", type=_at_least(1), default=None,
+                   help="torch CPU threads (default: OMP_NUM_THREADS if set, else 1)")
+    r.set_defaults(fn=cmd_receipt)
     g = sub.add_parser("generate", help="sample completions of token-id prompts")
     g.add_argument("model", choices=list_models())
     g.add_argument("--prompt", type=_token_ids, action="append", required=True,

@@ -40,11 +40,13 @@ from ..common.lora import LoRAConfig, lora_add_fwd, lora_add_multi_fwd
 from ..common.matmul import matmul_fwd
 from ..common.sampling import SamplingParams, params_to_tensors, sampling_logprobs
 from ._packing import pack_scored, sampling_list
+from .capture import no_tap, no_tap_cache
 
 
 class TrainerBase(nn.Module):
     model_name: str = ""
     lora_targets: tuple[str, ...] = ()
+    tap = staticmethod(no_tap)  # capture points (``models/capture.py``): off unless a Recorder attaches
 
     def __init__(self, cfg, *, activation_checkpointing: bool = False, fp8: bool = False):
         super().__init__()
@@ -244,6 +246,9 @@ class ServerBase:
     branches its layers add.  ``lora_scale``: lora_alpha / r of separate-mode
     adapters in ``weights``; ``lora_adapters``: ((name, scale), ...) of the
     multi-mode adapters in index order (requests name them: ``adapter_names``)."""
+
+    tap = staticmethod(no_tap)  # capture points (``models/capture.py``): off unless a Recorder attaches
+    tap_cache = staticmethod(no_tap_cache)
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], lora_scale: float | None = None,
                  lora_adapters: tuple[tuple[str, float], ...] = ()):

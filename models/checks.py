@@ -33,7 +33,8 @@ def _row(name: str, rung: int, check: str, a: Sequence[torch.Tensor], b: Sequenc
     max_abs = float(d.max()) if d.numel() else 0.0
     m.k3_max = float(mismatch(la[finite], lb[finite]).k3_max)
     return RungResult(name, rung, check, m.exact and m.tokens > 0, m.tokens, m.differing,
-                      f"max|d| {max_abs:.3g}  K3 max {m.k3_max:.3g}", extra={"max_abs": max_abs, **m.as_dict()})
+                      f"max|d| {max_abs:.3g}  K3 max {m.k3_max:.3g}",
+                      extra={"max_abs": max_abs, "scored_lengths": [int(t.numel()) for t in a], **m.as_dict()})
 
 
 def make_sequences(vocab: int, length: int, batch: int, seed: int) -> list[list[int]]:

@@ -74,22 +74,38 @@ class Qwen3Server(ServerBase):
         T, Hq, Hkv, D = batch.tokens.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x, residual = self.w("embed.weight")[batch.tokens], None
         kv = batch.pools["kv"]
+        tap, tap_cache = self.tap, self.tap_cache
         for i, layer in enumerate(caches["kv"]):
             k_cache, v_cache, p = layer["k"], layer["v"], f"layers.{i}."
             if residual is None:
                 h, residual = self._norm(x, p + "attn_norm.weight")[0], x
             else:
                 h, residual = self._norm(x, p + "attn_norm.weight", residual)
+            tap("attn.norm", h, i)
             qkv = self.linear(h, p + "qkv.", batch.adapter_ids)  # (T, (Hq + 2 Hkv) D)
+            tap("attn.qkv", qkv, i)
             q = qk_norm_rope_kv_fwd(qkv, self.w(p + "q_norm.weight"), self.w(p + "k_norm.weight"), cfg.rms_norm_eps,
                                     batch.positions, self.rope, k_cache, v_cache, kv.slot_mapping, Hq, Hkv)
+            tap("attn.q", q, i)
+            tap_cache("attn.k", k_cache, kv.slot_mapping, i)
+            tap_cache("attn.v", v_cache, kv.slot_mapping, i)
             o = paged_attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens, kv.block_table,
                                     max_seqlen_q=batch.max_seqlen_q)[0]
+            tap("attn.out", o, i)
             x = self.linear(o.reshape(T, Hq * D), p + "o.", batch.adapter_ids)
+            tap("attn.o_proj", x, i)
             h, residual = self._norm(x, p + "mlp_norm.weight", residual)
+            tap("mlp.norm", h, i)
             gu = self.linear(h, p + "gate_up.", batch.adapter_ids)
+            tap("mlp.gate_up", gu, i)
             I = cfg.intermediate_size
-            x = self.linear(swiglu_fwd(gu[:, :I], gu[:, I:]), p + "down.", batch.adapter_ids)
+            a = swiglu_fwd(gu[:, :I], gu[:, I:])
+            tap("mlp.swiglu", a, i)
+            x = self.linear(a, p + "down.", batch.adapter_ids)
+            tap("mlp.down", x, i)
         rows = batch.logit_rows
         h = self._norm(x[rows], "norm.weight", residual[rows])[0]
-        return lm_head_logits_fwd(h, self.lm_head_weight)
+        tap("norm", h, rows="logits")
+        logits = lm_head_logits_fwd(h, self.lm_head_weight)
+        tap("lm_head.logits", logits, rows="logits")
+        return logits

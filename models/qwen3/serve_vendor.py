@@ -62,21 +62,39 @@ class Qwen3VendorServer(Qwen3Server):
         attend = VendorAttention(batch.cu_seqlens_q, batch.seq_lens, kv.block_table, batch.max_seqlen_q,
                                  caches["kv"][0]["k"].shape[0], n_tokens=T)
         x = self.w("embed.weight")[batch.tokens]
-        residual = x
+        residual, tap = x, self.tap
         for i, layer in enumerate(caches["kv"]):
             k_cache, v_cache, p = layer["k"], layer["v"], f"layers.{i}."
             if i:
                 residual = x + residual
             h = _rmsnorm(residual, self.w(p + "attn_norm.weight"), eps)
-            q, k, v = F.linear(h, self.w(p + "qkv.weight")).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-            q = _rope(_rmsnorm(q.reshape(T, Hq, D), self.w(p + "q_norm.weight"), eps), cos, sin)
+            tap("attn.norm", h, i)
+            qkv = F.linear(h, self.w(p + "qkv.weight"))
+            tap("attn.qkv", qkv, i)
+            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q = _rope(_rmsnorm(q.reshape(T, Hq, D), self.w(p + "q_norm.weight"), eps), cos, sin).contiguous()
             k = _rope(_rmsnorm(k.reshape(T, Hkv, D), self.w(p + "k_norm.weight"), eps), cos, sin).contiguous()
             v = v.reshape(T, Hkv, D).contiguous()
+            tap("attn.q", q, i)
+            tap("attn.k", k, i)
+            tap("attn.v", v, i)
             write_kv_fwd(k, v, k_cache, v_cache, kv.slot_mapping)
-            o = attend(q.contiguous(), k, v, k_cache, v_cache).reshape(T, Hq * D)
-            residual = F.linear(o, self.w(p + "o.weight")) + residual
+            o = attend(q, k, v, k_cache, v_cache)
+            tap("attn.out", o, i)
+            x = F.linear(o.reshape(T, Hq * D), self.w(p + "o.weight"))
+            tap("attn.o_proj", x, i)
+            residual = x + residual
             h = _rmsnorm(residual, self.w(p + "mlp_norm.weight"), eps)
-            gate, up = F.linear(h, self.w(p + "gate_up.weight")).chunk(2, dim=-1)
-            x = F.linear(F.silu(gate) * up, self.w(p + "down.weight"))
+            tap("mlp.norm", h, i)
+            gu = F.linear(h, self.w(p + "gate_up.weight"))
+            tap("mlp.gate_up", gu, i)
+            gate, up = gu.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+            tap("mlp.swiglu", a, i)
+            x = F.linear(a, self.w(p + "down.weight"))
+            tap("mlp.down", x, i)
         h = _rmsnorm((x + residual)[batch.logit_rows], self.w("norm.weight"), eps)
-        return F.linear(h, self.lm_head_weight).float()
+        tap("norm", h, rows="logits")
+        logits = F.linear(h, self.lm_head_weight).float()
+        tap("lm_head.logits", logits, rows="logits")
+        return logits

@@ -21,12 +21,13 @@ from ...common.rmsnorm import rmsnorm, rmsnorm_residual
 from ...common.rope import rope
 from ...common.swiglu import swiglu_gate_up
 from ..base import TrainerBase
+from ..capture import no_tap
 from .config import Qwen3Config
 from .weights import LORA_TARGETS, MODEL_TYPE as NAME, lora_slices
 
 
 class Qwen3Block(nn.Module):
-    def __init__(self, cfg: Qwen3Config, device=None, dtype=None, fp8: bool = False):
+    def __init__(self, cfg: Qwen3Config, index: int = 0, device=None, dtype=None, fp8: bool = False):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         H, D = cfg.hidden_size, cfg.head_dim
@@ -40,24 +41,43 @@ class Qwen3Block(nn.Module):
         self.gate_up = linear(2 * cfg.intermediate_size, H, **kw)  # [gate | up] rows
         self.down = linear(H, cfg.intermediate_size, **kw)
         self.cfg = cfg
+        self.index = index
+
+    tap = staticmethod(no_tap)
 
     def forward(self, x, residual, positions, cu_seqlens, max_seqlen, adapters: AdapterRows | None = None):
         """x: (T, H) the previous block's output; residual: (T, H) or None
         (first block, x is the embedding) -> (mlp_out, residual)."""
         cfg = self.cfg
         T, Hq, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        eps = cfg.rms_norm_eps
+        eps, L, tap = cfg.rms_norm_eps, self.index, self.tap
         if residual is None:
             h, residual = rmsnorm(x, self.attn_norm.weight, eps), x
         else:
             h, residual = rmsnorm_residual(x, residual, self.attn_norm.weight, eps)
-        q, k, v = self.qkv(h, adapters).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        tap("attn.norm", h, L)
+        qkv = self.qkv(h, adapters)
+        tap("attn.qkv", qkv, L)
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         q = rope(rmsnorm(q.reshape(T, Hq, D).contiguous(), self.q_norm.weight, eps), positions, cfg.rope)
         k = rope(rmsnorm(k.reshape(T, Hkv, D).contiguous(), self.k_norm.weight, eps), positions, cfg.rope)
-        o = attention(q, k, v.reshape(T, Hkv, D).contiguous(), cu_seqlens, max_seqlen=max_seqlen)
+        v = v.reshape(T, Hkv, D).contiguous()
+        tap("attn.q", q, L)
+        tap("attn.k", k, L)
+        tap("attn.v", v, L)
+        o = attention(q, k, v, cu_seqlens, max_seqlen=max_seqlen)
+        tap("attn.out", o, L)
         x = self.o(o.reshape(T, Hq * D), adapters)
+        tap("attn.o_proj", x, L)
         h, residual = rmsnorm_residual(x, residual, self.mlp_norm.weight, eps)
-        return self.down(swiglu_gate_up(self.gate_up(h, adapters)), adapters), residual
+        tap("mlp.norm", h, L)
+        gu = self.gate_up(h, adapters)
+        tap("mlp.gate_up", gu, L)
+        a = swiglu_gate_up(gu)
+        tap("mlp.swiglu", a, L)
+        y = self.down(a, adapters)
+        tap("mlp.down", y, L)
+        return y, residual
 
 
 class Qwen3Trainer(TrainerBase):
@@ -75,7 +95,7 @@ class Qwen3Trainer(TrainerBase):
         super().__init__(cfg, activation_checkpointing=activation_checkpointing, fp8=fp8)
         kw = dict(device=device, dtype=dtype)
         self.embed = Weight(cfg.vocab_size, cfg.hidden_size, **kw)
-        self.layers = nn.ModuleList(Qwen3Block(cfg, **kw, fp8=fp8) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Qwen3Block(cfg, i, **kw, fp8=fp8) for i in range(cfg.num_layers))
         self.norm = Weight(cfg.hidden_size, **kw)
         self.lm_head = None if cfg.tie_word_embeddings else Weight(cfg.vocab_size, cfg.hidden_size, **kw)
 
@@ -99,9 +119,13 @@ class Qwen3Trainer(TrainerBase):
                                          use_reentrant=False)
             else:
                 x, residual = layer(x, residual, positions, cu_seqlens, max_seqlen, adapters)
-        return rmsnorm_residual(x[rows], residual[rows], self.norm.weight, self.cfg.rms_norm_eps)[0]
+        h = rmsnorm_residual(x[rows], residual[rows], self.norm.weight, self.cfg.rms_norm_eps)[0]
+        self.tap("norm", h, rows="logits")
+        return h
 
     def logits(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None):
         """FP32 next-token logits (R, V) of ``rows``; differentiable."""
-        return lm_head_logits(self.hidden(tokens, positions, cu_seqlens, rows, max_seqlen, adapters),
-                              self.lm_head_weight)
+        logits = lm_head_logits(self.hidden(tokens, positions, cu_seqlens, rows, max_seqlen, adapters),
+                                self.lm_head_weight)
+        self.tap("lm_head.logits", logits, rows="logits")
+        return logits
