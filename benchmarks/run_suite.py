@@ -122,6 +122,11 @@ def render(results: dict) -> str:
          f"{m.get('date', '?')} · commit `{m.get('commit', '?')}` · torch {m.get('torch', '?')} · "
          f"triton {m.get('triton', '?')} · CUDA {m.get('cuda', '?')}", "",
          f"Command: `{m.get('command', '?')}`", ""]
+    earlier = m.get("merged_from")
+    if earlier:
+        L += [f"Merged with an earlier run in `{earlier.get('file', '?')}` ({earlier.get('date', '?')}, commit "
+              f"`{earlier.get('commit', '?')}`, `{earlier.get('command', '?')}`): the steps this run did not repeat "
+              "are that run's.", ""]
     steps = results.get("steps", {})
     if steps:
         L.append(f"Ran {m.get('elapsed_s', 0):.0f} s of a {m.get('budget_s', 0):.0f} s budget; steps: " + " · ".join(
@@ -175,11 +180,9 @@ def _render_engine(results: dict) -> list[str]:
         L.append(f"| {b} | {ap} | {_tok(v and v['prefill_tok_s'])} | {pr} | {ad} | {_tok(v and v['decode_tok_s'])} | "
                  f"{dr} | {astep} | {_ms(v and v['decode_step_ms'])} |")
     L += ["", "The vendor engine is the same engine and weights on torch's kernels (`serve_vendor.py`: F.linear, "
-          "SDPA, torch ops), and a weaker baseline than a vendor stack's paged attention kernels: its attention "
-          "gathers each sequence's K/V over the whole block table (max_position wide in a captured decode graph), "
-          "about 3x the KV traffic of a paged kernel, so at large batch, where KV reads rival the weights, its decode "
-          "is slow; and its prefill runs SDPA with an explicit causal mask over queries padded to (batch, longest), "
-          "which rules out the flash kernel. Batch-1 decode, where the weights dominate, is the fair comparison.", ""]
+          "torch RMSNorm/RoPE/SwiGLU ops, and torch's fast attention paths from `common/attention/vendor.py`: "
+          "flash varlen over the packed prefill, compiled flex_attention over the paged cache in decode, reading "
+          "only each sequence's pages), captured in CUDA graphs and launched ahead like the aligned one.", ""]
     bb = bandwidth_bound(results)
     if bb:
         L += ["### Batch-1 decode against the bandwidth bound", "",
@@ -451,6 +454,12 @@ class Suite:
         self.t0 = time.monotonic()
         self.deadline = self.t0 + args.budget_s
         self.results: dict = {"meta": {}, "steps": {}}
+        if args.merge:  # an earlier run's steps, kept where this run does not redo them
+            with open(args.merge) as f:
+                earlier = json.load(f)
+            self.results = {k: v for k, v in earlier.items() if k not in ("meta",) and not (k == "kernels" and "kernels" in args.steps)}
+            self.results["steps"] = {k: v for k, v in earlier.get("steps", {}).items() if k not in args.steps}
+            self.results["meta"] = {"merged_from": {"file": os.path.basename(args.merge), **earlier.get("meta", {})}}
         self.running: list[subprocess.Popen] = []
         self.current: tuple[str, str, str] | None = None  # the timed child's (name, rows, log)
         self.tmp = tempfile.mkdtemp(prefix="run_suite_")
@@ -476,9 +485,9 @@ class Suite:
             if a.kernel_timing == "graph" and a.device == "cuda"
             else "triton do_bench median, L2 flushed (small M includes Python launch overhead)")
         if {"engine", "vendor"} & set(a.steps):
-            self.results["engine"] = {"config": a.config, "prompt": a.prompt, "new": a.new, "batches": a.batches,
-                                      "max_position": engine_max_position(a) or "preset's",
-                                      "cuda_graphs": a.cuda_graphs}
+            self.results.setdefault("engine", {}).update(
+                config=a.config, prompt=a.prompt, new=a.new, batches=a.batches,
+                max_position=engine_max_position(a) or "preset's", cuda_graphs=a.cuda_graphs)
 
     def write(self) -> None:
         self.results["meta"]["elapsed_s"] = time.monotonic() - self.t0
@@ -624,6 +633,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=460, help="the whole run; steps left without time are 'skipped'")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"subset of {','.join(STEPS)}, run in this order")
     ap.add_argument("--skip", default="", help="steps to leave out")
+    ap.add_argument("--merge", default=None, metavar="RESULTS.json",
+                    help="start from an earlier run's results (steps this run does not repeat are kept, and the "
+                         "page says so): a suite split over two device calls")
     g = ap.add_argument_group("kernels")
     g.add_argument("--ops", default=",".join(OPS))
     g.add_argument("--ms", default=None, help="row counts (default 1,8,64,256,1024,4096,8192)")
