@@ -7,13 +7,16 @@ from .checkpoint import (
     read_hf_config,
     save_hf_checkpoint,
 )
-from .name_map import NameMap, WeightMismatchError, open_source
+from .name_map import Fuse, NameMap, OneOf, Stack, WeightMismatchError, open_source
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "CheckpointError",
+    "Fuse",
     "HFCheckpoint",
     "NameMap",
+    "OneOf",
+    "Stack",
     "WeightMismatchError",
     "check_model_type",
     "open_source",

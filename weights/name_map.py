@@ -1,5 +1,5 @@
-"""Our parameter names <-> Hugging Face checkpoint names, with fused weights and tied embeddings
-(in the manner of torchtitan's ``state_dict_adapter``)."""
+"""Our parameter names <-> Hugging Face checkpoint names, with fused weights, stacked experts and
+tied embeddings (in the manner of torchtitan's ``state_dict_adapter``)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +8,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -56,6 +57,9 @@ class _DictSource:
     def is_float(self, name):
         return self._tensors[name].dtype.is_floating_point
 
+    def dtype(self, name):
+        return self._tensors[name].dtype
+
     def get(self, name):
         return self._tensors[name]
 
@@ -83,21 +87,108 @@ def _fmt(shape: Sequence[int]) -> str:
     return str(tuple(shape))
 
 
+@dataclass(frozen=True)
+class Stack:
+    """``count`` per-expert HF tensors stacked along a new leading dim: ``template`` names expert
+    ``{expert}`` (layer indices stay ``{}``), e.g. ``"model.layers.{}.mlp.experts.{expert}.down_proj.weight"``;
+    ours[j] is expert j's tensor, and ``to_hf`` unstacks it into views."""
+    template: str
+    count: int
+
+    def __post_init__(self):
+        if "{expert}" not in self.template:
+            raise ValueError(f"Stack template {self.template!r} has no {{expert}} field")
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(f"Stack {self.template!r}: count must be an int >= 1, got {self.count!r}")
+
+    def names(self, index: Sequence[str]) -> tuple[str, ...]:
+        return tuple(self.template.format(*index, expert=j) for j in range(self.count))
+
+    def label(self, index: Sequence[str]) -> str:
+        """The experts' names at once: ``...experts.{0..255}.down_proj.weight``."""
+        return self.template.format(*index, expert=f"{{0..{self.count - 1}}}")
+
+
+@dataclass(frozen=True)
+class Fuse:
+    """Ours is the concatenation of ``parts`` (HF templates or ``Stack``) along ``dim`` (negative
+    counts from the end); ``to_hf`` splits it back by ``sizes`` (each part's extent along ``dim``),
+    or by the extents ``from_hf`` found in the checkpoint.  Fused gate/up experts, as transformers
+    stores them: ``Fuse((Stack(gate, E), Stack(up, E)), dim=1)`` -> (E, 2I, H)."""
+    parts: tuple[str | Stack, ...]
+    dim: int = 0
+    sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        parts = (self.parts,) if isinstance(self.parts, (str, Stack)) else tuple(self.parts)
+        if not parts or not all(isinstance(p, (str, Stack)) for p in parts):
+            raise TypeError(f"Fuse parts must be HF templates or Stack, got {self.parts!r}")
+        object.__setattr__(self, "parts", parts)
+        if self.sizes is not None:
+            object.__setattr__(self, "sizes", tuple(self.sizes))
+            if len(self.sizes) != len(parts):
+                raise ValueError(f"Fuse of {len(parts)} parts has {len(self.sizes)} sizes")
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """Alternative checkpoint layouts of one tensor, e.g. per-expert tensors or transformers' fused
+    ``experts.gate_up_proj``: ``from_hf`` reads the first one the checkpoint holds completely and
+    ``to_hf`` writes the one it read (the first before any read)."""
+    options: tuple
+
+    def __post_init__(self):
+        if not self.options:
+            raise ValueError("OneOf needs at least one option")
+        object.__setattr__(self, "options", tuple(_as_fuse(o) for o in self.options))
+
+
+def _as_fuse(spec) -> Fuse:
+    if isinstance(spec, Fuse):
+        return spec
+    if isinstance(spec, (str, Stack)):
+        return Fuse((spec,))
+    if isinstance(spec, Sequence):
+        return Fuse(tuple(spec))
+    raise TypeError(f"a name map entry is an HF template, a Stack, a Fuse, a OneOf or a tuple of templates, "
+                    f"got {spec!r}")
+
+
+@dataclass
+class _Layout:
+    """One option of one of our tensors, its layer indices filled in."""
+    fuse: Fuse
+    option: int
+    names: list[tuple[str, ...]]  # per part: its HF name, or one per expert
+    labels: list[str]  # per part, for messages
+
+    @property
+    def flat(self) -> tuple[str, ...]:
+        return tuple(n for names in self.names for n in names)
+
+    @property
+    def single(self) -> bool:
+        return len(self.names) == 1 and isinstance(self.fuse.parts[0], str)
+
+
 class NameMap:
     """Templates from our names to HF names; ``"{}"`` is a layer index (several are filled in order).
 
-    ``mapping[ours]`` is one HF template, or a tuple of them for a FUSED weight: ours is the
+    ``mapping[ours]`` is one HF template; a tuple of them for a FUSED weight: ours is the
     concatenation of the HF tensors along dim 0, and ``to_hf`` splits it back by
-    ``split_sizes[our template]`` (rows of each part), or by the rows ``from_hf`` found in the checkpoint
-    when no sizes are given. With ``tie_word_embeddings``, each ``tied[a] = b`` (e.g.
-    ``lm_head.weight`` -> ``embed.weight``) lets HF tensor ``a`` be absent from the checkpoint (b's is
-    read instead) and drops ``a`` when saving; without it ``a`` is required like any other. HF names
-    matching a regex of ``ignore`` are skipped, named in a debug log message.
+    ``split_sizes[our template]`` (rows of each part), or by the rows ``from_hf`` found in the
+    checkpoint when no sizes are given; a ``Fuse`` to concatenate along another dim; a ``Stack`` of
+    per-expert tensors (a new leading dim), alone or as parts of a ``Fuse``; or a ``OneOf`` of
+    these, for checkpoints that store a tensor in more than one layout. With
+    ``tie_word_embeddings``, each ``tied[a] = b`` (e.g. ``lm_head.weight`` -> ``embed.weight``) lets
+    HF tensor ``a`` be absent from the checkpoint (b's is read instead) and drops ``a`` when saving;
+    without it ``a`` is required like any other. HF names matching a regex of ``ignore`` are
+    skipped, named in a debug log message.
     """
 
     def __init__(
         self,
-        mapping: Mapping[str, str | Sequence[str]],
+        mapping: Mapping[str, str | Sequence[str] | Stack | Fuse | OneOf],
         *,
         split_sizes: Mapping[str, Sequence[int]] | None = None,
         tied: Mapping[str, str] | None = None,
@@ -105,17 +196,24 @@ class NameMap:
         ignore: Sequence[str] = DEFAULT_IGNORE,
         name: str = "model",
     ):
-        self.mapping = {k: (v,) if isinstance(v, str) else tuple(v) for k, v in mapping.items()}
+        self.mapping: dict[str, tuple[Fuse, ...]] = {
+            k: v.options if isinstance(v, OneOf) else (_as_fuse(v),) for k, v in mapping.items()}
         self.split_sizes = {k: tuple(v) for k, v in (split_sizes or {}).items()}
+        for ours, sizes in self.split_sizes.items():
+            options = self.mapping.get(ours, ())
+            if len(options) > 1:
+                raise ValueError(f"split_sizes[{ours!r}]: {ours} has {len(options)} layouts; give each Fuse its sizes")
+            n = len(options[0].parts) if options else 0
+            if len(sizes) != n:
+                raise ValueError(f"split_sizes[{ours!r}] has {len(sizes)} sizes for {n} HF parts")
+            self.mapping[ours] = (replace(options[0], sizes=sizes),)
         self.tied = dict(tied or {})
         self.tie_word_embeddings = tie_word_embeddings
         self.ignore = [re.compile(p) for p in ignore]
         self.name = name
         self._patterns = [(_template_regex(t), t) for t in self.mapping if "{}" in t]
         self._recorded_sizes: dict[str, tuple[int, ...]] = {}
-        for ours, sizes in self.split_sizes.items():
-            if len(sizes) != len(self.mapping.get(ours, ())):
-                raise ValueError(f"split_sizes[{ours!r}] has {len(sizes)} sizes for {len(self.mapping.get(ours, ()))} HF parts")
+        self._chosen: dict[str, int] = {}  # ours -> the option from_hf read
 
     def _template(self, ours: str) -> tuple[str, tuple[str, ...]] | None:
         if ours in self.mapping:
@@ -126,36 +224,96 @@ class NameMap:
                 return template, m.groups()
         return None
 
-    def hf_names(self, ours: str) -> tuple[str, ...] | None:
-        """The HF names ``ours`` is read from (several for a fused weight), or None if unmapped."""
+    def _layouts(self, ours: str) -> list[_Layout] | None:
         found = self._template(ours)
         if found is None:
             return None
         template, index = found
-        return tuple(t.format(*index) for t in self.mapping[template])
+        out = []
+        for i, fuse in enumerate(self.mapping[template]):
+            names = [p.names(index) if isinstance(p, Stack) else (p.format(*index),) for p in fuse.parts]
+            labels = [p.label(index) if isinstance(p, Stack) else p.format(*index) for p in fuse.parts]
+            out.append(_Layout(fuse, i, names, labels))
+        return out
 
-    def _hf_names_or_raise(self, names) -> dict[str, tuple[str, ...]]:
-        parts = {n: self.hf_names(n) for n in names}
-        unmapped = [n for n, p in parts.items() if p is None]
+    def _layout(self, ours: str) -> _Layout | None:
+        """The layout ``from_hf`` read ``ours`` in, else its first."""
+        layouts = self._layouts(ours)
+        return None if layouts is None else layouts[self._chosen.get(ours, 0)]
+
+    def hf_names(self, ours: str) -> tuple[str, ...] | None:
+        """The HF names ``ours`` is read from (several for a fused or stacked weight), or None if unmapped."""
+        layout = self._layout(ours)
+        return None if layout is None else layout.flat
+
+    def _layouts_or_raise(self, names) -> dict[str, list[_Layout]]:
+        layouts = {n: self._layouts(n) for n in names}
+        unmapped = [n for n, p in layouts.items() if p is None]
         if unmapped:
             raise KeyError(f"{self.name} name map has no HF name for {len(unmapped)} tensor(s): {', '.join(unmapped)}")
-        return parts
+        return layouts
 
-    def _check_shapes(self, ours, shape, parts, found) -> list[str]:
-        """Mis-shape messages for HF ``parts`` (shapes ``found``) read into ``ours`` of ``shape``."""
-        if len(parts) == 1:
-            return [] if found[0] == shape else [f"{parts[0]}: expected {_fmt(shape)}, found {_fmt(found[0])}"]
-        sizes = self.split_sizes.get(self._template(ours)[0])
+    @staticmethod
+    def _dim(ours: str, fuse: Fuse, ndim: int) -> int:
+        if not -ndim <= fuse.dim < ndim:
+            raise ValueError(f"{ours}: fused along dim {fuse.dim}, but it has {ndim} dims")
+        return fuse.dim % ndim
+
+    def _check_shapes(self, ours, shape, lay: _Layout, src) -> tuple[list[str], tuple[int, ...] | None]:
+        """(mis-shape messages, the parts' extents along the fused dim) for ``lay`` read into ``ours``."""
+        if lay.single:
+            p = lay.flat[0]
+            found = tuple(src.shape(p))
+            return ([] if found == shape else [f"{p}: expected {_fmt(shape)}, found {_fmt(found)}"]), None
+        d = self._dim(ours, lay.fuse, len(shape))
+        found = []  # per part: its shape as a part of ours (a Stack's with the experts' dim)
+        for part, names in zip(lay.fuse.parts, lay.names):
+            first = tuple(src.shape(names[0]))
+            found.append((part.count, *first) if isinstance(part, Stack) else first)
+        sizes = lay.fuse.sizes
         if sizes is None:
-            rows = sum(f[0] for f in found if f)
-            if rows != shape[0]:
-                return [f"cat({', '.join(parts)}) for {ours}: expected {shape[0]} rows, found {rows}"]
-            sizes = [f[0] for f in found]
-        return [
-            f"{p}: expected {_fmt(want)}, found {_fmt(got)} (part of {ours} {_fmt(shape)})"
-            for p, want, got in zip(parts, [(n, *shape[1:]) for n in sizes], found)
-            if want != got
-        ]
+            if len(lay.names) == 1:
+                sizes = (shape[d],)
+            else:
+                if any(len(f) != len(shape) for f in found):
+                    return [f"{label}: expected a {len(shape)}-dim part of {ours} {_fmt(shape)}, found {_fmt(f)}"
+                            for label, f in zip(lay.labels, found) if len(f) != len(shape)], None
+                sizes = tuple(f[d] for f in found)
+                if sum(sizes) != shape[d]:
+                    along = "rows" if d == 0 else f"along dim {d}"
+                    cat = f"cat({', '.join(lay.labels)})"
+                    return [f"{cat} for {ours}: expected {shape[d]} {along}, found {sum(sizes)}"], None
+        bad = []
+        for part, names, size in zip(lay.fuse.parts, lay.names, sizes):
+            want = shape[:d] + (size,) + shape[d + 1:]
+            if not isinstance(part, Stack):
+                got = tuple(src.shape(names[0]))
+                if got != want:
+                    bad.append(f"{names[0]}: expected {_fmt(want)}, found {_fmt(got)} (part of {ours} {_fmt(shape)})")
+                continue
+            if want[0] != part.count:
+                bad.append(f"{part.template}: {part.count} experts, but {ours} {_fmt(shape)} stacks {want[0]}")
+                continue
+            for j, n in enumerate(names):
+                got = tuple(src.shape(n))
+                if got != want[1:]:
+                    bad.append(f"{n}: expected {_fmt(want[1:])}, found {_fmt(got)} "
+                               f"(expert {j} of {ours} {_fmt(shape)})")
+        return bad, sizes
+
+    def _missing(self, ours: str, lay: _Layout, src) -> list[str]:
+        out = []
+        for part, names, label in zip(lay.fuse.parts, lay.names, lay.labels):
+            absent = [(j, n) for j, n in enumerate(names) if n not in src]
+            if not absent:
+                continue
+            if not isinstance(part, Stack):
+                out.append(label if lay.single else f"{label} (part of {ours})")
+            elif len(absent) == len(names):
+                out.append(f"{label} (all {part.count} experts of {ours})")
+            else:
+                out += [f"{n} (expert {j} of {ours})" for j, n in absent]
+        return out
 
     def from_hf(
         self,
@@ -166,39 +324,50 @@ class NameMap:
     ) -> dict[str, torch.Tensor]:
         """Our tensors ``{name: tensor}`` for every ``expected[name] = (shape, dtype)``, cast to that dtype.
 
-        ``source``: a checkpoint directory, an ``HFCheckpoint`` or a ``{hf_name: tensor}`` dict.
-        Shapes are checked from the headers before any tensor is read; every missing, unexpected
-        and mis-shaped tensor is reported in one ``WeightMismatchError``.  A tensor stored in an
-        integer or bool dtype (a cast would invent its values), or holding NaN/Inf after the cast,
-        raises ``CheckpointError`` naming it.
+        ``source``: a checkpoint directory, an ``HFCheckpoint`` or a ``{hf_name: tensor}`` dict
+        (wrap it in ``formats.DequantizedSource`` for quantized weights).  Shapes are checked from
+        the headers before any tensor is read; every missing (a stack's absent experts by name),
+        unexpected and mis-shaped tensor is reported in one ``WeightMismatchError``.  A tensor
+        stored in an integer or bool dtype (a cast would invent its values), or holding NaN/Inf
+        after the cast, raises ``CheckpointError`` naming it.
         """
-        plan = self._hf_names_or_raise(expected)
+        candidates = self._layouts_or_raise(expected)
         with open_source(source) as src:
+            plan: dict[str, _Layout] = {}
+            own: set[str] = set()  # read in a layout of its own, not its tied partner's
+            sizes_of: dict[str, tuple[int, ...] | None] = {}
             missing, misshaped, notes, not_float = [], [], [], []
-            for ours, parts in plan.items():
+            for ours, layouts in candidates.items():
+                complete = [lay for lay in layouts if all(p in src for p in lay.flat)]
                 tied_to = self.tied.get(ours) if self.tie_word_embeddings else None
-                if tied_to is not None and not all(p in src for p in parts):
+                if tied_to is not None and not complete:
                     log.debug("%s: %s is absent; tied embeddings, reading %s", self.name, ours, tied_to)
-                    parts = plan[ours] = self.hf_names(tied_to)
-                absent = [p for p in parts if p not in src]
-                for p in absent:
-                    missing.append(p if len(parts) == 1 else f"{p} (part of {ours})")
+                    layouts = self._layouts(tied_to)
+                    complete = [lay for lay in layouts if all(p in src for p in lay.flat)]
+                else:
+                    own.add(ours)
+                lay = complete[0] if complete else max(layouts, key=lambda lay: sum(p in src for p in lay.flat))
+                plan[ours] = lay
+                if not complete:
+                    absent = self._missing(ours, lay, src)
+                    missing += absent
                     if not self.tie_word_embeddings and ours in self.tied:
-                        notes.append(f"{p} is required: config has tie_word_embeddings false")
-                if absent:
+                        notes += [f"{a} is required: config has tie_word_embeddings false" for a in absent]
+                    if len(layouts) > 1:
+                        notes.append(f"{ours}: no layout is complete ({' | '.join(', '.join(lay.labels) for lay in layouts)}); "
+                                     f"missing lists the closest")
                     continue
-                found = [tuple(src.shape(p)) for p in parts]
-                misshaped += self._check_shapes(ours, tuple(expected[ours][0]), parts, found)
+                bad, sizes = self._check_shapes(ours, tuple(expected[ours][0]), lay, src)
+                misshaped += bad
+                sizes_of[ours] = sizes
                 is_float = getattr(src, "is_float", None)
                 if is_float is not None:
-                    not_float += [p for p in parts if not is_float(p)]
-                if len(parts) > 1 and self._template(ours)[0] not in self.split_sizes:
-                    self._recorded_sizes[ours] = tuple(f[0] for f in found)
+                    not_float += [p for p in lay.flat if not is_float(p)]
 
-            claimed = {p for parts in plan.values() for p in parts}
+            claimed = {p for lay in plan.values() for p in lay.flat}
             optional = set()
             if self.tie_word_embeddings:
-                optional = {p for a in self.tied for p in (self.hf_names(a) or ())}
+                optional = {p for a in self.tied for lay in (self._layouts(a) or ()) for p in lay.flat}
             extras = [k for k in src.keys() if k not in claimed]
             skipped, unexpected = [], []
             for k in extras:
@@ -212,41 +381,78 @@ class NameMap:
             if not_float:
                 raise CheckpointError(f"{where}: {len(not_float)} weight(s) not stored as floating point (a cast "
                                       f"would invent their values): {', '.join(not_float)}")
+            for ours, lay in plan.items():
+                if ours in own:
+                    self._chosen[ours] = lay.option
+                if sizes_of[ours] is not None and lay.fuse.sizes is None:
+                    self._recorded_sizes[ours] = sizes_of[ours]
 
             out = {}
             bar = tqdm(plan.items(), desc=f"loading {self.name}", unit="tensor", file=sys.stderr,
                        disable=not sys.stderr.isatty(), leave=False)
-            for ours, parts in bar:
-                raw = [src.get(p) for p in parts]
-                for p, t in zip(parts, raw):
-                    if not t.dtype.is_floating_point:
-                        raise CheckpointError(f"{where}: {p} is stored as {t.dtype}, not floating point (a cast "
-                                              f"would invent its values)")
-                dtype = expected[ours][1]
-                t = (raw[0] if len(raw) == 1 else torch.cat(raw)).to(device=device, dtype=dtype)
-                if not bool(torch.isfinite(t).all()):
-                    for p, r in zip(parts, raw):
-                        bad = int((~torch.isfinite(r.to(dtype))).sum())
-                        if bad:
-                            raise CheckpointError(f"{where}: {p} holds {bad} NaN/Inf value(s) (as "
-                                                  f"{str(dtype).removeprefix('torch.')}); refusing to serve them")
-                out[ours] = t
+            for ours, lay in bar:
+                shape, dtype = tuple(expected[ours][0]), expected[ours][1]
+                out[ours] = self._read(where, src, ours, lay, shape, dtype, sizes_of[ours], device)
             return out
 
+    def _read(self, where, src, ours, lay: _Layout, shape, dtype, sizes, device) -> torch.Tensor:
+        def get(p):
+            t = src.get(p)
+            if not t.dtype.is_floating_point:
+                raise CheckpointError(f"{where}: {p} is stored as {t.dtype}, not floating point (a cast "
+                                      f"would invent its values)")
+            return t
+
+        if lay.single:
+            t = get(lay.flat[0]).to(device=device, dtype=dtype)
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            d, offset = self._dim(ours, lay.fuse, len(shape)), 0
+            for part, names, size in zip(lay.fuse.parts, lay.names, sizes):
+                dst = t.narrow(d, offset, size)
+                offset += size
+                if isinstance(part, Stack):
+                    for j, p in enumerate(names):
+                        dst[j].copy_(get(p))
+                else:
+                    dst.copy_(get(names[0]))
+        if not bool(torch.isfinite(t).all()):
+            for p in lay.flat:
+                bad = int((~torch.isfinite(src.get(p).to(dtype))).sum())
+                if bad:
+                    raise CheckpointError(f"{where}: {p} holds {bad} NaN/Inf value(s) (as "
+                                          f"{str(dtype).removeprefix('torch.')}); refusing to serve them")
+        return t
+
     def to_hf(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF ``{name: tensor}`` for our ``tensors``; fused weights are split into views (dim 0)."""
+        """HF ``{name: tensor}`` for our ``tensors``: fused weights split into views along their dim,
+        stacked experts unstacked into views, in the layout ``from_hf`` read (the first before)."""
         if self.tie_word_embeddings:
             tensors = {k: v for k, v in tensors.items() if k not in self.tied}
+        self._layouts_or_raise(tensors)
         out = {}
-        for ours, parts in self._hf_names_or_raise(tensors).items():
+        for ours in tensors:
+            lay = self._layout(ours)
             t = tensors[ours].detach()
-            if len(parts) == 1:
-                out[parts[0]] = t
+            if lay.single:
+                out[lay.flat[0]] = t
                 continue
-            sizes = self.split_sizes.get(self._template(ours)[0]) or self._recorded_sizes.get(ours)
+            d = self._dim(ours, lay.fuse, t.dim())
+            sizes = lay.fuse.sizes or self._recorded_sizes.get(ours)
+            if sizes is None and len(lay.names) == 1:
+                sizes = (t.shape[d],)
             if sizes is None:
                 raise KeyError(f"{self.name}: no split sizes for fused {ours}; give split_sizes or load with from_hf first")
-            if sum(sizes) != t.shape[0]:
-                raise ValueError(f"{self.name}: {ours} has {t.shape[0]} rows, its parts {parts} need {sum(sizes)} = {' + '.join(map(str, sizes))}")
-            out.update(zip(parts, torch.split(t, list(sizes), dim=0)))
+            if sum(sizes) != t.shape[d]:
+                along = "rows" if d == 0 else f"along dim {d}"
+                raise ValueError(f"{self.name}: {ours} has {t.shape[d]} {along}, its parts {tuple(lay.labels)} need "
+                                 f"{sum(sizes)} = {' + '.join(map(str, sizes))}")
+            for part, names, piece in zip(lay.fuse.parts, lay.names, torch.split(t, list(sizes), dim=d)):
+                if not isinstance(part, Stack):
+                    out[names[0]] = piece
+                    continue
+                if piece.shape[0] != part.count:
+                    raise ValueError(f"{self.name}: {ours} {_fmt(t.shape)} stacks {piece.shape[0]} experts, "
+                                     f"{part.template} has {part.count}")
+                out.update(zip(names, piece.unbind(0)))
         return out
