@@ -20,6 +20,11 @@ SAFE_INDEX_NAME = "model.safetensors.index.json"
 PICKLED_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# safetensors header dtypes; quantized formats check codes and scales from these before any read.
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+                       "F4": "float4_e2m1fn_x2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+                       "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool"}
 
 
 class CheckpointError(ValueError):
@@ -144,6 +149,11 @@ class HFCheckpoint:
     def is_float(self, name: str) -> bool:
         """Whether tensor ``name`` is stored as floating point (from the header: F32, BF16, F8_E4M3, ...)."""
         return self._open(self._shard(name)).get_slice(name).get_dtype().startswith(("F", "BF"))
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The torch dtype tensor ``name`` is stored in (from the header); None for one torch lacks."""
+        stored = self._open(self._shard(name)).get_slice(name).get_dtype()
+        return getattr(torch, _SAFETENSORS_DTYPES.get(stored, ""), None)
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor ``name`` on the CPU, in the dtype it is stored in."""
