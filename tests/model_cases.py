@@ -1,0 +1,91 @@
+"""Per-model knobs for the tests every registered model gets (tests/test_models.py), and their helpers.
+
+A model registered in ``alignzoo.models`` runs those tests with the defaults of ``ModelCase``; a
+row in ``CASES`` changes what does not fit it (no FP8 path, no transformers architecture, weights
+that the default sharpening would break, a real preset for the CUDA-graph test).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+import alignzoo
+from alignzoo import SamplingParams
+from alignzoo.common.metrics import mismatch
+
+
+def sharpen(trainer, generator: torch.Generator) -> None:
+    """1-D weights (norms) uniform in [0.5, 1.5], so a swapped norm weight shows; matrices x3, for
+    sharper distributions than the 0.02 init, so top-p / min-p cut."""
+    with torch.no_grad():
+        for _, p in trainer.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5, generator=generator)
+            else:
+                p.mul_(3.0)
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    preset: str = "tiny"        # every CPU test's config (the CLI takes it as --config)
+    gpu_preset: str = "tiny"    # the CUDA-graph test's: real shapes where one GPU holds them
+    fp8: bool = True            # load_pair(..., fp8=True) works: the FP8 variants run
+    hf_atol: float | None = 1e-5  # fp32 max |Δ logprob| against transformers; None: it lacks the architecture
+    load_kw: Mapping = field(default_factory=dict)  # extra load_pair keywords for every pair
+    sharpen: Callable[[torch.nn.Module, torch.Generator], None] = sharpen
+
+
+CASES: dict[str, ModelCase] = {
+    "qwen3": ModelCase(gpu_preset="qwen3-0.6b"),  # hf_atol: 2.9e-6 measured on the sharpened tiny model
+}
+
+
+def case(name: str) -> ModelCase:
+    return CASES.get(name, ModelCase())
+
+
+def make_pair(name: str, device="cpu", dtype=torch.bfloat16, seed: int = 0, config: str | None = None, **kw):
+    """A pair of ``name`` on the row's preset, its weights sharpened by the row, synced."""
+    c = case(name)
+    pair = alignzoo.load_pair(name, config=config or c.preset, device=device, dtype=dtype, seed=seed,
+                              **{**c.load_kw, **kw})
+    c.sharpen(pair.trainer, torch.Generator(device=device).manual_seed(seed + 1))
+    pair.sync()
+    return pair
+
+
+def prompts_of(lens, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def rich(n: int, max_new_tokens, seed: int = 0) -> list[SamplingParams]:
+    """n requests with temperature, top-k, top-p and min-p together (one greedy), each its own seed."""
+    table = [(0.9, 40, 0.9, 0.05), (1.3, 0, 0.8, 0.0), (0.6, 7, 1.0, 0.1), (0.0, 0, 1.0, 0.0), (1.0, 50, 0.95, 0.01)]
+    news = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
+    return [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, max_new_tokens=news[i], seed=seed + i)
+            for i, (t, k, p, m) in enumerate(table[i % len(table)] for i in range(n))]
+
+
+def assert_same(got, want, where=""):
+    """Two completions of one request: the same tokens and the same FP32 bits."""
+    assert got.error is None and want.error is None, (where, got.error, want.error)
+    assert got.tokens == want.tokens, where
+    assert torch.equal(got.logprobs, want.logprobs), (where, mismatch(got.logprobs, want.logprobs))
+
+
+def assert_trainer_matches(pair, prompts, sps, outs):
+    """K3 == 0: the trainer's and the server prefill's log-probs of each completion are the sampler's bits."""
+    seqs = [p + o.tokens for p, o in zip(prompts, outs)]
+    lens = [len(p) for p in prompts]
+    with torch.no_grad():
+        lp_t = pair.trainer.logprobs(seqs, lens, sps)
+    lp_s = pair.server.score(seqs, lens, sps)
+    for i, (o, t, s) in enumerate(zip(outs, lp_t, lp_s)):
+        assert o.error is None, o.error
+        assert o.weight_version == pair.server.weight_version, i
+        t = t.cpu()
+        assert torch.equal(t, o.logprobs), (i, "trainer", mismatch(t, o.logprobs))
+        assert torch.equal(s.cpu(), o.logprobs), (i, "server prefill", mismatch(s.cpu(), o.logprobs))
