@@ -4,7 +4,8 @@ After every optimizer step the server must hold exactly the weights the
 trainer's next forward reads.  The trainer's ``Publisher`` diffs its forward
 weights byte for byte against the last shipped version and builds a
 ``Payload`` of the changed blocks (``layout.py``: 128x128 blocks for float8
-codes, one entry per block for their scales, row blocks otherwise) with
+codes, one entry per block for their scales, row blocks of each matrix of a
+stack otherwise, so one changed expert ships only its own blocks) with
 checksums; a transport moves it; the server's ``Receiver`` checks all of it,
 the end state included (the blocks staged over its weights must hash to the
 publisher's), and only then copies the blocks into its tensors in place

@@ -15,7 +15,9 @@ of the bytes (on the H200 the torch passes cost most of an 8B model's 1.3-1.6 s
 publish + apply).
 
 ``checksums_and_nonfinite`` also counts the NaN/Inf elements of float
-tensors on the same words: an element is non-finite when its exponent bits
+tensors (integer tensors -- uint8 E2M1 codes and E8M0 scales, int32 tables --
+have none to count; E8M0 stored as float8_e8m0fnu counts its NaN byte 0xFF)
+on the same words: an element is non-finite when its exponent bits
 are all ones (``nonfinite_rule``: a mask and pattern per lane of the 32-bit
 word), so the CUDA kernel finds them in the pass that reads the bytes.
 Integer addition is associative, so the value does not depend on the
@@ -79,6 +81,8 @@ for _name, _rule in (("float8_e4m3fn", (4, 0x7F, 0x7F, False)), ("float8_e5m2", 
                      ("float8_e8m0fnu", (4, 0xFF, 0xFF, False))):
     if hasattr(torch, _name):
         _NONFINITE[getattr(torch, _name)] = _rule
+# Float dtypes with no NaN/Inf encoding (E2M1 codes): nothing to count, and torch.isfinite refuses them.
+_ALWAYS_FINITE = tuple(getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n))
 
 
 def nonfinite_rule(dtype: torch.dtype) -> tuple[int, int, int, bool] | None:
@@ -145,7 +149,8 @@ def _word_acc(t: torch.Tensor, nonfinite: bool = False) -> tuple[torch.Tensor, t
         acc, bad = _word_sums_triton(words, rule)
     else:
         acc, bad = _word_sum_torch(words), (_nonfinite_torch(words, rule) if rule is not None else None)
-    if nonfinite and rule is None and (t.dtype.is_floating_point or t.dtype.is_complex):
+    if nonfinite and rule is None and (t.dtype.is_floating_point or t.dtype.is_complex) and \
+            t.dtype not in _ALWAYS_FINITE:
         bad = (~torch.isfinite(t.detach())).sum()  # a float dtype without a bit rule: one more pass
     return acc, bad, n
 

@@ -10,8 +10,13 @@ tensor                                    view (E, N, M)       block
 ========================================  ===================  ============
 float8 codes ``X.weight`` (..., N, K)     (prod(...), N, K)    128 x 128
 its scales ``X.weight_scale_inv``         (prod(...), nbr,     1 x 1
-(..., ceil(N/128), ceil(K/128)) fp32      nbc)
-any other tensor with dim >= 2            (1, N, prod(rest))   R x M (R rows)
+(..., ceil(N/128), ceil(K/128)), fp32     nbc)
+or E8M0 bytes
+any other tensor with dim >= 2            (prod(...), N, K)    R x K (R rows)
+(..., N, K): bf16/fp32 expert stacks,
+packed E2M1 codes (..., N, K/2) and
+their E8M0 scales (..., N, K/32) as
+uint8, integer tables
 1-D and 0-D tensors                       (1, 1, numel)        one block
 ========================================  ===================  ============
 
@@ -19,6 +24,13 @@ The float8 blocks are the quantizer's blocks, so a re-quantized block is one
 unit; its scale is scale block ``(i, j)`` -- the same flat index -- and ships
 on its own (4 bytes) only when the scale itself changed: codes and scale of a
 block change independently, and byte comparison tells each exactly.
+
+Leading dims (experts, stacked layers) are the view's E, so no block straddles
+two experts: a step that changes one expert of an (E, N, K) stack ships that
+expert's ``ceil(N / R)`` blocks.  Packed 4-bit codes and their per-32 scales
+take whole-row blocks of the same R rows: MXFP4 groups lie along K, so a
+re-quantized group is inside one row block of each, and code block b and scale
+block b cover the same weight rows (the same flat index, as for float8).
 
 A block's data are its elements in memory order of the whole tensor, i.e.
 the payload of a tensor is ``view[mask]`` for the element mask of its changed
@@ -127,8 +139,8 @@ def layout_of(name: str, t: torch.Tensor, weights: dict[str, torch.Tensor], rows
                 and shape == (*codes.shape[:-2], -(-codes.shape[-2] // FP8_BLOCK), -(-codes.shape[-1] // FP8_BLOCK))):
             return Layout((prod(shape[:-2]), shape[-2], shape[-1]), (1, 1))
     if t.dim() >= 2:
-        M = prod(shape[1:])
-        return Layout((1, shape[0], M), (rows_per_block, max(M, 1)))
+        N, K = shape[-2:]
+        return Layout((prod(shape[:-2]), N, K), (rows_per_block, max(K, 1)))
     n = t.numel()
     return Layout((1, 1, n), (1, max(n, 1)))
 
