@@ -12,19 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from alignzoo.weights import CheckpointError, HFCheckpoint, NameMap, WeightMismatchError, save_hf_checkpoint
-from alignzoo.weights.formats import (
-    FP8_BLOCK128,
-    FP8_BLOCK128_E8M0,
-    MXFP4,
-    DequantizedSource,
-    QuantRule,
-    e2m1_decode,
-    e2m1_encode,
-    e8m0_to_float,
-    plan_quantization,
-    quantize_for_save,
-)
+from alignzoo.weights.formats import (FP8_BLOCK128, FP8_BLOCK128_E8M0, MXFP4, DequantizedSource, QuantRule,
+                                      e2m1_decode, e2m1_encode, e8m0_to_float, plan_quantization, quantize_for_save)
 from alignzoo.weights.name_map import Fuse, OneOf, Stack
 
 E, I, H = 4, 24, 32
