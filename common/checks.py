@@ -23,6 +23,7 @@ PRIMITIVES: dict[str, str] = {
     "attention": "alignzoo.common.attention.checks",
     "fp8": "alignzoo.common.fp8.checks",
     "lora": "alignzoo.common.lora.checks",
+    "moe": "alignzoo.common.moe.checks",
 }
 
 

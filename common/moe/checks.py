@@ -1,0 +1,48 @@
+"""Ladder rungs 1-2 and accuracy for the routed experts (``alignzoo check moe``):
+the same tokens alone, in batches of other sizes, shuffled, padded, under
+skewed routing (every token to one expert) and with experts that get none."""
+from __future__ import annotations
+
+import torch
+
+from ..ladder import RungResult, accuracy, rung1_repeat, rung2_rows
+from .naive import experts_ref
+from .op import experts_fwd
+
+LIMIT = 10.0  # DeepSeek-V4's swiglu_limit
+
+
+def make_experts(T: int, H: int, I: int, E: int, k: int, *, device, dtype=torch.bfloat16, seed: int = 0,
+                 skew: bool = False):
+    """Random (x, ids, weights, w_gate_up, w_down); ``skew``: slot 0 of every
+    token is expert 0 and experts E-1, E-2 get no token."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    scores = torch.rand(T, E, generator=g)
+    if E > 3:
+        scores[:, E - 2:] = -1.0  # never chosen
+    if skew:
+        scores[:, 0] = 2.0
+    ids = scores.topk(k, dim=-1).indices.to(device)
+    weights = torch.softmax(torch.randn(T, k, generator=g), -1).to(device, dtype)
+    w_gu = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(device, dtype)
+    w_d = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(device, dtype)
+    return x, ids, weights, w_gu, w_d
+
+
+def ladder(device: torch.device) -> list[RungResult]:
+    T, H, I, E, k = (70, 72, 40, 7, 3) if device.type == "cpu" else (600, 2048, 512, 64, 8)
+    out = []
+    for skew in (False, True):
+        x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device=device, skew=skew)
+        name = "skewed routing" if skew else "routing"
+        fn = lambda x, ids, w, w_gu, w_d, limit=None: experts_fwd(x, ids, w, w_gu, w_d, limit)  # noqa: E731
+        r1 = rung1_repeat("moe", fn, x, ids, w, w_gu, w_d)
+        r2 = rung2_rows("moe", fn, (x, ids, w), shared={"w_gu": w_gu, "w_d": w_d}, batch_sizes=(1, 2, 3, 7, 64))
+        r2l = rung2_rows("moe", fn, (x, ids, w), shared={"w_gu": w_gu, "w_d": w_d, "limit": LIMIT})
+        for r, what in ((r1, "experts"), (r2, "experts"), (r2l, "experts, SwiGLU clamp")):
+            r.check = f"{what}, {name}: {r.check}"
+            out.append(r)
+        out.append(accuracy("moe", fn(x, ids, w, w_gu, w_d), experts_ref(x, ids, w, w_gu, w_d), 8e-3,
+                            f"experts bf16, {name}, vs float64"))
+    return out

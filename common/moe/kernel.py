@@ -1,0 +1,139 @@
+"""Triton routed experts: two grouped GEMMs over (token, slot) rows sorted by
+expert, with no host read of per-expert counts (the launch grid is a bound
+from T, k and E alone, so decode captures into a CUDA graph).
+
+Tiles.  The T·k rows are sorted by (expert, token, slot) on the device; tile t
+of the grid covers rows [r0, r1) of one expert (at most BLOCK_M of them), from
+a map built on the device; tiles past the last expert's exit at once.  A
+token's rows meet their expert's weights in whichever tile they land, and
+every output element is the same chain over K whatever else the tile holds:
+
+    acc = 0;  for k0 in 0, BLOCK_K, 2·BLOCK_K, ...:  acc = tl.dot(x[:, k0:k0+BK], W[k0:k0+BK, n], acc)
+
+one fp32 accumulator from zero, the same k16 wgmma steps for every row (rows
+of other tokens and masked padding rows cannot enter a row's sum).  BLOCK_M
+is 64 or more so Hopper always runs wgmma.
+
+Rounding points (as ``cpu.py``): gate and up stay fp32; a = bf16(g / (1 +
+exp(-g)) · u) (clamped first with a limit); c = fp32 dot(a, W_down) · w; the
+slots are then added in slot order in fp32 (``cpu.slot_sum``) and rounded by
+the caller.  Launched with ``enable_fp_fusion=False``: no mul + add becomes an
+FMA, so each op rounds where the source says.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._host import cdiv
+from .cpu import slot_sum
+
+BLOCK_M = 64  # wgmma's smallest M: a tile never lowers to mma.sync
+BLOCK_K = 64  # the K chain's step: fixed, so every launch sums K the same way
+
+
+@triton.jit
+def _gate_up_kernel(p_x, p_w, p_tok, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS_LIMIT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(p_te + i_t)
+    if e < 0:
+        return
+    r0, r1 = tl.load(p_r0 + i_t), tl.load(p_r1 + i_t)
+    o_r = r0 + tl.arange(0, BLOCK_M)
+    m_r = o_r < r1
+    tok = tl.load(p_tok + o_r, mask=m_r, other=0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < I
+    p_we = p_w + e.to(tl.int64) * (2 * I) * H
+    b_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < H
+        b_x = tl.load(p_x + tok[:, None] * H + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+        m_w = m_k[:, None] & m_n[None, :]
+        b_wg = tl.load(p_we + o_n[None, :].to(tl.int64) * H + o_k[:, None], mask=m_w, other=0.0)  # (BK, BN)
+        b_wu = tl.load(p_we + (o_n[None, :] + I).to(tl.int64) * H + o_k[:, None], mask=m_w, other=0.0)
+        b_g = tl.dot(b_x, b_wg, b_g)
+        b_u = tl.dot(b_x, b_wu, b_u)
+    if HAS_LIMIT:
+        b_g = tl.minimum(b_g, LIMIT)
+        b_u = tl.minimum(tl.maximum(b_u, -LIMIT), LIMIT)
+    b_a = b_g / (1.0 + tl.exp(-b_g)) * b_u
+    tl.store(p_a + o_r[:, None].to(tl.int64) * I + o_n[None, :], b_a.to(p_a.dtype.element_ty),
+             mask=m_r[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _down_kernel(p_a, p_w, p_wt, p_dst, p_te, p_r0, p_r1, p_c, H, I,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(p_te + i_t)
+    if e < 0:
+        return
+    r0, r1 = tl.load(p_r0 + i_t), tl.load(p_r1 + i_t)
+    o_r = r0 + tl.arange(0, BLOCK_M)
+    m_r = o_r < r1
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < H
+    p_we = p_w + e.to(tl.int64) * H * I
+    b_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < I
+        b_a = tl.load(p_a + o_r[:, None].to(tl.int64) * I + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(p_we + o_n[None, :].to(tl.int64) * I + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_c = tl.dot(b_a, b_w, b_c)
+    b_wt = tl.load(p_wt + o_r, mask=m_r, other=0.0)
+    dst = tl.load(p_dst + o_r, mask=m_r, other=0).to(tl.int64)
+    tl.store(p_c + dst[:, None] * H + o_n[None, :], b_c * b_wt[:, None], mask=m_r[:, None] & m_n[None, :])
+
+
+def tile_map(ids: torch.Tensor, E: int, block_m: int = BLOCK_M):
+    """The sorted rows and their tiles, on the device, with no host read.
+
+    ids: (T, k) -> (order (T·k,): flat (token, slot) index of each sorted row,
+    tile_expert, tile_r0, tile_r1 (n_tiles,) int32: each tile's expert (-1
+    past the last) and row range).  n_tiles = ceil(T·k / block_m) + E bounds
+    Σ_e ceil(n_e / block_m) for any routing."""
+    flat = ids.reshape(-1).long()
+    n, dev = flat.numel(), ids.device
+    order = torch.argsort(flat * n + torch.arange(n, device=dev))  # keys are distinct: one order on any device
+    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    n_tiles = cdiv(n, block_m) + E
+    t = torch.arange(n_tiles, device=dev)
+    e_of = torch.searchsorted(tile_end, t, right=True)
+    e_c = e_of.clamp(max=E - 1)
+    row_start = torch.cumsum(counts, 0) - counts
+    r0 = row_start[e_c] + (t - (tile_end[e_c] - tiles[e_c])) * block_m
+    r1 = row_start[e_c] + counts[e_c]
+    tile_expert = torch.where(e_of < E, e_c, -1)
+    return order, tile_expert.to(torch.int32), r0.to(torch.int32), r1.to(torch.int32)
+
+
+def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, block_n: int = 64):
+    """``cpu.experts_fwd_cpu``'s contract on CUDA: -> (T, H) fp32 routed sum."""
+    T, k = ids.shape
+    E, I2, H = w_gate_up.shape
+    I = I2 // 2
+    x, w_gate_up, w_down = x.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
+    order, t_e, t_r0, t_r1 = tile_map(ids, E)
+    tok = (order // k).to(torch.int32)
+    a = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
+    c = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
+    if T * k == 0:
+        return torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    lim = 0.0 if limit is None else float(torch.tensor(limit, dtype=x.dtype))
+    n_tiles = t_e.shape[0]
+    _gate_up_kernel[(n_tiles, cdiv(I, block_n))](
+        x, w_gate_up, tok, t_e, t_r0, t_r1, a, H, I, lim, HAS_LIMIT=limit is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, enable_fp_fusion=False)
+    wt = weights.reshape(-1).float()[order].contiguous()
+    _down_kernel[(n_tiles, cdiv(H, block_n))](
+        a, w_down, wt, order.to(torch.int32), t_e, t_r0, t_r1, c, H, I,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, enable_fp_fusion=False)
+    return slot_sum(c.view(T, k, H))

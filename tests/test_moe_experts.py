@@ -1,0 +1,159 @@
+"""Routed experts (``common/moe``): a token's bits do not depend on how many
+tokens its experts got or which tokens share the batch (alone, in batches of
+1..4096 tokens, skewed routing, experts with no token); the Triton kernels'
+source keeps the tile map, gathers and slot order (interpreted on the CPU);
+accuracy and gradients against float64; the combine's FP64 tree."""
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import run_interpreted
+
+from alignzoo.common.ladder import bitwise_equal, rel_err
+from alignzoo.common.moe.checks import make_experts
+from alignzoo.common.moe.cpu import experts_fwd_cpu
+from alignzoo.common.moe.naive import experts_ref
+from alignzoo.common.moe.op import experts_fwd, moe_combine, moe_experts
+
+
+def _alone_vs_batches(device, T, H, I, E, k, sizes, skew, limit=None, seed=0):
+    x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device=device, skew=skew, seed=seed)
+    if limit is not None:
+        x = x * 4  # gate/up values past the clamp
+    full = experts_fwd(x, ids, w, w_gu, w_d, limit)
+    g = torch.Generator().manual_seed(seed + 1)
+    for n in sizes:
+        idx = torch.randperm(T, generator=g)[:n].to(device)
+        got = experts_fwd(x[idx], ids[idx], w[idx], w_gu, w_d, limit)
+        assert bitwise_equal(got, full[idx]), (n, skew)
+    one = experts_fwd(x[5:6], ids[5:6], w[5:6], w_gu, w_d, limit)
+    assert bitwise_equal(one, full[5:6])
+    return x, ids, w, w_gu, w_d, full
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
+@pytest.mark.parametrize("limit", [None, 10.0], ids=["plain", "clamp"])
+def test_cpu_rows_do_not_depend_on_the_batch(skew, limit):
+    _alone_vs_batches(torch.device("cpu"), 300, 72, 40, 9, 3, (1, 2, 17, 64, 299), skew, limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
+def test_gpu_rows_do_not_depend_on_the_batch(skew):
+    """Qwen3.5-35B-A3B's expert shapes (hidden 2048, width 512, 256 experts, top-8)."""
+    _alone_vs_batches(torch.device("cuda"), 4096, 2048, 512, 256, 8, (1, 2, 7, 64, 300, 1000), skew)
+
+
+@pytest.mark.gpu
+def test_gpu_experts_replay_from_a_cuda_graph():
+    x, ids, w, w_gu, w_d = make_experts(64, 2048, 512, 64, 8, device="cuda")
+    sx, sids, sw = x[:16].clone(), ids[:16].clone(), w[:16].clone()
+    experts_fwd(sx, sids, sw, w_gu, w_d)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = experts_fwd(sx, sids, sw, w_gu, w_d)
+    full = experts_fwd(x, ids, w, w_gu, w_d)
+    for lo in (0, 16, 48):
+        sx.copy_(x[lo:lo + 16])
+        sids.copy_(ids[lo:lo + 16])
+        sw.copy_(w[lo:lo + 16])
+        graph.replay()
+        assert bitwise_equal(out, full[lo:lo + 16])
+
+
+def test_accuracy_and_gradients_against_float64(device):
+    x, ids, w, w_gu, w_d = make_experts(50, 72, 40, 6, 3, device=device, dtype=torch.float32, seed=3)
+    for limit in (None, 1.5):
+        xs = (x * 2).requires_grad_()
+        ws, gus, ds = w.clone().requires_grad_(), w_gu.clone().requires_grad_(), w_d.clone().requires_grad_()
+        out = moe_experts(xs, ids, ws, gus, ds, limit=limit)
+        dy = torch.randn_like(out)
+        grads = torch.autograd.grad((out * dy).sum(), (xs, ws, gus, ds))
+        xr, wr, gur, dr = (t.detach().double().requires_grad_() for t in (xs, ws, gus, ds))
+        ref = experts_ref(xr, ids, wr, gur, dr, limit)
+        assert rel_err(out, ref) < 1e-5, limit
+        refs = torch.autograd.grad((ref * dy.double()).sum(), (xr, wr, gur, dr))
+        for name, a, b in zip(("x", "weights", "w_gate_up", "w_down"), grads, refs):
+            assert rel_err(a, b) < 1e-4, (name, limit, rel_err(a, b))
+
+
+def test_bf16_accuracy_and_the_combine():
+    x, ids, w, w_gu, w_d = make_experts(40, 72, 40, 6, 3, device="cpu")
+    routed = experts_fwd(x, ids, w, w_gu, w_d)
+    assert routed.dtype == torch.float32 and rel_err(routed, experts_ref(x, ids, w, w_gu, w_d)) < 8e-3
+    shared = torch.randn(40, 72)
+    y = moe_combine([routed, shared], torch.bfloat16)
+    assert torch.equal(y, (routed.double() + shared.double()).bfloat16())
+
+
+def test_a_batch_dependent_slot_order_is_caught(monkeypatch):
+    """Adding the slots in another order when the batch is large changes bits."""
+    from alignzoo.common.moe import cpu
+
+    real = cpu.slot_sum
+
+    def by_batch(c):
+        return real(c) if c.shape[0] < 64 else real(c.flip(1))
+
+    monkeypatch.setattr(cpu, "slot_sum", by_batch)
+    x, ids, w, w_gu, w_d = make_experts(100, 72, 40, 6, 3, device="cpu")
+    full = experts_fwd_cpu(x, ids, w, w_gu, w_d)
+    assert not bitwise_equal(experts_fwd_cpu(x[:7], ids[:7], w[:7], w_gu, w_d), full[:7])
+
+
+def test_bad_inputs():
+    x, ids, w, w_gu, w_d = make_experts(10, 72, 40, 6, 3, device="cpu")
+    with pytest.raises(ValueError, match=r"expert ids must be in \[0, 6\)"):
+        moe_experts(x, ids + 6, w, w_gu, w_d)
+    with pytest.raises(ValueError, match="expert shapes do not fit"):
+        moe_experts(x, ids, w, w_gu[:, :, :10].contiguous(), w_d)
+    with pytest.raises(ValueError, match=r"must both be \(T=10, k\)"):
+        moe_experts(x, ids, w[:, :2].contiguous(), w_gu, w_d)
+
+
+_INTERPRETED = """
+import numpy as np, torch
+from alignzoo.common.moe.kernel import experts_fwd_triton, tile_map
+
+# Under the interpreter tl.dot is the host's np.matmul and tl.exp numpy's exp, so the reference is numpy too, on
+# inputs whose dots are exact: small integers with power-of-two scales for gate/up, and a down weight with one
+# nonzero per output row (each output one product).  The test then sees the kernels' structure: the tile map,
+# the gathers, masks and the scatter, the SwiGLU epilogue and the slot order.
+g = torch.Generator().manual_seed(0)
+for T, H, I, E, k, skew in ((37, 40, 24, 5, 3, False), (70, 72, 40, 7, 2, True), (1, 40, 24, 5, 3, False)):
+    x = torch.randint(-3, 4, (T, H), generator=g).float()
+    scores = torch.rand(T, E, generator=g)
+    scores[:, E - 1] = -1  # an expert with no token
+    if skew:
+        scores[:, 0] = 2   # every token to expert 0
+    ids = scores.topk(k, -1).indices
+    w = torch.randint(1, 4, (T, k), generator=g).float() / 4
+    w_gu = torch.randint(-2, 3, (E, 2 * I, H), generator=g).float() / 8
+    w_d = torch.zeros(E, H, I)
+    w_d[:, torch.arange(H), torch.arange(H) % I] = torch.randint(1, 4, (E, H), generator=g).float() / 8
+    got = experts_fwd_triton(x, ids, w, w_gu, w_d)
+    want = np.zeros((T, H), np.float32)
+    for t in range(T):
+        acc = None
+        for j in range(k):
+            e = int(ids[t, j])
+            gu = (x[t].double() @ w_gu[e].double().T).float().numpy()  # exact
+            gg, uu = gu[:I], gu[I:]
+            a = gg / (np.float32(1) + np.exp(-gg)) * uu
+            c = (a[np.arange(H) % I] * w_d[e, np.arange(H), np.arange(H) % I].numpy()) * np.float32(w[t, j])
+            acc = c if acc is None else acc + c
+        want[t] = acc
+    assert torch.equal(got, torch.from_numpy(want)), (T, H, I, E, k, skew, (got - torch.from_numpy(want)).abs().max())
+    order, te, r0, r1 = tile_map(ids, E, 64)
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    assert int((te >= 0).sum()) == int(((counts + 63) // 64).sum())
+print("ok")
+"""
+
+
+def test_triton_kernels_keep_the_structure_interpreted():
+    """The grouped kernels' source under Triton's interpreter on CPU tensors
+    equals a numpy reference of the contract on inputs whose dots are exact:
+    skewed routing, an expert with no token, one token, ragged H and I."""
+    run_interpreted(_INTERPRETED, expect="ok")
