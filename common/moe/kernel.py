@@ -115,13 +115,16 @@ def tile_map(ids: torch.Tensor, E: int, block_m: int = BLOCK_M):
     return order, tile_expert.to(torch.int32), r0.to(torch.int32), r1.to(torch.int32)
 
 
-def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, block_n: int = 64):
-    """``cpu.experts_fwd_cpu``'s contract on CUDA: -> (T, H) fp32 routed sum."""
+def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, block_m: int = BLOCK_M, block_n: int = 64,
+                       num_warps: int = 4, num_stages: int = 3):
+    """``cpu.experts_fwd_cpu``'s contract on CUDA: -> (T, H) fp32 routed sum.
+    block_m (>= 64), block_n, num_warps and num_stages are launch knobs: each
+    output element is the same K chain whatever the tile around it."""
     T, k = ids.shape
     E, I2, H = w_gate_up.shape
     I = I2 // 2
     x, w_gate_up, w_down = x.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
-    order, t_e, t_r0, t_r1 = tile_map(ids, E)
+    order, t_e, t_r0, t_r1 = tile_map(ids, E, block_m)
     tok = (order // k).to(torch.int32)
     a = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     c = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
@@ -131,9 +134,11 @@ def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, block_
     n_tiles = t_e.shape[0]
     _gate_up_kernel[(n_tiles, cdiv(I, block_n))](
         x, w_gate_up, tok, t_e, t_r0, t_r1, a, H, I, lim, HAS_LIMIT=limit is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, enable_fp_fusion=False)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=False)
     wt = weights.reshape(-1).float()[order].contiguous()
     _down_kernel[(n_tiles, cdiv(H, block_n))](
         a, w_down, wt, order.to(torch.int32), t_e, t_r0, t_r1, c, H, I,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, enable_fp_fusion=False)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=False)
     return slot_sum(c.view(T, k, H))
