@@ -1,0 +1,38 @@
+"""Mixture of experts: routers whose selections and weights do not depend on the batch."""
+from .router import (
+    EXPERT_SHAPES,
+    ExpertShape,
+    hash_route,
+    hash_route_fwd,
+    router_replay,
+    router_weights,
+    router_weights_fwd,
+    sigmoid_topk,
+    sigmoid_topk_fwd,
+    softmax_topk,
+    softmax_topk_fwd,
+    sqrtsoftplus_topk,
+    sqrtsoftplus_topk_fwd,
+)
+from .router_naive import hash_route_ref, router_weights_ref, sigmoid_topk_ref, softmax_topk_ref, sqrtsoftplus_topk_ref
+
+__all__ = [
+    "EXPERT_SHAPES",
+    "ExpertShape",
+    "hash_route",
+    "hash_route_fwd",
+    "hash_route_ref",
+    "router_replay",
+    "router_weights",
+    "router_weights_fwd",
+    "router_weights_ref",
+    "sigmoid_topk",
+    "sigmoid_topk_fwd",
+    "sigmoid_topk_ref",
+    "softmax_topk",
+    "softmax_topk_fwd",
+    "softmax_topk_ref",
+    "sqrtsoftplus_topk",
+    "sqrtsoftplus_topk_fwd",
+    "sqrtsoftplus_topk_ref",
+]
