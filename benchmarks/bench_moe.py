@@ -40,7 +40,7 @@ def vendor(x, ids, w, w_gu, w_d, limit=None):
     flat = ids.reshape(-1)
     order = torch.argsort(flat)
     tok = order // k
-    counts = torch.bincount(flat, minlength=w_gu.shape[0])
+    counts = torch.zeros(w_gu.shape[0], dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     offs = torch.cumsum(counts, 0).to(torch.int32)
     xs = x[tok]
     if hasattr(torch, "_grouped_mm"):

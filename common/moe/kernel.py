@@ -35,7 +35,7 @@ BLOCK_K = 64  # the K chain's step: fixed, so every launch sums K the same way
 
 @triton.jit
 def _gate_up_kernel(p_x, p_w, p_tok, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS_LIMIT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(p_te + i_t)
     if e < 0:
@@ -56,8 +56,8 @@ def _gate_up_kernel(p_x, p_w, p_tok, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS_LIM
         m_w = m_k[:, None] & m_n[None, :]
         b_wg = tl.load(p_we + o_n[None, :].to(tl.int64) * H + o_k[:, None], mask=m_w, other=0.0)  # (BK, BN)
         b_wu = tl.load(p_we + (o_n[None, :] + I).to(tl.int64) * H + o_k[:, None], mask=m_w, other=0.0)
-        b_g = tl.dot(b_x, b_wg, b_g)
-        b_u = tl.dot(b_x, b_wu, b_u)
+        b_g = tl.dot(b_x, b_wg, b_g, input_precision=PRECISION)
+        b_u = tl.dot(b_x, b_wu, b_u, input_precision=PRECISION)
     if HAS_LIMIT:
         b_g = tl.minimum(b_g, LIMIT)
         b_u = tl.minimum(tl.maximum(b_u, -LIMIT), LIMIT)
@@ -68,7 +68,7 @@ def _gate_up_kernel(p_x, p_w, p_tok, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS_LIM
 
 @triton.jit
 def _down_kernel(p_a, p_w, p_wt, p_dst, p_te, p_r0, p_r1, p_c, H, I,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(p_te + i_t)
     if e < 0:
@@ -85,7 +85,7 @@ def _down_kernel(p_a, p_w, p_wt, p_dst, p_te, p_r0, p_r1, p_c, H, I,
         m_k = o_k < I
         b_a = tl.load(p_a + o_r[:, None].to(tl.int64) * I + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
         b_w = tl.load(p_we + o_n[None, :].to(tl.int64) * I + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)
-        b_c = tl.dot(b_a, b_w, b_c)
+        b_c = tl.dot(b_a, b_w, b_c, input_precision=PRECISION)
     b_wt = tl.load(p_wt + o_r, mask=m_r, other=0.0)
     dst = tl.load(p_dst + o_r, mask=m_r, other=0).to(tl.int64)
     tl.store(p_c + dst[:, None] * H + o_n[None, :], b_c * b_wt[:, None], mask=m_r[:, None] & m_n[None, :])
@@ -131,14 +131,15 @@ def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, block_
     if T * k == 0:
         return torch.zeros(T, H, dtype=torch.float32, device=x.device)
     lim = 0.0 if limit is None else float(torch.tensor(limit, dtype=x.dtype))
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 experts (tests, fp32 trainers): no tf32 rounding
     n_tiles = t_e.shape[0]
     _gate_up_kernel[(n_tiles, cdiv(I, block_n))](
         x, w_gate_up, tok, t_e, t_r0, t_r1, a, H, I, lim, HAS_LIMIT=limit is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
-        enable_fp_fusion=False)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, PRECISION=prec, num_warps=num_warps,
+        num_stages=num_stages, enable_fp_fusion=False)
     wt = weights.reshape(-1).float()[order].contiguous()
     _down_kernel[(n_tiles, cdiv(H, block_n))](
         a, w_down, wt, order.to(torch.int32), t_e, t_r0, t_r1, c, H, I,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
-        enable_fp_fusion=False)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, PRECISION=prec, num_warps=num_warps,
+        num_stages=num_stages, enable_fp_fusion=False)
     return slot_sum(c.view(T, k, H))
