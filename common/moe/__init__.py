@@ -1,4 +1,9 @@
-"""Mixture of experts: routers whose selections and weights do not depend on the batch."""
+"""Mixture of experts: routers whose selections and weights do not depend on
+the batch, routed experts whose token arithmetic does not depend on how many
+tokens each expert got (Triton grouped kernels on CUDA, element-wise dots on
+the CPU), the combine of routed and shared parts, and router replay."""
+from .naive import experts_ref
+from .op import experts_fwd, moe_combine, moe_experts
 from .router import (
     EXPERT_SHAPES,
     ExpertShape,
@@ -19,9 +24,13 @@ from .router_naive import hash_route_ref, router_weights_ref, sigmoid_topk_ref, 
 __all__ = [
     "EXPERT_SHAPES",
     "ExpertShape",
+    "experts_fwd",
+    "experts_ref",
     "hash_route",
     "hash_route_fwd",
     "hash_route_ref",
+    "moe_combine",
+    "moe_experts",
     "router_replay",
     "router_weights",
     "router_weights_fwd",

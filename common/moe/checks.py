@@ -8,6 +8,8 @@ import torch
 from ..ladder import RungResult, accuracy, rung1_repeat, rung2_rows
 from .naive import experts_ref
 from .op import experts_fwd
+from .router import hash_route_fwd, sigmoid_topk_fwd, softmax_topk_fwd, sqrtsoftplus_topk_fwd
+from .router_naive import sigmoid_topk_ref, softmax_topk_ref, sqrtsoftplus_topk_ref
 
 LIMIT = 10.0  # DeepSeek-V4's swiglu_limit
 
@@ -30,9 +32,42 @@ def make_experts(T: int, H: int, I: int, E: int, k: int, *, device, dtype=torch.
     return x, ids, weights, w_gu, w_d
 
 
+def _router_rows(device: torch.device) -> list[RungResult]:
+    """Each router (Qwen3.5's softmax, GLM-5's grouped sigmoid, DeepSeek-V4's
+    sqrt-softplus and hash routing) at its real expert count: rungs 1-2 on
+    weights and ids, and weights against float64."""
+    g = torch.Generator().manual_seed(1)
+    T, E = (300, 256)
+    logits = (2 * torch.randn(T, E, generator=g)).to(device)
+    bias = (0.1 * torch.randn(E, generator=g)).to(device)
+    tokens = torch.randint(0, 1000, (T,), generator=g).to(device)
+    tid2eid = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(1000)]).to(device)
+    cases = {
+        "softmax top-8": (lambda lg: softmax_topk_fwd(lg, 8), (logits,), {}),
+        "grouped sigmoid top-8": (lambda lg, bias: sigmoid_topk_fwd(lg, bias, 8, 8, 4, 2.5), (logits,), {"bias": bias}),
+        "sqrt-softplus top-6": (lambda lg, bias: sqrtsoftplus_topk_fwd(lg, bias, 6, 1.5), (logits,), {"bias": bias}),
+        "hash top-6": (lambda lg, tok, tid2eid: hash_route_fwd(lg, tok, tid2eid, 1.5), (logits, tokens),
+                       {"tid2eid": tid2eid}),
+    }
+    out = []
+    for name, (fn, rows, shared) in cases.items():
+        for r in (rung1_repeat("moe", fn, *rows, **shared), rung2_rows("moe", fn, rows, shared=shared)):
+            r.check = f"router {name}: {r.check}"
+            out.append(r)
+    lg = logits.double()
+    refs = {"softmax top-8": softmax_topk_ref(lg, 8)[0],
+            "grouped sigmoid top-8": sigmoid_topk_ref(lg, bias.double(), 8, n_group=8, topk_group=4,
+                                                      routed_scaling_factor=2.5)[0],
+            "sqrt-softplus top-6": sqrtsoftplus_topk_ref(lg, bias.double(), 6, routed_scaling_factor=1.5)[0]}
+    for name, ref in refs.items():
+        fn, rows, shared = cases[name]
+        out.append(accuracy("moe", fn(*rows, **shared)[0], ref, 1e-6, f"router {name} weights vs float64"))
+    return out
+
+
 def ladder(device: torch.device) -> list[RungResult]:
     T, H, I, E, k = (70, 72, 40, 7, 3) if device.type == "cpu" else (600, 2048, 512, 64, 8)
-    out = []
+    out = _router_rows(device)
     for skew in (False, True):
         x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device=device, skew=skew)
         name = "skewed routing" if skew else "routing"
