@@ -145,6 +145,10 @@ for T, H, I, E, k, skew in ((37, 40, 24, 5, 3, False), (70, 72, 40, 7, 2, True),
             acc = c if acc is None else acc + c
         want[t] = acc
     assert torch.equal(got, torch.from_numpy(want)), (T, H, I, E, k, skew, (got - torch.from_numpy(want)).abs().max())
+    from alignzoo.common.moe import kernel
+    kernel.row_tile_map, real = (lambda ids: kernel.tile_map(ids, E, 64)), kernel.row_tile_map
+    assert torch.equal(experts_fwd_triton(x, ids, w, w_gu, w_d), got)  # the sorted map where the row map ran
+    kernel.row_tile_map = real
     order, te, r0, r1 = tile_map(ids, E, 64)
     counts = torch.bincount(ids.reshape(-1), minlength=E)
     assert int((te >= 0).sum()) == int(((counts + 63) // 64).sum())

@@ -115,6 +115,17 @@ def tile_map(ids: torch.Tensor, E: int, block_m: int = BLOCK_M):
     return order, tile_expert.to(torch.int32), r0.to(torch.int32), r1.to(torch.int32)
 
 
+def row_tile_map(ids: torch.Tensor):
+    """One tile per (token, slot) row, in row order, for a batch with fewer
+    rows than experts (decode): no sort and a grid of T·k tiles instead of
+    ceil(T·k / block_m) + E.  Each row's arithmetic is the same as in the
+    sorted map (a tile's other rows never enter it)."""
+    flat = ids.reshape(-1).long()
+    n = flat.numel()
+    r0 = torch.arange(n, dtype=torch.int32, device=ids.device)
+    return torch.arange(n, device=ids.device), flat.to(torch.int32), r0, r0 + 1
+
+
 def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, block_m: int = BLOCK_M, block_n: int = 64,
                        num_warps: int = 4, num_stages: int = 3):
     """``cpu.experts_fwd_cpu``'s contract on CUDA: -> (T, H) fp32 routed sum.
@@ -124,7 +135,8 @@ def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, block_
     E, I2, H = w_gate_up.shape
     I = I2 // 2
     x, w_gate_up, w_down = x.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
-    order, t_e, t_r0, t_r1 = tile_map(ids, E, block_m)
+    # a static choice (shapes only): a graph captured for one T keeps it
+    order, t_e, t_r0, t_r1 = row_tile_map(ids) if T * k < E else tile_map(ids, E, block_m)
     tok = (order // k).to(torch.int32)
     a = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     c = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
