@@ -1,0 +1,151 @@
+"""Gated DeltaNet: launchers, the open-chunk cache and the public functions.
+
+The server calls ``gdn_fwd`` / ``conv1d_fwd`` (with a cache); the trainer
+calls ``gdn`` / ``conv1d`` (no cache), which run the same code.  The
+arithmetic and its reduction orders: ``cpu.py``'s docstring (the chunk-64
+gated delta rule with an FP32 [K, V] state, every sum a fixed tree).
+
+Shapes: T new tokens of B sequences, packed sequence after sequence
+(``cu_seqlens`` (B + 1,) offsets); Hk qk heads of width K, Hv value heads of
+width V (GVA: value head h reads qk head h // (Hv / Hk)); S cache slots.
+
+The per-slot cache (``gdn_state_fields`` / ``gdn_cache``; the engine's
+``StatePool`` holds one set per layer), all of a sequence's open chunk, the
+rows of chunk floor(p / 64) that come before position p:
+
+    state  (Hv, K, V)       fp32   the state at the chunk's start (the last
+                                   64-aligned boundary)
+    k      (64, Hk, K)      fp32   k_j of the chunk's rows
+    g_cum  (64, Hv)         fp32   G_j, the cumulative log decay
+    x      (64, Hv, V + K)  fp32   x_j = [u_j | w_j], the solved rows
+    v_new  (64, Hv, V)      fp32   v_new_j = u_j - w_j . S0
+    n      ()               int64  rows done, (start + len) % 64: written for
+                                   inspection, never read (the position says)
+
+Rows >= n are stale and never read (each row reads rows j < i only, masked
+to -0.0).  A sequence at position 0 ignores its slot (a new or preempted
+sequence's slot holds another sequence's old state) and writes all of it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._validate import check_tensor
+from . import cpu
+from .cpu import CHUNK, CONV_K
+
+F32 = torch.float32
+
+
+def gdn_state_fields(Hk: int, Hv: int, K: int, V: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The per-slot cache as a ``StatePool`` field spec: {name: (shape, dtype)}."""
+    return {
+        "state": ((Hv, K, V), F32),
+        "k": ((CHUNK, Hk, K), F32),
+        "g_cum": ((CHUNK, Hv), F32),
+        "x": ((CHUNK, Hv, V + K), F32),
+        "v_new": ((CHUNK, Hv, V), F32),
+        "n": ((), torch.int64),
+    }
+
+
+def gdn_cache(num_slots: int, Hk: int, Hv: int, K: int, V: int, device=None) -> dict[str, torch.Tensor]:
+    """{name: (num_slots, *shape) zeros}, as ``StatePool.allocate`` makes them."""
+    return {n: torch.zeros(num_slots, *s, dtype=d, device=device) for n, (s, d) in gdn_state_fields(Hk, Hv, K, V).items()}
+
+
+def conv1d_state_fields(channels: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The conv's per-slot tail: the last three inputs (oldest first), in the input dtype."""
+    return {"conv_tail": ((CONV_K - 1, channels), dtype)}
+
+
+def l2norm_fwd(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x (..., D) -> fp32 x * rsqrt(sum(x * x) + eps), the sum a fixed pairwise
+    tree over D padded with -0.0 to a power of two (differentiable)."""
+    return cpu.l2norm_cpu(x, eps)
+
+
+def _check(q, k, v, g, beta, cu_seqlens):
+    for name, t, nd in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
+        check_tensor(name, t, ndim=nd, contiguous=False)
+    T, Hk, K = k.shape
+    Hv = v.shape[1]
+    if q.shape != k.shape:
+        raise ValueError(f"q must have the shape of k {tuple(k.shape)}, got {tuple(q.shape)}")
+    if v.shape[0] != T or g.shape != (T, Hv) or beta.shape != (T, Hv):
+        raise ValueError(f"v (T, Hv, V), g and beta (T, Hv) with T = {T}: got {tuple(v.shape)}, {tuple(g.shape)}, {tuple(beta.shape)}")
+    if Hv % Hk:
+        raise ValueError(f"value heads ({Hv}) must be a multiple of qk heads ({Hk})")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be (B + 1,), got shape {tuple(cu_seqlens.shape)}")
+
+
+def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, slots=None, return_states=False):
+    """The gated delta rule over a packed batch -> o (T, Hv, V) fp32.
+
+    q, k (T, Hk, K): L2-normalized (``l2norm_fwd``), q scaled by K^-0.5; v
+    (T, Hv, V) (cast to fp32); g (T, Hv) fp32 log decay (<= 0); beta (T, Hv)
+    fp32; cu_seqlens (B + 1,) int.
+
+    Without ``cache`` (the trainer): every sequence starts at position 0;
+    ``return_states`` also returns the (N, Hv, K, V) fp32 state after each
+    complete chunk, by sequence then chunk.
+
+    With ``cache`` (``gdn_cache``'s dict), ``slots`` (B,) int64 (-1: a padding
+    row: read as slot 0 and never written) and ``start_positions`` (B,): each
+    sequence continues from its slot at that position (position 0: the slot
+    is not read) and writes its state and open chunk back.
+
+    The decode shape, T == B (one token per sequence; no sequence may be
+    empty), runs ``cpu.decode_step``: no host reads, capturable in a CUDA
+    graph.  Any other shape runs ``cpu.chunked``, which reads cu_seqlens,
+    start_positions and slots on the host to lay out its chunks.  Both give a
+    row the same bits (``cpu.py``)."""
+    _check(q, k, v, g, beta, cu_seqlens)
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if cache is None:
+        if start_positions is not None or slots is not None:
+            raise ValueError("start_positions and slots need a cache")
+        cu = cu_seqlens.tolist()
+        return cpu.chunked(q, k, v, g, beta, cu, [0] * (len(cu) - 1), return_states=return_states)
+    if start_positions is None or slots is None:
+        raise ValueError("a cache needs slots and start_positions")
+    if return_states:
+        raise ValueError("return_states is for the trainer (no cache)")
+    B = cu_seqlens.shape[0] - 1
+    if q.shape[0] == B:
+        return cpu.decode_step(q, k, v, g, beta, start_positions.long(), slots.long(), cache)
+    return cpu.chunked(q, k, v, g, beta, cu_seqlens.tolist(), start_positions.tolist(), cache=cache, slots=slots.tolist())
+
+
+def gdn(q, k, v, g, beta, cu_seqlens):
+    """The trainer's differentiable gated delta rule: ``gdn_fwd`` without a
+    cache, shapes as there -> o (T, Hv, V) fp32.  The forward is element-wise
+    torch ops, slices and gathers, so autograd differentiates the very
+    arithmetic that ran (gradients w.r.t. q, k, v, g and beta)."""
+    return gdn_fwd(q, k, v, g, beta, cu_seqlens)
+
+
+def conv1d_fwd(x, weight, cu_seqlens, *, tail=None, slots=None, start_positions=None):
+    """Causal depthwise conv1d (kernel 4, no bias) + SiLU -> y (T, C) in x.dtype.
+
+    x (T, C) packed, weight (C, 4) (transformers' ``conv1d.weight.squeeze(1)``),
+    cu_seqlens (B + 1,).  With ``tail`` (S, 3, C) (``conv1d_state_fields``),
+    ``slots`` (B,) and ``start_positions`` (B,): a sequence at start > 0 reads
+    the taps before its first token from its slot's tail; every slot >= 0
+    gets its last three inputs.  Rounding points: ``cpu.conv1d_cpu``.  No host
+    reads in any shape; differentiable (x and weight)."""
+    check_tensor("x", x, ndim=2, contiguous=False)
+    check_tensor("weight", weight, ndim=2, contiguous=False)
+    if weight.shape != (x.shape[1], CONV_K):
+        raise ValueError(f"weight must be (C, {CONV_K}) = ({x.shape[1]}, {CONV_K}), got {tuple(weight.shape)}")
+    if (tail is None) != (slots is None) or (tail is None) != (start_positions is None):
+        raise ValueError("tail, slots and start_positions go together")
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    return cpu.conv1d_cpu(x, weight, cu_seqlens, tail, slots, start_positions)
+
+
+def conv1d(x, weight, cu_seqlens):
+    """The trainer's differentiable conv1d + SiLU (every sequence from position 0)."""
+    return conv1d_fwd(x, weight, cu_seqlens)
