@@ -10,6 +10,7 @@ import importlib
 
 _REGISTRY: dict[str, str] = {
     "qwen3": "alignzoo.models.qwen3",
+    "qwen35_gdn": "alignzoo.models.qwen35_gdn",
 }
 
 
