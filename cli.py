@@ -9,6 +9,7 @@
                                                           the first op where a path parts from the trainer
     alignzoo models                                       models whose pair works
     alignzoo generate MODEL --prompt "1 2 3" [...]        sample a completion (token ids)
+    alignzoo serve MODEL [--host H] [--port P] [...]      an HTTP server with SGLang's RL API
 
 A bad argument is one line on stderr (``alignzoo: error: ...``) and exit status 2.
 """
@@ -264,6 +265,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 2 if errors else 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from .serve.server import serve
+    except ImportError as e:
+        raise NotImplementedError(f"alignzoo serve needs fastapi and uvicorn ({e}): pip install 'alignzoo[serve]'") from None
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    return serve(args.model, host=args.host, port=args.port, checkpoint=args.checkpoint,
+                 config=None if args.checkpoint else _preset(args), device=args.device, dtype=dtype, fp8=args.fp8,
+                 seed=args.seed, max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)
+
+
 # --- parser -----------------------------------------------------------------------------------------
 
 def _model_args(c: argparse.ArgumentParser) -> None:
@@ -327,6 +339,17 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=_sampling_field("max_new_tokens", int), default=16)
     _model_args(g)
     g.set_defaults(fn=cmd_generate)
+    from .serve import host_arg, port_arg
+
+    sv = sub.add_parser("serve", help="serve a model over HTTP with SGLang's RL API (/generate, weight updates)")
+    sv.add_argument("model", choices=list_models())
+    sv.add_argument("--device", type=_device, default=device)
+    sv.add_argument("--host", type=host_arg, default="127.0.0.1", help="address to bind (default: loopback only)")
+    sv.add_argument("--port", type=port_arg, default=30000)
+    sv.add_argument("--max-batch-size", type=_at_least(1), default=256, help="requests in one engine step")
+    sv.add_argument("--max-batch-tokens", type=_at_least(1), default=8192, help="tokens in one engine step")
+    _model_args(sv)
+    sv.set_defaults(fn=cmd_serve)
     m = sub.add_parser("models", help="list the models whose aligned pair works")
     m.set_defaults(fn=cmd_models)
     return p

@@ -2,11 +2,11 @@
 
 pyproject.toml maps the package ``alignzoo`` to the repository root; this file
 lists every subpackage under the folders that ship (common, models, weights,
-sync) so that a new op folder is picked up without editing a list.
+sync, serve) so that a new op folder is picked up without editing a list.
 """
 from setuptools import find_packages, setup
 
-SHIPPED = ("common", "models", "weights", "sync")
+SHIPPED = ("common", "models", "weights", "sync", "serve")
 subpackages = [
     f"alignzoo.{p}" for p in find_packages(where=".", include=[f"{s}*" for s in SHIPPED])
 ]

@@ -1,0 +1,248 @@
+"""A small client for ``alignzoo serve`` (or any server with SGLang's RL API, for the calls both have).
+
+    from alignzoo.client import Client, output_logprobs
+    c = Client("http://127.0.0.1:30000")
+    out = c.generate([1, 2, 3], {"temperature": 0.8, "max_new_tokens": 16, "sampling_seed": 7}, return_logprob=True)
+    out["output_ids"], output_logprobs(out)               # tokens, (n,) fp32 tensor, bitwise the server's
+    pub = c.publisher(trainer.forward_weights)            # versions continue the server's
+    c.init_weights_update_group("127.0.0.1", 29500, backend="gloo")
+    c.update_weights_from_distributed(pub.publish())     # checked by the server before it is applied
+
+Standard library HTTP only (one connection per call, so a Client is safe to share between threads).
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+
+import torch
+
+from ..sync import Payload, Publisher
+
+
+class ServerError(RuntimeError):
+    """A non-2xx answer: ``status`` and the server's ``message``."""
+
+    def __init__(self, status: int, message: str, path: str = ""):
+        super().__init__(f"{path}: HTTP {status}: {message}" if path else f"HTTP {status}: {message}")
+        self.status, self.message, self.path = status, message, path
+
+
+def output_logprobs(result: dict) -> torch.Tensor:
+    """(completion_tokens,) fp32: a result's ``output_token_logprobs`` (JSON floats of FP32 values: exact)."""
+    return torch.tensor([t[0] for t in result["meta_info"].get("output_token_logprobs", [])], dtype=torch.float32)
+
+
+class Client:
+    def __init__(self, url: str = "http://127.0.0.1:30000", *, timeout: float = 600.0):
+        u = urllib.parse.urlsplit(url)
+        if u.scheme != "http" or not u.hostname:
+            raise ValueError(f"url must be http://HOST:PORT, got {url!r}")
+        self.url, self.host, self.port, self.timeout = url, u.hostname, u.port or 80, timeout
+        self._group: dict | None = None
+
+    # ---------------------------------------------------------- transport
+    def _open(self, method: str, path: str, body=None, timeout: float | None = None) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
+        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, path, body=data, headers=headers)
+        return conn.getresponse()
+
+    def request(self, method: str, path: str, body=None, *, timeout: float | None = None):
+        """The decoded JSON answer (None for an empty one); ServerError for a non-2xx status."""
+        resp = self._open(method, path, body, timeout)
+        raw = resp.read()
+        resp.close()
+        try:
+            out = json.loads(raw) if raw else None
+        except ValueError:
+            out = raw.decode(errors="replace")
+        if not 200 <= resp.status < 300:
+            msg = out
+            if isinstance(out, dict):
+                msg = out.get("message") or (out.get("error") or {}).get("message") or out
+            raise ServerError(resp.status, str(msg), path)
+        return out
+
+    def post(self, path: str, body=None, **kw):
+        return self.request("POST", path, {} if body is None else body, **kw)
+
+    def get(self, path: str, **kw):
+        return self.request("GET", path, **kw)
+
+    # ---------------------------------------------------------- health and info
+    def health(self) -> bool:
+        try:
+            self.get("/health", timeout=5)
+            return True
+        except (OSError, ServerError):
+            return False
+
+    def wait_ready(self, timeout: float = 120.0, proc=None) -> None:
+        """Poll /health until it answers; ``proc`` (a Popen): fail at once if it exits."""
+        deadline = time.monotonic() + timeout
+        while not self.health():
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.url} not ready within {timeout} s")
+            time.sleep(0.1)
+
+    def health_generate(self) -> bool:
+        try:
+            self.get("/health_generate")
+            return True
+        except ServerError:
+            return False
+
+    def get_model_info(self) -> dict:
+        return self.get("/get_model_info")
+
+    def get_server_info(self) -> dict:
+        return self.get("/get_server_info")
+
+    def get_weight_version(self) -> int:
+        return self.get("/get_weight_version")["weight_version"]
+
+    def weights_checksum(self) -> str:
+        """``alignzoo.sync.weights_checksum`` of the served weights (compare with the trainer's)."""
+        return self.get("/get_weights_checksum")["checksum"]
+
+    # ---------------------------------------------------------- generate
+    def generate(self, input_ids, sampling_params: dict | list | None = None, *, return_logprob: bool = False,
+                 **fields):
+        """POST /generate: one result dict for one prompt with n == 1, else a list (prompt-major)."""
+        body = {"input_ids": input_ids, "sampling_params": sampling_params or {}, "return_logprob": return_logprob,
+                **fields}
+        return self.post("/generate", body)
+
+    def generate_stream(self, input_ids, sampling_params: dict | list | None = None, *, return_logprob: bool = False,
+                        **fields) -> Iterator[dict]:
+        """The server-sent chunks of a streamed /generate (each cumulative: output ids and log-probs so far;
+        the last of each sample has its finish_reason)."""
+        body = {"input_ids": input_ids, "sampling_params": sampling_params or {}, "return_logprob": return_logprob,
+                "stream": True, **fields}
+        resp = self._open("POST", "/generate", body)
+        if resp.status != 200:
+            raw = resp.read()
+            resp.close()
+            raise ServerError(resp.status, raw.decode(errors="replace"), "/generate")
+        try:
+            for line in resp:
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                yield json.loads(data)
+        finally:
+            resp.close()
+
+    # ---------------------------------------------------------- weight updates
+    def publisher(self, get_weights, **kw) -> Publisher:
+        """A ``Publisher`` of ``get_weights()`` whose first payload (full) is the server's next version."""
+        pub = Publisher(get_weights, **{"check_finite": True, **kw})
+        pub.version = self.get_weight_version()
+        return pub
+
+    def update_weights_from_disk(self, model_path: str, *, weight_version: int | None = None,
+                                 abort_all_requests: bool = False) -> dict:
+        return self.post("/update_weights_from_disk", {"model_path": str(model_path), "weight_version": weight_version,
+                                                       "abort_all_requests": abort_all_requests})
+
+    def update_weights_from_tensor(self, payload: Payload, *, abort_all_requests: bool = False) -> dict:
+        from .wire import encode_payload_b64
+
+        return self.post("/update_weights_from_tensor", {"serialized_named_tensors": [encode_payload_b64(payload)],
+                                                         "load_format": "alignzoo.sync/1",
+                                                         "abort_all_requests": abort_all_requests})
+
+    def init_weights_update_group(self, master_address: str, master_port: int, *, backend: str = "gloo",
+                                  group_name: str = "weight_update_group", timeout_s: float = 600.0) -> dict:
+        """Open a two-rank torch.distributed group with the server: this process is rank 0 (it takes the
+        default process group), the server rank 1."""
+        import datetime
+
+        import torch.distributed as dist
+
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": 1, "world_size": 2,
+                "group_name": group_name, "backend": backend, "timeout_s": timeout_s}
+        answer = _Background(lambda: self.post("/init_weights_update_group", body))
+        answer.wait(0.3)  # a refusal comes back at once; a rendezvous waits for our side
+        if answer.done:
+            answer.result()
+        dist.init_process_group(backend, init_method=f"tcp://{master_address}:{master_port}", world_size=2, rank=0,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        out = answer.result()
+        self._group = {"group_name": group_name, "backend": backend}
+        return out
+
+    def update_weights_from_distributed(self, payload: Payload, *, abort_all_requests: bool = False) -> dict:
+        """Send ``payload`` to the server over the group while it answers the HTTP call."""
+        from ..sync import DistTransport
+
+        if self._group is None:
+            raise RuntimeError("no weight update group: call init_weights_update_group first")
+        body = {"group_name": self._group["group_name"], "load_format": "alignzoo.sync/1",
+                "weight_version": payload.version, "abort_all_requests": abort_all_requests}
+        answer = _Background(lambda: self.post("/update_weights_from_distributed", body))
+        DistTransport(1).send(payload)
+        return answer.result()
+
+    def destroy_weights_update_group(self) -> dict:
+        import torch.distributed as dist
+
+        if self._group is None:
+            raise RuntimeError("no weight update group is open")
+        try:
+            return self.post("/destroy_weights_update_group", {"group_name": self._group["group_name"]})
+        finally:
+            dist.destroy_process_group()
+            self._group = None
+
+    # ---------------------------------------------------------- control
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self.post("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        return self.post("/continue_generation")
+
+    def abort_request(self, rid: str = "", *, abort_all: bool = False) -> dict:
+        return self.post("/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    def flush_cache(self) -> dict:
+        return self.post("/flush_cache")
+
+
+class _Background:
+    """A call on its own thread; ``result()`` joins it and re-raises what it raised."""
+
+    def __init__(self, fn):
+        self._out = self._err = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn):
+        try:
+            self._out = fn()
+        except BaseException as e:
+            self._err = e
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def result(self):
+        self._thread.join()
+        if self._err is not None:
+            raise self._err
+        return self._out

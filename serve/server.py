@@ -1,0 +1,718 @@
+"""The aligned engine behind SGLang's RL HTTP API, on FastAPI + uvicorn.
+
+One thread owns the engine (``EngineLoop``): it admits requests, steps the engine, streams tokens and
+applies weight updates between steps.  HTTP handlers run on uvicorn's event loop and reach it only
+through a thread-safe inbox and futures, so no handler ever touches the engine.
+
+Weight updates (disk, tensor, distributed) all become one ``alignzoo.sync.Payload`` applied by one
+``Receiver``: every check (versions, names, shapes, dtypes, checksums, NaN/Inf, the end state) runs
+before a byte is written, so a refused update leaves the weights and the version as they were.  An
+update closes admission, lets the requests in flight finish on the version they started with (or
+aborts them: ``abort_all_requests``), applies, and opens admission again: every token of a
+completion carries one weight version.
+
+The process holds the model's trainer as well as the engine (one more copy of the weights): disk
+updates are read through the model's name map into it and published from it, FP8 codes included.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import queue
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..common.engine.sequence import Completion, Status
+from ..common.sampling import SamplingParams
+from ..sync import (CorruptPayload, DistTransport, Publisher, Receiver, SyncError, VersionSkew, apply_between_steps,
+                    weights_checksum)
+from . import api, wire
+from .api import ApiError, Item
+
+log = logging.getLogger("alignzoo.serve")
+
+
+# ------------------------------------------------------------------ the engine's thread
+class Job:
+    """One /generate call: its items and the asyncio queue its handler reads events from."""
+
+    def __init__(self, items: list[Item], stream: bool, aloop: asyncio.AbstractEventLoop):
+        self.items, self.stream, self.aloop = items, stream, aloop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.started = time.perf_counter()
+
+    def emit(self, event: tuple) -> None:
+        """From the engine's thread: ("chunk", item, tokens, logprobs, version) or ("done", item, Completion, version)."""
+        try:
+            self.aloop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop closed (shutdown): nobody is waiting any more
+            pass
+
+
+@dataclasses.dataclass
+class _Update:
+    apply: object  # () -> new weight version, run in the engine's thread with nothing in flight
+    abort_all: bool
+    future: concurrent.futures.Future
+
+
+class EngineLoop:
+    """Owns ``engine`` in one thread.  Thread-safe entry points: ``submit``, ``call``, ``update``,
+    ``reserve``, ``stop``; everything else runs in the engine's thread."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: deque[tuple[Job, Item]] = deque()  # accepted, not yet added to the engine
+        self._inflight: dict[int, tuple[Job, Item]] = {}  # engine request id ->
+        self._streams: dict[int, tuple[Job, Item]] = {}
+        self._by_rid: dict[str, tuple[Job, Item]] = {}  # pending and in flight
+        self._updates: deque[_Update] = deque()
+        self._rids: set[str] = set()
+        self._rid_lock = threading.Lock()
+        self.paused: str | None = None  # the pause mode, None when generating
+        self.failed: str | None = None  # set if the loop itself died
+        self._stopping = False
+        self.thread = threading.Thread(target=self._run, name="alignzoo-engine", daemon=True)
+
+    # ---------------------------------------------------------- any thread
+    def start(self) -> None:
+        self.thread.start()
+
+    def reserve(self, rids: list[str]) -> str | None:
+        """Claim request ids; the first one already in flight if any (nothing is claimed then)."""
+        with self._rid_lock:
+            taken = next((r for r in rids if r in self._rids), None)
+            if taken is None:
+                self._rids.update(rids)
+            return taken
+
+    def submit(self, job: Job) -> None:
+        self._inbox.put(("submit", job))
+
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run ``fn()`` in the engine's thread between two steps; its result or exception on the future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        return fut
+
+    def update(self, apply, abort_all: bool) -> concurrent.futures.Future:
+        """Queue a weight update: ``apply()`` runs once no request is in flight (after aborting them all
+        with ``abort_all``); new requests wait until it ran.  The future holds its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("update", _Update(apply, abort_all, fut)))
+        return fut
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._inbox.put(("stop",))
+        self.thread.join(timeout)
+
+    # ---------------------------------------------------------- the engine's thread
+    def _run(self) -> None:
+        while True:
+            try:
+                self._take(block=not self._busy())
+                if self._stopping:
+                    break
+                self._apply_update()
+                self._admit()
+                if self.paused is None and self.engine.has_unfinished():
+                    self._dispatch(self.engine.step())
+                    self._progress()
+            except Exception as e:  # the engine isolates bad requests; this is a bug: fail what is in flight
+                log.exception("the engine loop failed")
+                self._abort(None, f"the engine failed: {type(e).__name__}: {e}")
+        self._abort(None, "the server is shutting down")
+        for upd in self._updates:
+            upd.future.set_exception(ApiError(503, "the server is shutting down"))
+        self._updates.clear()
+
+    def _busy(self) -> bool:
+        if self._updates:
+            return True
+        return self.paused is None and (self.engine.has_unfinished() or bool(self._pending))
+
+    def _take(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "submit":
+            job = cmd[1]
+            for item in job.items:
+                self._pending.append((job, item))
+                self._by_rid[item.rid] = (job, item)
+        elif kind == "call":
+            _, fn, fut = cmd
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+        elif kind == "update":
+            upd = cmd[1]
+            if upd.abort_all:  # at arrival, as SGLang: requests sent after it wait and run on the new version
+                self._abort(None, "aborted for a weight update (abort_all_requests)")
+            self._updates.append(upd)
+        elif kind == "stop":
+            self._stopping = True
+
+    def _admit(self) -> None:
+        if self.paused is not None or self._updates:
+            return
+        waiting = self.engine.scheduler.waiting
+        while self._pending:
+            job, item = self._pending.popleft()
+            eid = self.engine.add_request(item.prompt, item.sampling, adapter=item.adapter)
+            item.engine_id = eid
+            item.seq = waiting[-1] if waiting and waiting[-1].id == eid else None  # None: refused, out in the next step
+            self._inflight[eid] = (job, item)
+            if job.stream:
+                self._streams[eid] = (job, item)
+
+    def _finish(self, job: Job, item: Item, c: Completion) -> None:
+        self._by_rid.pop(item.rid, None)
+        with self._rid_lock:
+            self._rids.discard(item.rid)
+        version = c.weight_version if c.weight_version >= 0 else self.engine.weight_version
+        job.emit(("done", item, c, version))
+
+    def _dispatch(self, done: list[Completion]) -> None:
+        for c in done:
+            entry = self._inflight.pop(c.request_id, None)
+            self._streams.pop(c.request_id, None)
+            if entry is not None:
+                self._finish(*entry, c)
+
+    def _progress(self) -> None:
+        for job, item in self._streams.values():
+            seq = item.seq
+            if seq is not None and len(seq.tokens) > item.sent:
+                item.sent = len(seq.tokens)
+                job.emit(("chunk", item, list(seq.tokens), list(seq.logprobs), seq.versions[-1]))
+
+    def _quiesce(self, fn) -> None:
+        """Run ``fn`` with no step in flight and schedule nothing: ``score`` of no sequences waits for a
+        step launched ahead (overlap) and runs the between-steps hooks, and steps nothing itself."""
+        self.engine.between_steps(fn)
+        self.engine.score([], [], SamplingParams())
+
+    def _abort(self, rids: set[str] | None, message: str) -> int:
+        """End the matching requests (None: all) with finish_reason abort; returns how many."""
+        if rids is None:
+            targets = list(self._by_rid.values())
+        else:
+            targets = [e for r, e in self._by_rid.items() if r in rids or any(r.startswith(x + "_") for x in rids)]
+        if not targets:
+            return 0
+        queued = {id(item) for _, item in targets if item.engine_id < 0}
+        if queued:
+            self._pending = deque(e for e in self._pending if id(e[1]) not in queued)
+        for job, item in targets:
+            if item.engine_id < 0:
+                self._finish(job, item, Completion(item.prompt, [], torch.empty(0), "abort", message))
+        ids = {item.engine_id for _, item in targets if item.engine_id >= 0}
+        if ids:
+            aborted: list = []
+
+            def end():
+                sched = self.engine.scheduler
+                for seq in [s for s in sched.waiting if s.id in ids]:
+                    sched.waiting.remove(seq)
+                    seq.status = Status.FINISHED  # a waiting request holds no pages (new, or preempted)
+                    aborted.append(seq)
+                running = [s for s in sched.running if s.id in ids]
+                sched.retire(running)
+                for seq in aborted + running:
+                    seq.finish_reason, seq.error = "abort", message
+                aborted.extend(running)
+
+            self._quiesce(end)
+            self._dispatch([s.completion() for s in aborted])
+            if self.paused is not None and self.engine.scheduler.idle:
+                self._dispatch(self.engine.step())  # what the waited-for step finished; steps nothing more
+        return len(targets)
+
+    def _apply_update(self) -> None:
+        if not self._updates:
+            return
+        upd = self._updates[0]
+        if self._inflight:
+            if self.paused is None:
+                return  # they finish on the version they started with
+            self._updates.popleft()
+            upd.future.set_exception(ApiError(409, (
+                f"{len(self._inflight)} request(s) are paused mid-generation ({self.paused}) and would finish on two "
+                f"weight versions: abort them (abort_all_requests: true, /abort_request, or /pause_generation with "
+                f"mode abort) or /continue_generation first")))
+            return
+        self._updates.popleft()
+        try:
+            upd.future.set_result(upd.apply())
+        except Exception as e:
+            upd.future.set_exception(e)
+
+    # ---------------------------------------------------------- control, run through call()
+    def pause(self, mode: str) -> str:
+        if mode == "abort":
+            n = self._abort(None, "aborted by /pause_generation")
+            self.paused = mode
+            return f"generation paused; {n} request(s) aborted"
+        if mode == "retract":
+            def retract():
+                while self.engine.scheduler.preempt_newest():  # pages freed; recomputed on continue, same bits
+                    pass
+            self._quiesce(retract)
+        self.paused = mode
+        return f"generation paused ({mode}); {len(self._inflight)} request(s) in flight"
+
+    def resume(self) -> str:
+        was, self.paused = self.paused, None
+        return "generation continued" if was else "generation was not paused"
+
+    def counts(self) -> dict:
+        sched = self.engine.scheduler
+        return {"num_running_reqs": len(sched.running), "num_waiting_reqs": len(sched.waiting) + len(self._pending),
+                "num_in_flight": len(self._inflight), "num_queued": len(self._pending),
+                "paused": self.paused, "weight_version": self.engine.weight_version,
+                "num_preemptions": self.engine.num_preemptions}
+
+    def flush(self) -> None:
+        busy = len(self._inflight) + len(self._pending)
+        if busy:
+            raise ApiError(400, f"cache not flushed: {busy} request(s) are running or waiting")
+
+
+# ------------------------------------------------------------------ the HTTP side
+def _status(e: BaseException) -> int:
+    if isinstance(e, ApiError):
+        return e.status
+    if isinstance(e, VersionSkew):
+        return 409
+    if isinstance(e, (SyncError, ValueError, TypeError, FileNotFoundError, NotADirectoryError, NotImplementedError)):
+        return 400
+    return 500
+
+
+def _message(e: BaseException) -> str:
+    msg = e.message if isinstance(e, ApiError) else f"{type(e).__name__}: {e}"
+    return " ".join(msg.split())
+
+
+class AlignedServer:
+    """The state behind the routes: the engine's loop, the receiver every update goes through, the
+    trainer that disk updates are read into, and the torch.distributed group of distributed updates."""
+
+    def __init__(self, spec, cfg, trainer, engine, *, model: str, checkpoint, preset, device, dtype, fp8: bool,
+                 host: str, port: int):
+        self.spec, self.cfg, self.trainer, self.engine = spec, cfg, trainer, engine
+        self.info = {"model": model, "checkpoint": checkpoint, "preset": preset, "device": str(device),
+                     "dtype": str(dtype).removeprefix("torch."), "fp8": fp8, "host": host, "port": port}
+        self.dtype, self.fp8, self.device = dtype, fp8, torch.device(device)
+        # Version 0 and a first full payload: the receiver then knows the checksum of what it holds,
+        # so a damaged delta later leaves it on its version instead of on none.
+        self.rx = Receiver(engine.model.weights, version=0, check_finite=True)
+        apply_between_steps(engine, self.rx, Publisher(trainer.forward_weights, check_finite=True).publish())
+        _, extras = engine.score([[0, 0]], [1], SamplingParams(), return_extras=True)
+        self.limits = api.ModelLimits(model, engine.model.vocab_size, engine.model.max_position,
+                                      engine.block_manager.fits_alone, tuple(engine.adapter_names),
+                                      tuple(sorted(extras[0])))
+        self.loop = EngineLoop(engine)
+        self._update_lock = threading.Lock()  # one weight update at a time, read to apply
+        self._group: dict | None = None
+
+    # ---------------------------------------------------------- updates (worker threads)
+    def _apply(self, payload, asked_version, abort_all: bool, what: str) -> dict:
+        want = api.parse_weight_version(asked_version)
+        if want is not None and want != payload.version:
+            raise ApiError(400, f"weight_version {want} but the payload is v{payload.version}")
+        t0 = time.perf_counter()
+        version = self.loop.update(lambda: apply_between_steps(self.engine, self.rx, payload), abort_all).result()
+        stats = payload.stats
+        log.info("weights v%d from %s (%s) in %.2fs", version, what, stats if stats else "full", time.perf_counter() - t0)
+        return {"success": True, "message": f"weights updated to v{version} from {what}", "weight_version": version,
+                "num_paused_requests": 0}
+
+    def update_from_disk(self, req: api.UpdateFromDiskIn) -> dict:
+        import os
+
+        from ..weights import HFCheckpoint, read_hf_config
+        from ..weights.fp8 import DequantizedSource, is_fp8_checkpoint
+
+        want = api.parse_weight_version(req.weight_version)
+        path = req.model_path
+        if not os.path.isdir(path):
+            raise ApiError(400, f"model_path {path!r} is not a directory")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ApiError(400, f"model_path {path!r} has no config.json: not a Hugging Face checkpoint directory")
+        with self._update_lock:
+            current = self.engine.weight_version
+            target = current + 1 if want is None else want
+            if target <= current:
+                raise ApiError(409, f"weight_version {target} is stale: the server holds v{current}; an update "
+                                    f"must be newer")
+            cfg = self.spec.config_cls.from_hf(path)
+            if cfg != self.cfg:
+                diff = [f"{f.name} {getattr(cfg, f.name)!r} (served: {getattr(self.cfg, f.name)!r})"
+                        for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(self.cfg, f.name)]
+                raise ApiError(400, f"{path}: its config differs from the served model's: {', '.join(diff)}")
+            fp8_ckpt = is_fp8_checkpoint(read_hf_config(path))
+            with HFCheckpoint(path) as ckpt:  # names, shapes and NaN/Inf are checked before any tensor is used
+                tensors = self.spec.from_hf(DequantizedSource(ckpt) if fp8_ckpt else ckpt, self.cfg,
+                                            dtype=torch.float32 if self.fp8 else self.dtype, device=self.device)
+            with torch.no_grad():
+                for name, p in self.trainer.named_parameters():
+                    p.copy_(tensors.pop(name))
+            self.trainer.invalidate_caches()
+            pub = Publisher(self.trainer.forward_weights, check_finite=True)
+            pub.version = target - 1
+            payload = pub.publish(full=True)
+            del pub
+            return self._apply(payload, None, req.abort_all_requests, path)
+
+    def update_from_tensor(self, req: api.UpdateFromTensorIn) -> dict:
+        if len(req.serialized_named_tensors) != 1:
+            raise ApiError(400, f"serialized_named_tensors must hold one payload ({wire.FORMAT}: "
+                                f"alignzoo.serve.wire.encode_payload_b64), got {len(req.serialized_named_tensors)}")
+        payload = wire.decode_payload_b64(req.serialized_named_tensors[0])
+        with self._update_lock:
+            return self._apply(payload, req.weight_version, req.abort_all_requests, "a tensor payload")
+
+    def init_group(self, req: api.InitGroupIn) -> dict:
+        import torch.distributed as dist
+
+        if self._group is not None or dist.is_initialized():
+            name = self._group["group_name"] if self._group else "another"
+            raise ApiError(400, f"a weight update group ({name!r}) is open: /destroy_weights_update_group first")
+        if req.rank_offset < 1 or req.world_size != req.rank_offset + 1:
+            raise ApiError(400, f"this server is one rank after the trainer's: rank_offset >= 1 and world_size = "
+                                f"rank_offset + 1, got rank_offset {req.rank_offset}, world_size {req.world_size}")
+        if req.backend == "nccl" and self.device.type != "cuda":
+            raise ApiError(400, f"backend nccl needs a CUDA server; this one runs on {self.device}: use gloo")
+        if req.backend == "nccl":
+            torch.cuda.set_device(self.device)
+        try:
+            dist.init_process_group(req.backend, init_method=f"tcp://{req.master_address}:{req.master_port}",
+                                    world_size=req.world_size, rank=req.rank_offset,
+                                    timeout=timedelta(seconds=req.timeout_s))
+        except Exception as e:
+            raise ApiError(400, f"could not join the weight update group at {req.master_address}:{req.master_port}: "
+                                f"{type(e).__name__}: {e}") from None
+        self._group = req.model_dump()
+        return {"success": True, "message": f"joined {req.group_name!r} ({req.backend}) as rank {req.rank_offset} "
+                                            f"of {req.world_size}"}
+
+    def update_from_distributed(self, req: api.UpdateFromDistributedIn) -> dict:
+        if req.names is not None or req.dtypes is not None or req.shapes is not None:
+            raise ApiError(400, f"names/dtypes/shapes (SGLang's raw per-tensor broadcast) are not taken: this server "
+                                f"receives one checked payload ({wire.FORMAT}) from rank 0 over the group "
+                                f"(alignzoo.client.Client.update_weights_from_distributed)")
+        if self._group is None:
+            raise ApiError(400, "no weight update group: /init_weights_update_group first")
+        if req.group_name != self._group["group_name"]:
+            raise ApiError(400, f"group_name {req.group_name!r}: the open group is {self._group['group_name']!r}")
+        with self._update_lock:
+            try:
+                payload = DistTransport(0).recv()
+            except CorruptPayload:
+                raise
+            except Exception as e:
+                raise ApiError(400, f"receiving the payload from rank 0 failed: {type(e).__name__}: {e}") from None
+            return self._apply(payload, req.weight_version, req.abort_all_requests, f"group {req.group_name!r}")
+
+    def destroy_group(self, req: api.DestroyGroupIn) -> dict:
+        import torch.distributed as dist
+
+        if self._group is None:
+            raise ApiError(400, "no weight update group is open")
+        if req.group_name != self._group["group_name"]:
+            raise ApiError(400, f"group_name {req.group_name!r}: the open group is {self._group['group_name']!r}")
+        dist.destroy_process_group()
+        self._group = None
+        return {"success": True, "message": f"destroyed {req.group_name!r}"}
+
+    def close(self) -> None:
+        self.loop.stop()
+        if self._group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self._group = None
+
+    # ---------------------------------------------------------- info
+    def model_info(self) -> dict:
+        c = self.info
+        return {"model_path": c["checkpoint"] or f"preset:{c['preset']}", "tokenizer_path": None,
+                "is_generation": True, "model_type": c["model"], "architectures": self.cfg.to_hf().get("architectures"),
+                "weight_version": self.engine.weight_version, "vocab_size": self.limits.vocab_size,
+                "max_position": self.limits.max_position, "extras": list(self.limits.extras),
+                "routed_experts": api.ROUTED_EXPERTS in self.limits.extras,
+                "adapters": list(self.limits.adapter_names)}
+
+    def server_info(self) -> dict:
+        from .. import __version__
+
+        e = self.engine
+        return {**self.info, "alignzoo": __version__, "torch": torch.__version__,
+                "max_batch_size": e.max_batch_size, "max_batch_tokens": e.max_batch_tokens, "num_pages": e.num_pages,
+                "overlap": e.overlap,
+                "weight_update_group": self._group, **self.loop.counts()}
+
+
+def create_app(server: AlignedServer) -> FastAPI:
+    srv, loop = server, server.loop
+
+    def error(e: BaseException, update: bool = False) -> JSONResponse:
+        status, msg = _status(e), _message(e)
+        if status >= 500:
+            log.error("request failed: %s", msg)
+        body = {"success": False, "message": msg} if update else {"error": {"message": msg, "code": status}}
+        return JSONResponse(body, status_code=status)
+
+    async def body_of(request: Request, model):
+        return api.validated(model, api.parse_json(await request.body()))
+
+    app = FastAPI(title="alignzoo serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    # ---------------------------------------------------------- generate
+    @app.post("/generate")
+    async def generate(request: Request):
+        try:
+            spec = api.build_generate(api.parse_json(await request.body()), srv.limits)
+        except ApiError as e:
+            return error(e)
+        taken = loop.reserve([it.rid for it in spec.items])
+        if taken is not None:
+            return error(ApiError(400, f"rid {taken!r} is already in flight"))
+        job = Job(spec.items, spec.stream, asyncio.get_running_loop())
+        loop.submit(job)
+        if spec.stream:
+            return StreamingResponse(_sse(job, spec), media_type="text/event-stream")
+        out: list = [None] * len(spec.items)
+        for _ in spec.items:
+            _, item, c, version = await _next_done(job)
+            out[item.index] = api.item_response(item, c.tokens, c.logprobs.tolist(), version, c,
+                                                latency=time.perf_counter() - job.started)
+        return JSONResponse(out[0] if spec.single else out)
+
+    async def _next_done(job: Job):
+        while True:
+            ev = await job.events.get()
+            if ev[0] == "done":
+                return ev
+
+    async def _sse(job: Job, spec):
+        left = {it.rid for it in job.items}
+        multi = not spec.single
+        try:
+            while left:
+                ev = await job.events.get()
+                item = ev[1]
+                if ev[0] == "chunk":
+                    _, _, tokens, lps, version = ev
+                    chunk = api.item_response(item, tokens, lps, version, index=item.index if multi else None)
+                else:
+                    _, _, c, version = ev
+                    left.discard(item.rid)
+                    chunk = api.item_response(item, c.tokens, c.logprobs.tolist(), version, c,
+                                              latency=time.perf_counter() - job.started,
+                                              index=item.index if multi else None)
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if left:  # the client went away
+                loop.call(lambda: loop._abort(set(left), "the client disconnected"))
+
+    # ---------------------------------------------------------- health and info
+    @app.get("/health")
+    async def health():
+        if not loop.thread.is_alive():
+            return JSONResponse({"error": {"message": "the engine thread is not running"}}, status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        if not loop.thread.is_alive():
+            return JSONResponse({"error": {"message": "the engine thread is not running"}}, status_code=503)
+        if loop.paused is not None:
+            return JSONResponse({"status": "paused"})
+        rid = f"health-{time.monotonic_ns()}"
+        item = Item(rid, 0, [0], SamplingParams(temperature=0.0, max_new_tokens=1), None, False, None)
+        loop.reserve([rid])
+        job = Job([item], False, asyncio.get_running_loop())
+        loop.submit(job)
+        try:
+            _, _, c, _ = await asyncio.wait_for(_next_done(job), timeout=60)
+        except asyncio.TimeoutError:
+            loop.call(lambda: loop._abort({rid}, "health check timed out"))
+            return JSONResponse({"error": {"message": "no token within 60 s"}}, status_code=503)
+        if c.finish_reason not in ("stop", "length"):
+            return JSONResponse({"error": {"message": c.error or c.finish_reason}}, status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return srv.model_info()
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        return await asyncio.wrap_future(loop.call(srv.server_info))
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": srv.engine.weight_version}
+
+    @app.get("/get_weights_checksum")
+    async def get_weights_checksum():
+        fn = lambda: {"weight_version": srv.engine.weight_version,  # noqa: E731
+                      "checksum": weights_checksum(srv.engine.model.weights)}
+        return await asyncio.wrap_future(loop.call(fn))
+
+    # ---------------------------------------------------------- weight updates
+    def update_route(path: str, model, fn):
+        async def route(request: Request):
+            try:
+                req = await body_of(request, model)
+                return await asyncio.to_thread(fn, req)
+            except Exception as e:
+                return error(e, update=True)
+        route.__name__ = path.strip("/")
+        app.post(path)(route)
+
+    update_route("/update_weights_from_disk", api.UpdateFromDiskIn, srv.update_from_disk)
+    update_route("/update_weights_from_tensor", api.UpdateFromTensorIn, srv.update_from_tensor)
+    update_route("/init_weights_update_group", api.InitGroupIn, srv.init_group)
+    update_route("/update_weights_from_distributed", api.UpdateFromDistributedIn, srv.update_from_distributed)
+    update_route("/destroy_weights_update_group", api.DestroyGroupIn, srv.destroy_group)
+
+    # ---------------------------------------------------------- control
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        try:
+            req = await body_of(request, api.PauseIn)
+            msg = await asyncio.wrap_future(loop.call(lambda: loop.pause(req.mode)))
+        except Exception as e:
+            return error(e, update=True)
+        return {"success": True, "message": msg}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        try:
+            await body_of(request, api._Strict)
+            msg = await asyncio.wrap_future(loop.call(loop.resume))
+        except Exception as e:
+            return error(e, update=True)
+        return {"success": True, "message": msg}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        try:
+            req = await body_of(request, api.AbortIn)
+            if not req.abort_all and not req.rid:
+                raise ApiError(400, "give rid (a request id, or the prefix of a batch's ids) or abort_all: true")
+            rids = None if req.abort_all else {req.rid}
+            n = await asyncio.wrap_future(loop.call(
+                lambda: loop._abort(rids, req.abort_message or "aborted by /abort_request")))
+        except Exception as e:
+            return error(e, update=True)
+        return {"success": True, "message": f"{n} request(s) aborted", "num_aborted": n}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        try:
+            await asyncio.wrap_future(loop.call(loop.flush))
+        except Exception as e:
+            return error(e, update=True)
+        return {"success": True, "message": "no prefix cache to flush: every request prefills its own pages"}
+
+    return app
+
+
+# ------------------------------------------------------------------ the process
+def _check_listen(host: str, port: int) -> None:
+    """Fail before the model loads if the address cannot be bound."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot resolve host {host!r}: {e}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def build(model: str, *, checkpoint=None, config=None, device=None, dtype=torch.bfloat16, fp8: bool = False,
+          seed: int = 0, host: str = "127.0.0.1", port: int = 30000, **engine_kwargs) -> AlignedServer:
+    """The model's trainer and engine (as ``load_pair`` builds them, without LoRA) behind an ``AlignedServer``."""
+    from ..common.engine import Engine
+    from ..models import model_module
+    from ..models.loading import build_trainer, resolve_config, server_weights
+
+    spec = model_module(model).SPEC
+    cfg = resolve_config(spec, checkpoint, None if checkpoint else (config or "tiny"))
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    trainer = build_trainer(spec, cfg, checkpoint, device=device, dtype=dtype, seed=seed, fp8=fp8)
+    engine = Engine(spec.server_cls(cfg, server_weights(trainer), lora_scale=None), **engine_kwargs)
+    return AlignedServer(spec, cfg, trainer, engine, model=model, checkpoint=checkpoint,
+                         preset=None if checkpoint else (config or "tiny"), device=device, dtype=dtype, fp8=fp8,
+                         host=host, port=port)
+
+
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, log_level: str = "info", **kw) -> int:
+    """Build the server and run it until SIGINT or SIGTERM; returns 0 after a clean shutdown."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    _check_listen(host, port)
+    t0 = time.perf_counter()
+    server = build(model, host=host, port=port, **kw)
+    app = create_app(server)
+
+    class _Uvicorn(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                where = f"[{host}]" if ":" in host else host
+                log.info("alignzoo serve: %s (%s) on %s, weight version %d, at http://%s:%d (ready in %.1fs)",
+                         model, kw.get("checkpoint") or kw.get("config") or "tiny", server.info["device"],
+                         server.engine.weight_version, where, port, time.perf_counter() - t0)
+
+        def handle_exit(self, sig, frame):
+            # uvicorn re-raises a captured signal after its shutdown, which would make a requested stop
+            # exit 128 + signal; a signal here means "stop", so shut down and return 0.
+            if self.should_exit and sig == 2:
+                self.force_exit = True
+            self.should_exit = True
+            server.loop.call(lambda: server.loop._abort(None, "the server is shutting down"))
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            access_log=False, lifespan="off")
+    server.loop.start()
+    try:
+        _Uvicorn(config).run()
+    finally:
+        server.close()
+        log.info("alignzoo serve: stopped")
+    return 0
