@@ -268,8 +268,6 @@ def _sampling(sp: SamplingIn, prompt_len: int, max_position: int, seed: int, whe
                                 f"trainer replays); leave {name} at {_short(allowed[0])}")
     if sp.top_k == 0 or sp.top_k < -1:
         raise ApiError(400, f"{where}sampling_params.top_k must be -1 (off) or >= 1, got {sp.top_k}")
-    if sp.n < 1:
-        raise ApiError(400, f"{where}sampling_params.n must be >= 1, got {sp.n}")
     max_new = sp.max_new_tokens if sp.max_new_tokens is not None else max_position - prompt_len
     try:
         return SamplingParams(temperature=sp.temperature, top_k=0 if sp.top_k == -1 else sp.top_k, top_p=sp.top_p,
@@ -318,6 +316,8 @@ def build_generate(body: Any, limits: ModelLimits) -> GenerateSpec:
         except (TypeError, ValueError) as e:
             raise ApiError(400, f"{where}input_ids: {e}") from None
         sp_in = validated(SamplingIn, spd, "sampling_params" if single else f"sampling_params[{i}]")
+        if sp_in.n < 1:
+            raise ApiError(400, f"{where}sampling_params.n must be >= 1, got {sp_in.n}")
         if adapter is not None and adapter not in limits.adapter_names:
             have = ", ".join(map(repr, limits.adapter_names)) or "none"
             raise ApiError(400, f"{where}lora_path {adapter!r}: unknown adapter; the model serves {have}")
