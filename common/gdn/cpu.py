@@ -56,6 +56,10 @@ import torch
 
 CHUNK = 64
 _NEG0 = -0.0
+# The trainer/prefill path evaluates its largest products (the (64, 64, K) dots, the (64, 64, V)
+# output terms) a block of chunk pieces at a time, at most this many elements: a launch knob
+# (rows are element-wise independent), 8 MiB of fp32 temporaries instead of hundreds of MiB.
+_BLOCK_ELEMS = 1 << 21
 
 
 def next_pow2(n: int) -> int:
@@ -87,16 +91,31 @@ def l2norm_cpu(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 # -- the row functions: every path calls these (leading dims are free) -----------------------
 
 
+def _pad_to(x: torch.Tensor, dim: int, p: int, value: float) -> torch.Tensor:
+    n = x.shape[dim]
+    if n == p:
+        return x
+    shape = list(x.shape)
+    shape[dim] = p - n
+    return torch.cat([x, x.new_full(shape, value)], dim)
+
+
 def row_dots(a: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
-    """a (..., K), ctx (..., 64, K) -> (..., 64): tree_K(a[k] * ctx[j, k])."""
-    return tree_sum(a.unsqueeze(-2) * ctx, -1)
+    """a (..., K), ctx (..., 64, K) -> (..., 64): tree_K(a[k] * ctx[j, k]).
+
+    The K lanes are padded on the operands, a with +0.0 and ctx with -0.0,
+    so a padded product is (+0.0) * (-0.0) == -0.0 exactly: the tree_K of
+    the -0.0-padded products without building them twice (a cat of the
+    (..., 64, 64, K) products was a third of the trainer's time)."""
+    p = next_pow2(a.shape[-1])
+    return tree_sum(_pad_to(a, -1, p, 0.0).unsqueeze(-2) * _pad_to(ctx, -1, p, _NEG0), -1)
 
 
 def decay(G_i: torch.Tensor, G_ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """G_i (...,), G_ctx (..., 64), mask (..., 64) (j <= i) -> exp(G_i - G_j),
     0 where masked (masked before the exp: no inf, no NaN gradient)."""
     d = G_i.unsqueeze(-1) - G_ctx
-    return torch.exp(torch.where(mask, d, torch.full_like(d, float("-inf"))))
+    return torch.exp(torch.where(mask, d, float("-inf")))
 
 
 def rhs(v: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
@@ -110,21 +129,28 @@ def solve_row(beta_i, kk_i, E_i, b_i, x_ctx, lower):
     b_i (..., W), x_ctx (..., 64, W), lower (..., 64) (j < i) -> x_i (..., W)."""
     L = (beta_i.unsqueeze(-1) * kk_i) * E_i
     term = L.unsqueeze(-1) * x_ctx
-    term = torch.where(lower.unsqueeze(-1), term, torch.full_like(term, _NEG0))
+    term = torch.where(lower.unsqueeze(-1), term, _NEG0)
     return b_i - tree_sum(term, -2)
+
+
+def state_dot(a: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """a (..., K), S (..., K, V) -> (..., V): tree_K(a[k] * S[k, :]), padded as
+    ``row_dots`` is (a with +0.0, S with -0.0: each padded product is -0.0)."""
+    p = next_pow2(a.shape[-1])
+    return tree_sum(_pad_to(a, -1, p, 0.0).unsqueeze(-1) * _pad_to(S, -2, p, _NEG0), -2)
 
 
 def vnew_row(u, w, S0):
     """u (..., V), w (..., K), S0 (..., K, V) -> u - tree_K(w[k] * S0[k, :])."""
-    return u - tree_sum(w.unsqueeze(-1) * S0, -2)
+    return u - state_dot(w, S0)
 
 
 def out_row(q, G_i, S0, qk_i, E_i, vn_ctx, causal):
     """q (..., K), G_i (...,), S0 (..., K, V), qk_i/E_i (..., 64),
     vn_ctx (..., 64, V), causal (..., 64) (j <= i) -> o_i (..., V)."""
-    inter = tree_sum((q * torch.exp(G_i).unsqueeze(-1)).unsqueeze(-1) * S0, -2)
+    inter = state_dot(q * torch.exp(G_i).unsqueeze(-1), S0)
     term = (qk_i * E_i).unsqueeze(-1) * vn_ctx
-    term = torch.where(causal.unsqueeze(-1), term, torch.full_like(term, _NEG0))
+    term = torch.where(causal.unsqueeze(-1), term, _NEG0)
     return inter + tree_sum(term, -2)
 
 
@@ -231,16 +257,25 @@ def chunked(q, k, v, g, beta, cu, starts, *, cache=None, slots=None, return_stat
     G_w = torch.stack(cols, -1)  # (P, Hv, 64)
     _, causal, strict = _masks(dev)
     kh_w = k_w[:, head]  # (P, Hv, 64, K)
-    kk = row_dots(k_w, k_w.unsqueeze(-3))[:, head]  # (P, Hv, 64, 64)
-    qk = row_dots(q_w, k_w.unsqueeze(-3))[:, head]
+    Kp = next_pow2(K)
+    nb = max(1, _BLOCK_ELEMS // (Hk * CHUNK * CHUNK * Kp))  # pieces per product block
+    kk = torch.cat([row_dots(k_w[a : a + nb], k_w[a : a + nb].unsqueeze(-3)) for a in range(0, P, nb)])[:, head]
+    qk = torch.cat([row_dots(q_w[a : a + nb], k_w[a : a + nb].unsqueeze(-3)) for a in range(0, P, nb)])[:, head]
     q_w = q_w[:, head]
     E = decay(G_w, G_w.unsqueeze(-2).expand(*G_w.shape, CHUNK), causal)  # (P, Hv, 64 i, 64 j)
     b_w = rhs(v_w, kh_w, beta_w, G_w)  # (P, Hv, 64, V + K)
-    x_w = x_old if x_old is not None else b_w.new_zeros(b_w.shape)
+    # Step i reads rows j < i only: the 64-tree with rows >= p = next_pow2(i) all -0.0 is the
+    # p-tree of rows < p (every subtree of -0.0 is -0.0, and x + -0.0 == x), so the step
+    # evaluates rows < p, the same bits with a third less work.
+    x_rows, zero = [], b_w.new_zeros(b_w.shape[:2] + b_w.shape[3:])
     for i in range(CHUNK):
-        x_i = solve_row(beta_w[..., i], kk[..., i, :], E[..., i, :], b_w[..., i, :], x_w, strict[i])
-        sel = act[:, :, i : i + 1] & (rows.to(dev) == i)  # (P, 1, 64)
-        x_w = torch.where(sel.unsqueeze(-1), x_i.unsqueeze(-2), x_w)
+        p = next_pow2(i)
+        ctx = torch.stack(x_rows[:p] + [zero] * (p - len(x_rows[:p])), -2)
+        x_i = solve_row(beta_w[..., i], kk[..., i, :p], E[..., i, :p], b_w[..., i, :], ctx, strict[i, :p])
+        if x_old is not None:
+            x_i = torch.where(act[..., i, None], x_i, x_old[..., i, :])
+        x_rows.append(x_i)
+    x_w = torch.stack(x_rows, -2)  # (P, Hv, 64, V + K)
     u_w, w_w = x_w[..., :V], x_w[..., V:]
     # the scan over chunks: S0 per sequence in ``order``
     S = q.new_zeros(len(order), Hv, K, V)
@@ -249,21 +284,25 @@ def chunked(q, k, v, g, beta, cu, starts, *, cache=None, slots=None, return_stat
         sl = torch.tensor([slots[order[i]] for i in cont], device=dev)
         S = S.index_put((torch.tensor(cont, device=dev),), cache["state"][sl].float())
     outs, vns, states = [], [], []
+    nb = max(1, _BLOCK_ELEMS // (Hv * CHUNK * V * max(CHUNK, Kp)))  # pieces per scan block
     for st in range(steps):
-        a, e = bounds[st], bounds[st + 1]
-        S0 = S[: e - a]
-        vn = vnew_row(u_w[a:e], w_w[a:e], S0.unsqueeze(2))
-        if vn_old is not None:
-            vn = torch.where(act[a:e].unsqueeze(-1), vn, vn_old[a:e])
-        outs.append(out_row(q_w[a:e], G_w[a:e], S0.unsqueeze(2), qk[a:e], E[a:e], vn.unsqueeze(2), causal))
-        vns.append(vn)
-        comp = [p - a for p in range(a, e) if pieces[p][3] == CHUNK]
-        if comp:
-            ct = torch.tensor(comp, device=dev)
-            Sn = next_state(S0[ct], kh_w[a:e][ct], G_w[a:e][ct], vn[ct])
-            states += [(pieces[a + c][0], pieces[a + c][1], Sn[i]) for i, c in enumerate(comp)]
-            S0 = S0.index_put((ct,), Sn)
-        S = torch.cat([S0, S[e - a:]])
+        S_after = []
+        for a in range(bounds[st], bounds[st + 1], nb):
+            e = min(a + nb, bounds[st + 1])
+            S0 = S[a - bounds[st] : e - bounds[st]]
+            vn = vnew_row(u_w[a:e], w_w[a:e], S0.unsqueeze(2))
+            if vn_old is not None:
+                vn = torch.where(act[a:e].unsqueeze(-1), vn, vn_old[a:e])
+            outs.append(out_row(q_w[a:e], G_w[a:e], S0.unsqueeze(2), qk[a:e], E[a:e], vn.unsqueeze(2), causal))
+            vns.append(vn)
+            comp = [p - a for p in range(a, e) if pieces[p][3] == CHUNK]
+            if comp:
+                ct = torch.tensor(comp, device=dev)
+                Sn = next_state(S0[ct], kh_w[a:e][ct], G_w[a:e][ct], vn[ct])
+                states += [(pieces[a + c][0], pieces[a + c][1], Sn[i]) for i, c in enumerate(comp)]
+                S0 = S0.index_put((ct,), Sn)
+            S_after.append(S0)
+        S = torch.cat(S_after + [S[bounds[st + 1] - bounds[st]:]])
     o_w = torch.cat(outs).movedim(1, 2).reshape(P * CHUNK, Hv, V)
     inv = torch.empty(T, dtype=torch.long)
     flat = tok.cpu()
