@@ -264,6 +264,7 @@ def first_chunk_then(server, prompt, d, rid):
         return got
 
     bg = Background(run)
+    bg.chunks = got
     wait_for(lambda: got or bg.error)
     return bg
 
@@ -351,13 +352,17 @@ def test_update_from_tensor_full_then_delta(server, pair):
 def test_in_flight_requests_finish_on_their_version_or_abort(server, pair):
     pub = server.publisher(pair.trainer.forward_weights)
     v = server.get_weight_version()
-    d = sp_dict(seed=61, max_new=200, temperature=1.0, top_k=-1)
-    bg = first_chunk_then(server, [1, 1], d, "old-version")
-    want = pair.server.generate([[1, 1]], ours(d))[0]  # under the weights it started with
+    d = sp_dict(seed=61, max_new=300, temperature=1.0, top_k=-1)
+    want = pair.server.generate([[1, 1]], ours(d))[0]  # under the weights it starts with
     step_weights(pair, seed=3)
-    upd = Background(lambda: server.update_weights_from_tensor(pub.publish()))
-    last = bg.get()[-1]
+    payload = pub.publish()
+    bg = first_chunk_then(server, [1, 1], d, "old-version")
+    sent_at = len(bg.chunks)
+    upd = Background(lambda: server.update_weights_from_tensor(payload))
+    chunks = bg.get()
     assert upd.get()["weight_version"] == v + 1
+    assert len(chunks) > sent_at + 10  # it was in flight when the update came
+    last = chunks[-1]
     assert last["meta_info"]["weight_version"] == v and last["output_ids"] == want.tokens
     assert torch.equal(output_logprobs(last), want.logprobs)
     bg = first_chunk_then(server, [1, 2], d, "aborted-for-update")
@@ -480,6 +485,15 @@ def test_cli_refuses_a_port_in_use(capsys):
         assert main(["serve", "qwen3", "--port", str(s.getsockname()[1])]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cannot listen on 127.0.0.1" in err, err
+
+
+def test_bench_http_smoke(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_http
+
+    report = bench_http.main(["--batch", "4", "--prompt-len", "8", "--new", "4", "--repeats", "1"])
+    assert report["tokens"] == 16 and all(report["bitwise_equal"].values())
+    assert set(report["ratio"]) == {"batched", "concurrent"} and "tok/s" in capsys.readouterr().out
 
 
 def test_sigterm_shuts_down_cleanly(served):
