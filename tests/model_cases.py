@@ -27,6 +27,19 @@ def sharpen(trainer, generator: torch.Generator) -> None:
                 p.mul_(3.0)
 
 
+def sharpen_zero_centred(trainer, generator: torch.Generator) -> None:
+    """For models whose norms read 1 + w: 1-D weights moved by uniform(-0.4, 0.4) (a swapped norm
+    still shows), matrices x3.  The default's [0.5, 1.5] would scale every norm by 1.5-2.5 and push
+    the GDN's chunk form into its ill-conditioned range (transformers' fp32 itself then parts from
+    float64 by 2.5e-4 over 1000 tokens)."""
+    with torch.no_grad():
+        for _, p in trainer.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.empty(p.shape, device=p.device).uniform_(-0.4, 0.4, generator=generator))
+            else:
+                p.mul_(3.0)
+
+
 @dataclass(frozen=True)
 class ModelCase:
     preset: str = "tiny"        # every CPU test's config (the CLI takes it as --config)
@@ -39,6 +52,8 @@ class ModelCase:
 
 CASES: dict[str, ModelCase] = {
     "qwen3": ModelCase(gpu_preset="qwen3-0.6b"),  # hf_atol: 2.9e-6 measured on the sharpened tiny model
+    # hf_atol: issue 24's 1e-4; measured 3.0e-5 over 1000 tokens (transformers' own fp32: 1.6e-5 from float64)
+    "qwen35_gdn": ModelCase(gpu_preset="qwen3.5-35b-a3b-4l", fp8=False, hf_atol=1e-4, sharpen=sharpen_zero_centred),
 }
 
 

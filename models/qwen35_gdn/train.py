@@ -68,8 +68,8 @@ class GDNMixer(nn.Module):
         self.cfg, self.index = cfg, index
         self.in_proj = Linear(cfg.gdn_in_size, cfg.hidden_size, **kw)  # [qkv | z | b | a] rows
         self.conv = Weight(cfg.conv_dim, 1, cfg.conv_kernel, **kw)
-        self.dt_bias = Weight(cfg.gdn_v_heads, device=kw.get("device"), dtype=torch.float32)
-        self.A_log = Weight(cfg.gdn_v_heads, device=kw.get("device"), dtype=torch.float32)
+        self.dt_bias = Weight(cfg.gdn_v_heads, **kw)  # in the model dtype, as transformers keeps them; read as fp32
+        self.A_log = Weight(cfg.gdn_v_heads, **kw)
         self.norm = Weight(cfg.gdn_v_dim, **kw)
         self.out = Linear(cfg.hidden_size, cfg.gdn_value_dim, **kw)
 

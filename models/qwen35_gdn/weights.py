@@ -135,7 +135,7 @@ def name_map(cfg, prefix: str = "model.") -> NameMap:
 
 
 def expected(cfg, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{our name: (shape, dtype)}; A_log and dt_bias stay fp32 (transformers keeps them so: g is fp32)."""
+    """{our name: (shape, dtype)}."""
     H, V = cfg.hidden_size, cfg.vocab_size
     E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_intermediate_size
     D, Hq, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -151,8 +151,8 @@ def expected(cfg, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.
         if t == "linear_attention":
             out |= {p + "gdn.in_proj.weight": ((cfg.gdn_in_size, H), dtype),
                     p + "gdn.conv.weight": ((cfg.conv_dim, 1, cfg.conv_kernel), dtype),
-                    p + "gdn.dt_bias.weight": ((cfg.gdn_v_heads,), torch.float32),
-                    p + "gdn.A_log.weight": ((cfg.gdn_v_heads,), torch.float32),
+                    p + "gdn.dt_bias.weight": ((cfg.gdn_v_heads,), dtype),
+                    p + "gdn.A_log.weight": ((cfg.gdn_v_heads,), dtype),
                     p + "gdn.norm.weight": ((cfg.gdn_v_dim,), dtype),
                     p + "gdn.out.weight": ((H, cfg.gdn_value_dim), dtype)}
         else:
