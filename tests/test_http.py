@@ -496,6 +496,17 @@ def test_bench_http_smoke(capsys):
     assert set(report["ratio"]) == {"batched", "concurrent"} and "tok/s" in capsys.readouterr().out
 
 
+def test_http_rl_example_is_exact(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import http_rl
+
+    assert http_rl.main(["--steps", "3", "--prompts", "2", "--group-size", "4", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "0 of" in out and "served weights == the trainer's; server exit status 0" in out
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["weight_version"] for r in rows] == [2, 3, 4] and all(r["differing_tokens"] == 0 for r in rows)
+
+
 def test_sigterm_shuts_down_cleanly(served):
     proc, client, log_path = served
     proc.send_signal(signal.SIGTERM)
