@@ -80,7 +80,8 @@ def _check(q, k, v, g, beta, cu_seqlens):
         raise ValueError(f"cu_seqlens must be (B + 1,), got shape {tuple(cu_seqlens.shape)}")
 
 
-def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, slots=None, return_states=False):
+def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, slots=None, return_states=False,
+            decode_backend: str | None = None):
     """The gated delta rule over a packed batch -> o (T, Hv, V) fp32.
 
     q, k (T, Hk, K): L2-normalized (``l2norm_fwd``), q scaled by K^-0.5; v
@@ -97,10 +98,14 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
     is not read) and writes its state and open chunk back.
 
     The decode shape, T == B (one token per sequence; no sequence may be
-    empty), runs ``cpu.decode_step``: no host reads, capturable in a CUDA
-    graph.  Any other shape runs ``cpu.chunked``, which reads cu_seqlens,
-    start_positions and slots on the host to lay out its chunks.  Both give a
-    row the same bits (``cpu.py``)."""
+    empty), runs ``cpu.decode_step`` (``decode_backend="torch"``, the default
+    off CUDA) or its Triton form ``kernel.gdn_decode_triton`` ("triton", the
+    default on CUDA: the torch form builds (B, Hv, 64, K, V) temporaries for
+    the state every step): no host reads, capturable in a CUDA graph.  Any
+    other shape runs ``cpu.chunked``, which reads cu_seqlens, start_positions
+    and slots on the host to lay out its chunks.  All give a row the same
+    bits (``cpu.py``; on CUDA the Triton form's bits are to be checked on the
+    device: ``tests/test_gdn.py``'s gpu tests)."""
     _check(q, k, v, g, beta, cu_seqlens)
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     if cache is None:
@@ -114,6 +119,14 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
         raise ValueError("return_states is for the trainer (no cache)")
     B = cu_seqlens.shape[0] - 1
     if q.shape[0] == B:
+        backend = decode_backend or ("triton" if q.is_cuda else "torch")
+        if backend == "triton":
+            from .kernel import gdn_decode_triton
+
+            return gdn_decode_triton(*(t.contiguous() for t in (q, k, v, g, beta)), start_positions.long().contiguous(),
+                                     slots.long().contiguous(), cache)
+        if backend != "torch":
+            raise ValueError(f"decode_backend must be 'torch' or 'triton', got {decode_backend!r}")
         return cpu.decode_step(q, k, v, g, beta, start_positions.long(), slots.long(), cache)
     return cpu.chunked(q, k, v, g, beta, cu_seqlens.tolist(), start_positions.tolist(), cache=cache, slots=slots.tolist())
 

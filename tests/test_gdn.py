@@ -1,0 +1,557 @@
+"""Gated DeltaNet: the trainer's whole sequences, the server's chunked prefill split
+anywhere and its token-by-token decode give the same bits (outputs and the FP32
+state at every 64 boundary) in any batch; accuracy against the float64 recurrent
+form and transformers; gradients against float64 autograd; planted breaks; the
+Triton decode step's source interpreted; the conv1d + SiLU with its tail; l2norm."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from interpreted import run_interpreted
+
+from alignzoo.common.gdn import (conv1d, conv1d_fwd, conv1d_ref, conv1d_state_fields, cpu, gdn, gdn_cache, gdn_fwd,
+                                 gdn_ref, gdn_state_fields, l2norm_fwd, l2norm_ref)
+from alignzoo.common.kv_cache.pools import StatePool
+from alignzoo.common.ladder import rel_err
+
+LENS = [1, 63, 64, 65, 200, 1030]
+
+
+class Inputs:
+    """A packed batch of q, k (T, Hk, K), v (T, Hv, V), g, beta (T, Hv) with
+    Qwen3.5's preprocessing: l2norm, q * K^-0.5, g = -A softplus(a), beta = sigmoid(b)."""
+
+    def __init__(self, lens, Hk=2, Hv=4, K=24, V=20, seed=0, device="cpu"):
+        gen = torch.Generator().manual_seed(seed)
+        T = sum(lens)
+        self.lens, self.Hk, self.Hv, self.K, self.V = list(lens), Hk, Hv, K, V
+        self.q_raw = torch.randn(T, Hk, K, generator=gen)
+        self.k_raw = torch.randn(T, Hk, K, generator=gen)
+        self.v = torch.randn(T, Hv, V, generator=gen)
+        A = torch.rand(Hv, generator=gen) * 0.6 + 0.01
+        self.g = -A * torch.log1p(torch.exp(torch.randn(T, Hv, generator=gen) - 1))
+        self.beta = 1 / (1 + torch.exp(-torch.randn(T, Hv, generator=gen)))
+        self.q = l2norm_fwd(self.q_raw) * K ** -0.5
+        self.k = l2norm_fwd(self.k_raw)
+        self.cu = [0]
+        for n in lens:
+            self.cu.append(self.cu[-1] + n)
+        for name in ("q_raw", "k_raw", "v", "g", "beta", "q", "k"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.device = torch.device(device)
+
+    def cu_t(self):
+        return torch.tensor(self.cu, device=self.device)
+
+    def trainer(self):
+        """-> (o (T, Hv, V), [per sequence: (len // 64, Hv, K, V) boundary states])."""
+        o, st = gdn_fwd(self.q, self.k, self.v, self.g, self.beta, self.cu_t(), return_states=True)
+        per, i = [], 0
+        for n in self.lens:
+            per.append(st[i : i + n // 64])
+            i += n // 64
+        return o, per
+
+    def cache(self, slots, garbage=True):
+        c = gdn_cache(slots, self.Hk, self.Hv, self.K, self.V, self.device)
+        if garbage:  # a slot's old contents: a sequence at position 0 must not read them
+            for t in c.values():
+                t.fill_(float("nan") if t.is_floating_point() else 5)
+        return c
+
+    def call(self, items, cache, pads=(), **kw):
+        """One engine step: items [(seq, start, n, slot)], padding rows (slot -1,
+        position 0, one token) inserted before the indices in ``pads``.
+        -> [o (n, Hv, V) per item]."""
+        rows, cu, starts, slots, where = [], [0], [], [], []
+        pads = sorted(pads)
+        for i, (b, s, n, slot) in enumerate(items):
+            while pads and pads[0] <= i:
+                pads.pop(0)
+                rows.append(torch.tensor([0]))
+                cu.append(cu[-1] + 1), starts.append(0), slots.append(-1), where.append(None)
+            rows.append(torch.arange(self.cu[b] + s, self.cu[b] + s + n))
+            cu.append(cu[-1] + n), starts.append(s), slots.append(slot), where.append(i)
+        for _ in pads:
+            rows.append(torch.tensor([0]))
+            cu.append(cu[-1] + 1), starts.append(0), slots.append(-1), where.append(None)
+        idx = torch.cat(rows).to(self.device)
+        dev = self.device
+        o = gdn_fwd(self.q[idx], self.k[idx], self.v[idx], self.g[idx], self.beta[idx], torch.tensor(cu, device=dev),
+                    start_positions=torch.tensor(starts, device=dev), cache=cache,
+                    slots=torch.tensor(slots, device=dev), **kw)
+        out = [None] * len(items)
+        for j, i in enumerate(where):
+            if i is not None:
+                out[i] = o[cu[j] : cu[j + 1]]
+        return out
+
+
+def _state_ok(cache, slot, pos_end, states) -> bool:
+    """The slot's state is the boundary state at floor(pos_end / 64) (zeros
+    before the first) and n == pos_end % 64."""
+    c = pos_end // 64
+    want = states[c - 1] if c else torch.zeros_like(cache["state"][slot])
+    return torch.equal(cache["state"][slot], want) and int(cache["n"][slot]) == pos_end % 64
+
+
+# ------------------------------------------------------------------ the contract
+
+
+def test_prefill_split_at_every_offset():
+    """One 140-token sequence, split at 1..130 (all splits in one batch, slots
+    shuffled): both halves equal the trainer's rows, the states after each half
+    equal its boundary states, and every split leaves the same open chunk."""
+    inp = Inputs([140])
+    o_ref, (states,) = inp.trainer()
+    splits = list(range(1, 131))
+    slots = torch.randperm(len(splits), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = inp.cache(len(splits))
+    first = inp.call([(0, 0, s, slots[i]) for i, s in enumerate(splits)], cache)
+    for i, s in enumerate(splits):
+        assert torch.equal(first[i], o_ref[:s]), s
+        assert _state_ok(cache, slots[i], s, states), s
+    rest = inp.call([(0, s, 140 - s, slots[i]) for i, s in enumerate(splits)], cache)
+    for i, s in enumerate(splits):
+        assert torch.equal(rest[i], o_ref[s:]), s
+        assert _state_ok(cache, slots[i], 140, states), s
+    n = 140 % 64
+    for name in ("k", "g_cum", "x", "v_new"):
+        first_rows = cache[name][slots[0], :n]
+        assert all(torch.equal(cache[name][sl, :n], first_rows) for sl in slots), name
+
+
+def test_decode_from_every_offset_inside_a_chunk():
+    """64 copies prefilled to 64..127 tokens, then decoded one token a step in
+    one batch of 64 rows (a finished copy's row becomes padding, slot -1) to 136:
+    every output and, after every step, every slot's state equal the trainer's."""
+    L = 136
+    inp = Inputs([L], seed=1)
+    o_ref, (states,) = inp.trainer()
+    cache = inp.cache(64)
+    pre = inp.call([(0, 0, 64 + o, 63 - o) for o in range(64)], cache)
+    assert all(torch.equal(p, o_ref[: 64 + o]) for o, p in enumerate(pre))
+    for step in range(L - 64):
+        items, pads, who = [], [], []
+        for o in range(64):
+            pos = 64 + o + step
+            if pos < L:
+                items.append((0, pos, 1, 63 - o))
+                who.append(o)
+            else:
+                pads.append(len(items))
+        got = inp.call(items, cache, pads)
+        for (_, pos, _, slot), out in zip(items, got):
+            assert torch.equal(out, o_ref[pos : pos + 1]), (step, pos)
+            assert _state_ok(cache, slot, pos + 1, states), (step, pos)
+
+
+def _random_schedule(inp, seed, *, preempt=True, check_states=True):
+    """An engine-like run: sequences join at random steps; half the steps are
+    decode batches (one token per running sequence, with padding rows), the
+    others mixed (each running sequence takes one token or a chunk of 1..130,
+    cut anywhere); one sequence is preempted and
+    recomputed from position 0 in another slot.  -> (outputs equal, states equal)."""
+    rng = random.Random(seed)
+    o_ref, states = inp.trainer()
+    B = len(inp.lens)
+    cache = inp.cache(B + 2)
+    free = list(range(B + 2))
+    rng.shuffle(free)
+    join = [rng.randrange(0, 6) for _ in range(B)]
+    done, slot = [0] * B, [None] * B
+    victim, preempted = max(range(B), key=lambda b: inp.lens[b]), not preempt
+    ok_o = ok_s = True
+    step = 0
+    while any(done[b] < inp.lens[b] for b in range(B)):
+        items, decode_step = [], rng.random() < 0.6
+        for b in range(B):
+            if join[b] > step or done[b] >= inp.lens[b]:
+                continue
+            if slot[b] is None:
+                slot[b] = free.pop()
+            n = 1 if decode_step or rng.random() < 0.3 else rng.randint(1, 130)
+            items.append((b, done[b], min(n, inp.lens[b] - done[b]), slot[b]))
+        step += 1
+        if not items:
+            continue
+        rng.shuffle(items)
+        decode = all(n == 1 for _, _, n, _ in items)
+        pads = [rng.randrange(0, len(items) + 1) for _ in range(rng.randint(0, 2))] if decode else []
+        got = inp.call(items, cache, pads)
+        for (b, s, n, sl), out in zip(items, got):
+            ok_o &= torch.equal(out, o_ref[inp.cu[b] + s : inp.cu[b] + s + n])
+            if check_states:
+                ok_s &= _state_ok(cache, sl, s + n, states[b])
+            done[b] = s + n
+        if not preempted and done[victim] > 70:
+            preempted = True
+            free.insert(0, slot[victim])  # its slot goes back, to be reused by someone
+            slot[victim], done[victim] = free.pop(), 0  # recomputed from position 0 in another slot
+    return ok_o, ok_s
+
+
+@pytest.mark.parametrize("K", [24, 32], ids=["K24", "K32"])
+def test_mixed_batches_joins_padding_preemption(K):
+    inp = Inputs(LENS, K=K, seed=K)
+    ok_o, ok_s = _random_schedule(inp, seed=K)
+    assert ok_o and ok_s
+
+
+def test_position_zero_ignores_the_slot():
+    """NaN/garbage in a slot: a prefill or a decode at position 0 reads none of it."""
+    inp = Inputs([70, 1])
+    o_ref, _ = inp.trainer()
+    cache = inp.cache(2)
+    a, b = inp.call([(0, 0, 70, 1), (1, 0, 1, 0)], cache)
+    assert torch.equal(a, o_ref[:70]) and torch.equal(b, o_ref[70:])
+    cache = inp.cache(2)
+    (b,) = inp.call([(1, 0, 1, 1)], cache)
+    assert torch.equal(b, o_ref[70:]) and not cache["state"][1].isnan().any()
+
+
+def test_cache_fields_fit_a_state_pool():
+    fields = gdn_state_fields(2, 4, 24, 20)
+    pool = StatePool(fields={**fields, **conv1d_state_fields(10, torch.bfloat16)}, layers=2)
+    caches = pool.allocate(3, "cpu")
+    ref = gdn_cache(3, 2, 4, 24, 20)
+    assert set(ref) == {"state", "k", "g_cum", "x", "v_new", "n"}
+    for name, t in ref.items():
+        assert caches[0][name].shape == t.shape and caches[0][name].dtype == t.dtype, name
+    assert caches[1]["conv_tail"].shape == (3, 3, 10)
+    inp = Inputs([100])
+    o_ref, _ = inp.trainer()
+    cache = {n: caches[1][n] for n in fields}
+    a = inp.call([(0, 0, 40, 2)], cache)[0]
+    b = inp.call([(0, 40, 60, 2)], cache)[0]
+    assert torch.equal(torch.cat([a, b]), o_ref)
+
+
+# ------------------------------------------------------------------ planted breaks
+
+
+def _small_contract(inp):
+    """Prefill 70 then decode to 140 and a prefill split at 100: all equal the trainer?"""
+    o_ref, _ = inp.trainer()
+    cache = inp.cache(2)
+    outs = inp.call([(0, 0, 70, 0), (0, 0, 100, 1)], cache)
+    outs += inp.call([(0, 100, 40, 1)], cache)
+    for p in range(70, 140):
+        outs += inp.call([(0, p, 1, 0)], cache)
+    got = [torch.cat([outs[0]] + outs[3:]), torch.cat(outs[1:3])]
+    return all(torch.equal(x, o_ref) for x in got)
+
+
+def test_planted_batch_dependent_sum_order_is_caught(monkeypatch):
+    """A tree that sums large tensors (the trainer's, a whole chunk at once) left
+    to right and small ones (decode's) pairwise breaks the contract: caught."""
+    inp = Inputs([140], seed=3)
+    assert _small_contract(inp)
+    tree = cpu.tree_sum
+
+    def by_size(x, dim):
+        if x.numel() < 1 << 14:
+            return tree(x, dim)
+        acc = x.select(dim, 0)
+        for i in range(1, x.shape[dim]):
+            acc = acc + x.select(dim, i)
+        return acc
+
+    monkeypatch.setattr(cpu, "tree_sum", by_size)
+    assert not _small_contract(inp)
+
+
+def test_planted_decode_with_another_order_is_caught(monkeypatch):
+    """Decode summing the open chunk's rows left to right (a fixed order, but
+    not the trainer's tree) is caught; so is decode storing v_new rounded."""
+    inp = Inputs([140], seed=4)
+    real, tree = cpu.decode_step, cpu.tree_sum
+
+    def left_to_right(x, dim):
+        acc = x.select(dim, 0)
+        for i in range(1, x.shape[dim]):
+            acc = acc + x.select(dim, i)
+        return acc
+
+    def decode_l2r(*a):
+        cpu.tree_sum = left_to_right
+        try:
+            return real(*a)
+        finally:
+            cpu.tree_sum = tree
+
+    monkeypatch.setattr(cpu, "decode_step", decode_l2r)
+    assert not _small_contract(inp)
+
+    def decode_bf16_rows(q, k, v, g, beta, pos, slots, cache):
+        o = real(q, k, v, g, beta, pos, slots, cache)
+        cache["v_new"].copy_(cache["v_new"].bfloat16().float())
+        return o
+
+    monkeypatch.setattr(cpu, "decode_step", decode_bf16_rows)
+    assert not _small_contract(inp)
+
+
+# ------------------------------------------------------------------ accuracy and gradients
+
+
+@pytest.mark.parametrize("K", [24, 32], ids=["K24", "K32"])
+def test_accuracy_vs_float64_recurrent(K):
+    """||o - o64|| / ||o64|| and each boundary state against the float64 token-by-token recurrence."""
+    inp = Inputs(LENS, K=K)
+    o, states = inp.trainer()
+    ref, _ = gdn_ref(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu)
+    assert rel_err(o, ref) < 2e-6  # measured 2.6e-7
+    for b, n in enumerate(LENS):
+        for c in range(n // 64):
+            s = inp.cu[b]
+            e = s + 64 * (c + 1)
+            _, S = gdn_ref(inp.q[s:e], inp.k[s:e], inp.v[s:e], inp.g[s:e], inp.beta[s:e], [0, e - s])
+            assert rel_err(states[b][c], S[0]) < 2e-6, (b, c)
+
+
+def test_matches_transformers():
+    """transformers' torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule
+    (fp32, GVA, 192 and 250 tokens): the same math as ours (outputs and final state)."""
+    tq = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    for L in (192, 250):
+        inp = Inputs([L], seed=L)
+        o, (states,) = inp.trainer()
+        args = (inp.q_raw[None], inp.k_raw[None], inp.v[None], inp.g[None], inp.beta[None])
+        for fn in (tq.torch_chunk_gated_delta_rule, tq.torch_recurrent_gated_delta_rule):
+            ho, hs = fn(*args, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            assert rel_err(o, ho[0]) < 3e-6, (fn.__name__, L)
+            if L % 64 == 0:
+                assert rel_err(states[-1], hs[0]) < 3e-6, (fn.__name__, L)
+
+
+def test_gradients_vs_float64():
+    """Gradients of q, k (before the l2norm), v, g and beta through the trainer's
+    forward against float64 autograd of the recurrent reference."""
+    inp = Inputs([1, 63, 65, 130], seed=5)
+    K = inp.K
+    dy = torch.randn(sum(inp.lens), inp.Hv, inp.V, generator=torch.Generator().manual_seed(6))
+
+    def grads(dtype, fn):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (inp.q_raw, inp.k_raw, inp.v, inp.g, inp.beta)]
+        qr, kr, v, g, beta = leaves
+        if dtype == torch.float64:
+            o, _ = fn(l2norm_ref(qr) * K ** -0.5, l2norm_ref(kr), v, g, beta, inp.cu)
+        else:
+            o = fn(l2norm_fwd(qr) * K ** -0.5, l2norm_fwd(kr), v, g, beta, inp.cu_t())
+        (o * dy.to(dtype)).sum().backward()
+        return [t.grad for t in leaves]
+
+    ours = grads(torch.float32, gdn)
+    ref = grads(torch.float64, gdn_ref)
+    for name, a, b in zip(("q", "k", "v", "g", "beta"), ours, ref):
+        assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+
+
+def test_l2norm_rows_and_accuracy():
+    tq = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    x = torch.randn(300, 3, 24).bfloat16()
+    y = l2norm_fwd(x)
+    assert y.dtype == torch.float32
+    assert all(torch.equal(l2norm_fwd(x[i : i + 1]), y[i : i + 1]) for i in (0, 57, 299))
+    assert torch.equal(l2norm_fwd(x.flip(0)), y.flip(0))
+    assert rel_err(y, l2norm_ref(x)) < 1e-6
+    assert rel_err(y, tq.l2norm(x.float())) < 1e-6
+
+
+# ------------------------------------------------------------------ conv1d
+
+
+def _conv_inputs(lens, C=40, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(lens), C, generator=g).to(dtype), (torch.randn(C, 4, generator=g) * 0.5).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_conv1d_split_decode_and_batches(dtype):
+    """Whole sequences == split prefill (every split 1..8 and a long one) ==
+    decode one token a step, in shuffled slots with padding rows; the tail
+    after each call is the last three inputs (zeros before position 0)."""
+    lens = [1, 2, 3, 5, 70]
+    x, w = _conv_inputs(lens, dtype=dtype)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    y_ref = conv1d_fwd(x, w, torch.tensor(cu))
+    for b in range(len(lens)):  # a sequence alone
+        assert torch.equal(conv1d_fwd(x[cu[b] : cu[b + 1]], w, torch.tensor([0, lens[b]])), y_ref[cu[b] : cu[b + 1]])
+    for split in list(range(1, 9)) + [40]:
+        tail = torch.full((6, 3, x.shape[1]), float("nan"), dtype=dtype)
+        got = [[] for _ in lens]
+        pos = [0] * len(lens)
+        sl = [4, 0, 5, 2, 1]
+        while any(p < n for p, n in zip(pos, lens)):
+            live = [b for b in range(len(lens)) if pos[b] < lens[b]]
+            take = {b: (split if pos[b] == 0 else 1) for b in live}
+            take = {b: min(t, lens[b] - pos[b]) for b, t in take.items()}
+            rows = [torch.arange(cu[b] + pos[b], cu[b] + pos[b] + take[b]) for b in live] + [torch.tensor([0])]
+            ccu = [0]
+            for b in live:
+                ccu.append(ccu[-1] + take[b])
+            ccu.append(ccu[-1] + 1)
+            y = conv1d_fwd(x[torch.cat(rows)], w, torch.tensor(ccu), tail=tail,
+                           slots=torch.tensor([sl[b] for b in live] + [-1]),
+                           start_positions=torch.tensor([pos[b] for b in live] + [0]))
+            for i, b in enumerate(live):
+                got[b].append(y[ccu[i] : ccu[i + 1]])
+                pos[b] += take[b]
+                last = x[cu[b] + max(0, pos[b] - 3) : cu[b] + pos[b]]
+                want = torch.cat([torch.zeros(3 - len(last), x.shape[1], dtype=dtype), last])
+                assert torch.equal(tail[sl[b]], want), (split, b)
+        for b in range(len(lens)):
+            assert torch.equal(torch.cat(got[b]), y_ref[cu[b] : cu[b + 1]]), (split, b)
+
+
+def test_conv1d_vs_transformers_and_float64():
+    tq = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    lens = [7, 130]
+    for dtype, bound in ((torch.bfloat16, 8e-3), (torch.float32, 1e-6)):
+        x, w = _conv_inputs(lens, dtype=dtype, seed=2)
+        y = conv1d_fwd(x, w, torch.tensor([0, 7, 137]))
+        assert rel_err(y, conv1d_ref(x, w, [0, 7, 137])) < bound
+        for s, e in ((0, 7), (7, 137)):
+            ht = tq.causal_conv1d_fn(x[s:e].t()[None].contiguous(), w, None, activation="silu")[0].t()
+            assert rel_err(y[s:e], ht) < bound, dtype
+
+
+def test_conv1d_gradients_vs_float64():
+    x, w = _conv_inputs([5, 64], dtype=torch.float32, seed=3)
+    dy = torch.randn(69, x.shape[1])
+    grads = []
+    for dtype, fn in ((torch.float32, conv1d), (torch.float64, conv1d_ref)):
+        xl, wl = x.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_()
+        (fn(xl, wl, torch.tensor([0, 5, 69]) if fn is conv1d else [0, 5, 69]) * dy.to(dtype)).sum().backward()
+        grads.append((xl.grad, wl.grad))
+    assert rel_err(grads[0][0], grads[1][0]) < 1e-6 and rel_err(grads[0][1], grads[1][1]) < 1e-6
+
+
+def test_bad_input():
+    inp = Inputs([10])
+    cu = inp.cu_t()
+    with pytest.raises(ValueError, match="multiple"):
+        gdn_fwd(inp.q, inp.k, inp.v[:, :3], inp.g[:, :3], inp.beta[:, :3], cu)
+    with pytest.raises(ValueError, match="need a cache"):
+        gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, cu, start_positions=torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="slots and start_positions"):
+        gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, cu, cache=inp.cache(1))
+    with pytest.raises(ValueError, match="weight"):
+        conv1d_fwd(torch.zeros(4, 6), torch.zeros(6, 3), torch.tensor([0, 4]))
+
+
+# ------------------------------------------------------------------ the Triton decode step
+
+_INTERPRETED = r"""
+import numpy as np
+import torch
+from triton.runtime import interpreter as _it
+
+# The interpreter's exp is numpy's, which differs from torch's fp32 exp in the last bit on about a
+# third of these arguments; with torch's exp in its place the comparison sees the kernels' structure
+# (trees, masks, the open-chunk rows, the state update) on any decay.
+_it.InterpreterBuilder.create_exp = lambda self, arg: self.unary_op(
+    arg, lambda a: torch.exp(torch.from_numpy(np.array(a, copy=True))).numpy())
+
+from alignzoo.common.gdn import cpu, gdn_fwd, gdn_cache, l2norm_fwd
+from alignzoo.common.gdn.kernel import gdn_decode_triton
+
+gen = torch.Generator().manual_seed(0)
+Hk, Hv, K, V = 2, 4, 24, 20
+lens, pre, slot_of = [68, 132, 6], [60, 125, 0], [3, 0, 2]
+T = sum(lens)
+q = l2norm_fwd(torch.randn(T, Hk, K, generator=gen)) * K ** -0.5
+k = l2norm_fwd(torch.randn(T, Hk, K, generator=gen))
+v = torch.randn(T, Hv, V, generator=gen)
+g = -torch.rand(T, Hv, generator=gen) * 0.5
+beta = torch.rand(T, Hv, generator=gen)
+cu = [0]
+for n in lens:
+    cu.append(cu[-1] + n)
+ref = gdn_fwd(q, k, v, g, beta, torch.tensor(cu))
+caches = []
+for _ in range(2):
+    c = gdn_cache(4, Hk, Hv, K, V)
+    for t in c.values():
+        t.fill_(float("nan") if t.is_floating_point() else 7)
+    idx = torch.cat([torch.arange(cu[b], cu[b] + pre[b]) for b in (0, 1)])
+    gdn_fwd(q[idx], k[idx], v[idx], g[idx], beta[idx], torch.tensor([0, pre[0], pre[0] + pre[1]]),
+            start_positions=torch.zeros(2, dtype=torch.long), cache=c, slots=torch.tensor([3, 0]))
+    caches.append(c)
+
+def same(a, b):
+    return torch.equal(a.nan_to_num(1e30), b.nan_to_num(1e30)) and torch.equal(a.isnan(), b.isnan())
+
+for step in range(5):  # crosses row 63 (sequence 0 at 63, sequence 1 at 127) and position 0 (sequence 2)
+    rows, pos, sl = [], [], []
+    for b in range(3):
+        rows.append(cu[b] + pre[b] + step); pos.append(pre[b] + step); sl.append(slot_of[b])
+    rows.insert(1, 0); pos.insert(1, 9); sl.insert(1, -1)  # a padding row
+    ri = torch.tensor(rows)
+    args = [t[ri].contiguous() for t in (q, k, v, g, beta)] + [torch.tensor(pos), torch.tensor(sl)]
+    o_cpu = cpu.decode_step(*args, caches[0])
+    o_tri = gdn_decode_triton(*args, caches[1])
+    for name in caches[0]:
+        assert same(caches[0][name], caches[1][name]), (step, name)
+    for i, r in enumerate(rows):
+        if sl[i] >= 0:
+            assert torch.equal(o_tri[i], o_cpu[i]) and torch.equal(o_tri[i], ref[r]), (step, i)
+    assert torch.equal(o_tri[1], torch.zeros_like(o_tri[1]))
+print("ok")
+"""
+
+
+def test_triton_decode_kernel_interpreted():
+    """The decode kernels' source under Triton's interpreter gives the CPU
+    decode step's bits (every cache field, NaN-filled slots included) and the
+    trainer's outputs: rows 60..64 and 125..129 (two chunk ends), a sequence at
+    position 0 and a padding row."""
+    run_interpreted(_INTERPRETED, expect="ok")
+
+
+# ------------------------------------------------------------------ GPU (not run on the CPU CI)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gpu_decode_equals_trainer(backend):
+    """On CUDA: the trainer (torch path), chunked prefill and both decode
+    backends give the same bits, 300 tokens, decode from every offset of chunk 1."""
+    inp = Inputs([300], K=128, V=128, Hk=2, Hv=4, seed=7, device="cuda")
+    o_ref, (states,) = inp.trainer()
+    cache = inp.cache(64)
+    inp.call([(0, 0, 64 + o, o) for o in range(64)], cache)
+    for step in range(300 - 127):
+        items = [(0, 64 + o + step, 1, o) for o in range(64) if 64 + o + step < 300]
+        got = inp.call(items, cache, decode_backend=backend)
+        for (_, pos, _, slot), out in zip(items, got):
+            assert torch.equal(out, o_ref[pos : pos + 1]), (backend, pos)
+            assert _state_ok(cache, slot, pos + 1, states), (backend, pos)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_decode_replays_from_a_cuda_graph():
+    inp = Inputs([200], K=128, V=128, seed=8, device="cuda")
+    o_ref, _ = inp.trainer()
+    cache = inp.cache(4)
+    inp.call([(0, 0, 100, 2)], cache)
+    idx = torch.tensor([100], device="cuda")
+    bufs = [t[idx].clone() for t in (inp.q, inp.k, inp.v, inp.g, inp.beta)]
+    pos, sl, cu = torch.tensor([100], device="cuda"), torch.tensor([2], device="cuda"), torch.tensor([0, 1], device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    scratch = {n: t.clone() for n, t in cache.items()}
+    gdn_fwd(*bufs, cu, start_positions=pos, cache=scratch, slots=sl)  # warm up (compile) outside the graph
+    with torch.cuda.graph(graph):
+        out = gdn_fwd(*bufs, cu, start_positions=pos, cache=cache, slots=sl)
+    for p in range(100, 200):
+        for b, t in zip(bufs, (inp.q, inp.k, inp.v, inp.g, inp.beta)):
+            b.copy_(t[p : p + 1])
+        pos.fill_(p)
+        graph.replay()
+        assert torch.equal(out, o_ref[p : p + 1]), p
