@@ -555,3 +555,10 @@ def test_gpu_triton_decode_replays_from_a_cuda_graph():
         pos.fill_(p)
         graph.replay()
         assert torch.equal(out, o_ref[p : p + 1]), p
+
+
+def test_ladder():
+    from alignzoo.common.gdn.checks import ladder
+
+    rows = ladder(torch.device("cpu"))
+    assert rows and all(r.passed for r in rows), [(r.check, r.detail) for r in rows if not r.passed]
