@@ -82,9 +82,8 @@ def bench_http(args, reqs) -> dict:
 
 
 def bench_in_process(args, reqs) -> dict:
-    import torch
-
     import alignzoo
+    import torch
     from alignzoo import SamplingParams
 
     if args.device == "cpu" and not os.environ.get("OMP_NUM_THREADS"):

@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from qwen3_rl import BOS, EOS, SEP, VOCAB, make_prompts, reward  # noqa: E402,F401
+from qwen3_rl import EOS, VOCAB, make_prompts, reward  # noqa: E402
 from rl_common import OBJECTIVES, check_alignment, group_advantages, reward_summary, token_objective  # noqa: E402
 
 from alignzoo import SamplingParams  # noqa: E402

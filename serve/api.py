@@ -18,8 +18,9 @@ import base64
 import json
 import secrets
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -219,7 +220,6 @@ class Item:
     adapter: str | None
     return_logprob: bool
     routed_start: int | None  # None: no routed experts asked
-    n_max_new: int = 0
     engine_id: int = -1
     seq: Any = None  # the engine's Sequence, for streaming progress
     sent: int = 0  # tokens streamed so far
@@ -230,7 +230,6 @@ class GenerateSpec:
     items: list[Item]
     single: bool  # one prompt and n == 1: the response is one object, else a list
     stream: bool
-    extras: dict = field(default_factory=dict)
 
 
 def _per_prompt(value, n: int, name: str) -> list:

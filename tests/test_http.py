@@ -28,7 +28,6 @@ import alignzoo  # noqa: E402
 from alignzoo import SamplingParams  # noqa: E402
 from alignzoo.client import Client, ServerError, output_logprobs  # noqa: E402
 from alignzoo.common.metrics import mismatch  # noqa: E402
-from alignzoo.serve.wire import encode_payload_b64  # noqa: E402
 from alignzoo.sync import Publisher, weights_checksum  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -459,6 +458,27 @@ def test_update_from_distributed_over_gloo(server, pair):
     with pytest.raises(ServerError) as e:
         server.post("/update_weights_from_distributed", {})
     assert e.value.status == 400 and "no weight update group" in e.value.message
+
+
+def test_routed_experts_of_an_moe_model(tmp_path):
+    """SGLang's encoding: base64 of int32 (positions, layers, top_k), positions [start, prompt + completion - 1)."""
+    proc, client = start_server("qwen35_gdn", "--config", "tiny", log_path=tmp_path / "moe.log")
+    try:
+        assert client.get_model_info()["routed_experts"] is True
+        prompt, d = [1, 2, 3, 4], sp_dict(seed=9, max_new=5)
+        out = client.generate(prompt, d, return_logprob=True, return_routed_experts=True, routed_experts_start_len=2)
+        want = alignzoo.load_pair("qwen35_gdn", config="tiny").server.generate([prompt], ours(d))[0]
+        assert out["output_ids"] == want.tokens and torch.equal(output_logprobs(out), want.logprobs)
+        ids = want.extras["routed_experts"]  # (positions fed, layers, top_k)
+        got = torch.frombuffer(bytearray(base64.b64decode(out["meta_info"]["routed_experts"])), dtype=torch.int32)
+        assert torch.equal(got.reshape(-1, *ids.shape[1:]), ids[2:])
+        assert got.numel() == (len(prompt) + len(want.tokens) - 1 - 2) * ids.shape[1] * ids.shape[2]
+        with pytest.raises(ServerError) as e:
+            client.generate(prompt, d, return_routed_experts=True, routed_experts_start_len=5)
+        assert e.value.status == 400 and "routed_experts_start_len must be in [0, 4]" in e.value.message
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
 
 
 # ------------------------------------------------------------------ the command
