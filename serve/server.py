@@ -408,8 +408,6 @@ class AlignedServer:
                                 f"rank_offset + 1, got rank_offset {req.rank_offset}, world_size {req.world_size}")
         if req.backend == "nccl" and self.device.type != "cuda":
             raise ApiError(400, f"backend nccl needs a CUDA server; this one runs on {self.device}: use gloo")
-        if req.backend == "nccl":
-            torch.cuda.set_device(self.device)
         try:
             dist.init_process_group(req.backend, init_method=f"tcp://{req.master_address}:{req.master_port}",
                                     world_size=req.world_size, rank=req.rank_offset,
@@ -432,7 +430,9 @@ class AlignedServer:
             raise ApiError(400, f"group_name {req.group_name!r}: the open group is {self._group['group_name']!r}")
         with self._update_lock:
             try:
-                payload = DistTransport(0).recv()
+                # the device explicitly: CUDA's current device is per thread, and this is a worker thread
+                device = self.device if self._group["backend"] == "nccl" else torch.device("cpu")
+                payload = DistTransport(0, device=device).recv()
             except CorruptPayload:
                 raise
             except Exception as e:
