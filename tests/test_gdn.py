@@ -514,21 +514,85 @@ def test_triton_decode_kernel_interpreted():
     run_interpreted(_INTERPRETED, expect="ok")
 
 
+_INTERPRETED_SCAN = r"""
+import numpy as np
+import torch
+from triton.runtime import interpreter as _it
+
+_it.InterpreterBuilder.create_exp = lambda self, arg: self.unary_op(
+    arg, lambda a: torch.exp(torch.from_numpy(np.array(a, copy=True))).numpy())
+
+from alignzoo.common.gdn import gdn_cache, gdn_fwd, l2norm_fwd
+
+gen = torch.Generator().manual_seed(1)
+Hk, Hv, K, V = 1, 2, 24, 20
+lens = [130, 7, 3]
+T = sum(lens)
+q = l2norm_fwd(torch.randn(T, Hk, K, generator=gen)) * K ** -0.5
+k = l2norm_fwd(torch.randn(T, Hk, K, generator=gen))
+v = torch.randn(T, Hv, V, generator=gen)
+g = -torch.rand(T, Hv, generator=gen) * 0.5
+beta = torch.rand(T, Hv, generator=gen)
+cu = [0, 130, 137, 140]
+xs = (q, k, v, g, beta)
+caches = {}
+for be in ("torch", "triton"):
+    c = gdn_cache(4, Hk, Hv, K, V)
+    for t in c.values():
+        t.fill_(float("nan") if t.is_floating_point() else 7)
+    caches[be] = c
+# call 1: A 0..69, a padding sequence, B 0..4; call 2: A 70..129 (from mid-chunk, across 127), B 5..6
+calls = [([(0, 0, 70, 1), (2, 0, 3, -1), (1, 0, 5, 3)]), ([(1, 5, 2, 3), (0, 70, 60, 1)])]
+for items in calls:
+    idx = torch.cat([torch.arange(cu[b] + s, cu[b] + s + n) for b, s, n, _ in items])
+    ncu = torch.tensor([0] + list(np.cumsum([n for _, _, n, _ in items])))
+    st = torch.tensor([s for _, s, _, _ in items])
+    sl = torch.tensor([x for *_, x in items])
+    outs = {be: gdn_fwd(*[t[idx] for t in xs], ncu, start_positions=st, cache=caches[be], slots=sl, backend=be)
+            for be in caches}
+    for i, (b, s, n, slot) in enumerate(items):
+        if slot < 0:
+            continue
+        a, e = int(ncu[i]), int(ncu[i + 1])
+        assert torch.equal(outs["torch"][a:e], outs["triton"][a:e]), (items, i)
+        r = (s + n) % 64
+        ct, cg = caches["torch"], caches["triton"]
+        assert torch.equal(ct["state"][slot], cg["state"][slot]) and int(cg["n"][slot]) == r, (items, i)
+        for name in ("k", "g_cum", "x", "v_new"):
+            assert torch.equal(ct[name][slot, :r], cg[name][slot, :r]), (items, i, name)
+tc = torch.tensor([0, 3, 5])
+small = [t[:5] for t in xs]
+assert torch.equal(gdn_fwd(*small, tc, backend="triton"), gdn_fwd(*small, tc, backend="torch"))
+print("ok")
+"""
+
+
+def test_triton_scan_kernel_interpreted():
+    """The scan kernel (the trainer / prefill on the GPU: each sequence's rows in
+    order through the decode's row and state functions) under the interpreter
+    equals the torch path: a 70-row prefill across row 63 beside a padding
+    sequence, then a continuation from mid-chunk across row 127 (outputs, state,
+    n and the open chunk's rows, from NaN-filled slots), and the trainer form."""
+    run_interpreted(_INTERPRETED_SCAN, expect="ok")
+
+
 # ------------------------------------------------------------------ GPU (not run on the CPU CI)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_gpu_decode_equals_trainer(backend):
-    """On CUDA: the trainer (torch path), chunked prefill and both decode
-    backends give the same bits, 300 tokens, decode from every offset of chunk 1."""
+    """On CUDA: the trainer (torch path) and each backend's chunked prefill and
+    decode give the same bits, 300 tokens, decode from every offset of chunk 1."""
     inp = Inputs([300], K=128, V=128, Hk=2, Hv=4, seed=7, device="cuda")
     o_ref, (states,) = inp.trainer()
+    assert torch.equal(gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_t(), backend=backend), o_ref)
     cache = inp.cache(64)
-    inp.call([(0, 0, 64 + o, o) for o in range(64)], cache)
+    pre = inp.call([(0, 0, 64 + o, o) for o in range(64)], cache, backend=backend)
+    assert all(torch.equal(p, o_ref[: 64 + o]) for o, p in enumerate(pre))
     for step in range(300 - 127):
         items = [(0, 64 + o + step, 1, o) for o in range(64) if 64 + o + step < 300]
-        got = inp.call(items, cache, decode_backend=backend)
+        got = inp.call(items, cache, backend=backend)
         for (_, pos, _, slot), out in zip(items, got):
             assert torch.equal(out, o_ref[pos : pos + 1]), (backend, pos)
             assert _state_ok(cache, slot, pos + 1, states), (backend, pos)
@@ -562,3 +626,17 @@ def test_ladder():
 
     rows = ladder(torch.device("cpu"))
     assert rows and all(r.passed for r in rows), [(r.check, r.detail) for r in rows if not r.passed]
+
+
+@pytest.mark.gpu
+def test_gpu_trainer_triton_forward_torch_backward():
+    """gdn on CUDA: the Triton scan's forward equals the torch path's, and its
+    backward (the torch path recomputed) gives the torch path's gradients."""
+    inp = Inputs([1, 63, 65, 300], K=128, V=128, seed=9, device="cuda")
+    outs = []
+    for backend in ("triton", "torch"):
+        leaves = [t.detach().clone().requires_grad_() for t in (inp.q, inp.k, inp.v, inp.g, inp.beta)]
+        o = gdn(*leaves, inp.cu_t(), backend=backend)
+        o.square().sum().backward()
+        outs.append([o.detach()] + [t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

@@ -1,32 +1,44 @@
-"""Triton decode step of the gated delta rule: one new row per sequence from its
-slot's open-chunk cache, static shapes, no host reads (graph-capturable).
+"""Triton gated delta rule: the decode step (one new row per sequence from its
+slot's open-chunk cache, static shapes, no host reads, graph-capturable) and a
+scan for the trainer / prefill that runs each sequence's rows in order through
+the same row and state functions.
 
 The arithmetic, its order and its rounding points are ``cpu.py``'s, written
 out the same way: every sum is the fixed pairwise tree (``tl.reshape`` to
 pairs of adjacent elements and ``tl.sum`` over the pair axis: a sum of two
 is one IEEE add in any implementation), padded with -0.0 (a K lane past K,
-a row j not yet present), so the kernel gives the CPU path's bits whenever
-exp does.  Two launches:
+a row j not yet present), so the kernels give the CPU path's bits whenever
+exp does.  The jit helpers:
 
-* ``_gdn_row_kernel``, grid (B, Hv): G_i, kk_i, qk_i, E_i, the substitution
-  step x_i = [u_i | w_i], v_new_i, o_i; writes row r = pos % 64 of the slot
-  (k only from the first value head of a group, n from head 0).  V is taken
-  in blocks of BV_ROW columns (u, v_new and o of a column need w_i and S0's
-  column only).
-* ``_gdn_state_kernel``, grid (B, Hv, K blocks x V blocks): at position 0 a
-  zero state (S0 of the first chunk, as ``cpu.decode_step`` writes); at r == 63 the
-  next state, S0 * exp(G_63) + tree_j(k'_j v_new_j^T), the 64-leaf tree as
-  eight 8-leaf subtrees (levels 1-3) combined by levels 4-6: the same tree,
-  a (8, BKS, BVS) tile at a time.
+* ``_row``: row r = pos % 64 of one (token, value head): G_i, kk_i, qk_i, E_i,
+  the substitution step x_i = [u_i | w_i], v_new_i, o_i; writes o and the
+  slot's g_cum, x, v_new rows at r.  V is taken in blocks of BV_ROW columns
+  (u, v_new and o of a column need w_i and S0's column only).  The chunk's k
+  rows come from the input for positions in the call, else from the slot.
+* ``_state_tile``: a (BKS, BVS) tile of the slot's state: zeros at position 0
+  (S0 of the first chunk), at row 63 S0 * exp(G_63) + tree_j(k'_j v_new_j^T),
+  the 64-leaf tree as eight 8-leaf subtrees (levels 1-3, ``_leaf8``) combined
+  by levels 4-6: the same tree, an (8, BKS, BVS) tile at a time.
+
+Kernels: decode = ``_gdn_decode_row_kernel`` (grid (B, Hv); every head of a
+group writes the same k row) then ``_gdn_decode_state_kernel`` (grid (B, Hv,
+tiles)).  Prefill / trainer = ``_gdn_scan_kernel`` (grid (B, Hv), a loop over
+the sequence's rows with a barrier after each row and state update, since
+the next row reads what the program wrote; the slot's k rows are only read
+during the scan, heads of a group running at their own pace) then
+``_k_rows_kernel`` (the open chunk's k rows).  The scan is sequential in a
+sequence's length: a correct GPU path, not yet a fast one (a chunk-parallel
+kernel would solve the 64 substitution steps for all chunks at once, as
+``cpu.chunked`` does).
 
 Launched with ``enable_fp_fusion=False`` (no mul + add becomes an FMA: the
 CPU path rounds each product) and, on CUDA, exp from libdevice (``expf``,
 what torch's CUDA exp runs; ``enable_reflect_ftz=False`` keeps subnormals as
-torch does), so that on the GPU this kernel is meant to give the bits of
-the torch path on CUDA tensors (``cpu.py`` run there).  Not yet checked on a
-GPU: ``tests/test_gdn.py``'s gpu-marked tests do.  Under Triton's
-interpreter exp is numpy's (``tl.exp``); the interpreted test feeds decays
-whose exps numpy and torch agree on.
+torch does), so that on the GPU the kernels are meant to give the bits of
+the torch path on CUDA tensors (``cpu.py`` run there).  Not yet run on a GPU:
+``tests/test_gdn.py``'s gpu-marked tests check it.  Under Triton's
+interpreter ``tl.exp`` is numpy's; the interpreted tests put torch's exp in
+its place and compare bit for bit with the torch path.
 """
 from __future__ import annotations
 
@@ -109,19 +121,26 @@ def _tree_first(x, M: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _gdn_row_kernel(
-    p_q, p_k, p_v, p_g, p_beta, p_pos, p_slot,
-    p_state, p_kc, p_gc, p_xc, p_vc, p_nc, p_o,
-    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
-):
-    i_b, i_h = tl.program_id(0), tl.program_id(1)
-    i_hk = i_h // (Hv // Hk)
+def _k_rows(p_k, p_kc, s, t0, start, pos, o_j, o_kb, m_k, i_hk, Hk: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+    """k of rows ``o_j`` of the chunk holding ``pos``, columns ``o_kb``: a row at a
+    position in [start, pos] is the input's token t0 + (p - start), an earlier one
+    the slot's cache row, a later one 0 (never read unmasked)."""
+    p_j = pos - pos % C + o_j
+    inp = (p_j >= start) & (p_j <= pos)
+    old = p_j < start
+    a = tl.load(p_k + ((t0 + p_j - start) * Hk + i_hk)[:, None] * K + o_kb[None, :], mask=inp[:, None] & m_k[None, :], other=0.0)
+    c = tl.load(p_kc + ((s * C + o_j) * Hk + i_hk)[:, None] * K + o_kb[None, :], mask=old[:, None] & m_k[None, :], other=0.0)
+    return tl.where(inp[:, None], a, c)
+
+
+@triton.jit
+def _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc,
+         t, t0, start, pos, s, valid, i_h, i_hk,
+         Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+         BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Row r = pos % 64 of token t (``cpu.py``'s row functions): writes o[t] and
+    the slot's rows g_cum, x, v_new at r (not k: the callers do)."""
     W: tl.constexpr = V + K
-    pos = tl.load(p_pos + i_b)
-    slot = tl.load(p_slot + i_b)
-    valid = slot >= 0
-    s = tl.maximum(slot, 0).to(tl.int64)
     r = pos % C
     o_j = tl.arange(0, C)
     o_k = tl.arange(0, BK)
@@ -130,14 +149,13 @@ def _gdn_row_kernel(
     causal = o_j <= r
     strict = o_j < r
 
-    b_k = tl.load(p_k + (i_b * Hk + i_hk) * K + o_k, mask=m_k, other=0.0)
-    b_q = tl.load(p_q + (i_b * Hk + i_hk) * K + o_k, mask=m_k, other=0.0)
-    b_kc = tl.load(p_kc + ((s * C + o_j[:, None]) * Hk + i_hk) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-    b_kc = tl.where(here[:, None], b_k[None, :], b_kc)  # (C, BK)
+    b_k = tl.load(p_k + (t * Hk + i_hk) * K + o_k, mask=m_k, other=0.0)
+    b_q = tl.load(p_q + (t * Hk + i_hk) * K + o_k, mask=m_k, other=0.0)
+    b_kc = _k_rows(p_k, p_kc, s, t0, start, pos, o_j, o_k, m_k, i_hk, Hk, K, C)  # (C, BK), row r = b_k
     b_gc = tl.load(p_gc + (s * C + o_j) * Hv + i_h)  # (C,)
     G_prev = tl.load(p_gc + (s * C + r - 1) * Hv + i_h, mask=r > 0, other=-0.0)
-    b_g = tl.load(p_g + i_b * Hv + i_h)
-    b_beta = tl.load(p_beta + i_b * Hv + i_h)
+    b_g = tl.load(p_g + t * Hv + i_h)
+    b_beta = tl.load(p_beta + t * Hv + i_h)
     G_i = G_prev + b_g
     b_gc = tl.where(here, G_i, b_gc)
 
@@ -165,7 +183,7 @@ def _gdn_row_kernel(
         b_S = tl.load(p_state + ((s * Hv + i_h) * K + o_k[:, None]) * V + o_v[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_S = tl.where(fresh, 0.0, b_S)  # (BK, BV)
-        b_vv = tl.load(p_v + (i_b * Hv + i_h) * V + o_v, mask=m_v, other=0.0)
+        b_vv = tl.load(p_v + (t * Hv + i_h) * V + o_v, mask=m_v, other=0.0)
         b_xu = tl.load(p_xrow + o_v[None, :], mask=m_v[None, :], other=0.0)
         b_u = b_vv * b_beta - _tree_first(tl.where(strict[:, None], b_L[:, None] * b_xu, -0.0), C, BV)
         b_vn = b_u - _tree_first(tl.where(m_k[:, None], b_w[:, None] * b_S, -0.0), BK, BV)
@@ -174,24 +192,21 @@ def _gdn_row_kernel(
         b_vc = tl.where(here[:, None], b_vn[None, :], b_vc)
         b_intra = _tree_first(tl.where(causal[:, None], (b_qk * b_E)[:, None] * b_vc, -0.0), C, BV)
         b_o = b_inter + b_intra
-        tl.store(p_o + (i_b * Hv + i_h) * V + o_v, tl.where(valid, b_o, 0.0), mask=m_v)
+        tl.store(p_o + (t * Hv + i_h) * V + o_v, tl.where(valid, b_o, 0.0), mask=m_v)
         tl.store(p_xc + ((s * C + r) * Hv + i_h) * W + o_v, b_u, mask=o_v < n_v)
         tl.store(p_vc + ((s * C + r) * Hv + i_h) * V + o_v, b_vn, mask=o_v < n_v)
     o_1 = tl.arange(0, 2)  # scalar stores as masked 2-lane stores (the interpreter refuses scalar masks)
     tl.store(p_gc + (s * C + r) * Hv + i_h + o_1, tl.zeros([2], tl.float32) + G_i, mask=o_1 < tl.where(valid, 1, 0))
-    tl.store(p_kc + ((s * C + r) * Hk + i_hk) * K + o_k, b_k, mask=o_k < tl.where(valid & (i_h % (Hv // Hk) == 0), K, 0))
-    tl.store(p_nc + s + o_1, tl.zeros([2], tl.int64) + ((r + 1) % C).to(tl.int64),
-             mask=o_1 < tl.where(valid & (i_h == 0), 1, 0))
 
 
 @triton.jit
-def _leaf8(p_kc, p_vc, p_gc, s, j0, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk,
+def _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, j0, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk,
            Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
            BKS: tl.constexpr, BVS: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Rows j0..j0+7: the level-3 node tree_8((k_j exp(G_last - G_j)) v_j^T) -> (BKS, BVS)."""
     o_j = j0 + tl.arange(0, 8)
     b_g = tl.load(p_gc + (s * C + o_j) * Hv + i_h)
-    b_kc = tl.load(p_kc + ((s * C + o_j[:, None]) * Hk + i_hk) * K + o_kb[None, :], mask=m_k[None, :], other=0.0)
+    b_kc = _k_rows(p_k, p_kc, s, t0, start, pos, o_j, o_kb, m_k, i_hk, Hk, K, C)
     b_kd = b_kc * _exp(G_last - b_g, LIBDEVICE)[:, None]  # (8, BKS)
     b_vc = tl.load(p_vc + ((s * C + o_j[:, None]) * Hv + i_h) * V + o_vb[None, :], mask=m_v[None, :], other=0.0)
     x = b_kd[:, :, None] * b_vc[:, None, :]  # (8, BKS, BVS)
@@ -202,42 +217,139 @@ def _leaf8(p_kc, p_vc, p_gc, s, j0, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk,
 
 
 @triton.jit
-def _gdn_state_kernel(
-    p_pos, p_slot, p_state, p_kc, p_gc, p_vc,
-    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BKS: tl.constexpr, BVS: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
-):
-    i_b, i_h, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_hk = i_h // (Hv // Hk)
+def _state_tile(p_k, p_kc, p_gc, p_vc, p_state, s, t0, start, pos, i_tile, i_h, i_hk,
+                Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BKS: tl.constexpr, BVS: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """One (BKS, BVS) tile of the slot's state after row pos % 64: zeros at
+    position 0; S0 * exp(G_63) + tree_j(k'_j v_new_j^T) at row 63; else unchanged."""
     NV: tl.constexpr = (V + BVS - 1) // BVS
-    pos = tl.load(p_pos + i_b)
-    slot = tl.load(p_slot + i_b)
-    s = tl.maximum(slot, 0).to(tl.int64)
-    o_kb = (i_t // NV) * BKS + tl.arange(0, BKS)
-    o_vb = (i_t % NV) * BVS + tl.arange(0, BVS)
+    o_kb = (i_tile // NV) * BKS + tl.arange(0, BKS)
+    o_vb = (i_tile % NV) * BVS + tl.arange(0, BVS)
     m_k = o_kb < K
     m_v = o_vb < V
     p_s = p_state + ((s * Hv + i_h) * K + o_kb[:, None]) * V + o_vb[None, :]
     m = m_k[:, None] & m_v[None, :]
-    if (slot >= 0) & (pos == 0):  # a sequence's first row: its slot's state becomes S0 = 0
+    if pos == 0:  # a sequence's first row: its slot's state becomes S0 = 0
         tl.store(p_s, tl.zeros([BKS, BVS], tl.float32), mask=m)
-    if (slot >= 0) & (pos % C == C - 1):
+    if pos % C == C - 1:
         G_last = tl.load(p_gc + (s * C + C - 1) * Hv + i_h)
-        a0 = _leaf8(p_kc, p_vc, p_gc, s, 0, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a1 = _leaf8(p_kc, p_vc, p_gc, s, 8, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a2 = _leaf8(p_kc, p_vc, p_gc, s, 16, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a3 = _leaf8(p_kc, p_vc, p_gc, s, 24, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a4 = _leaf8(p_kc, p_vc, p_gc, s, 32, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a5 = _leaf8(p_kc, p_vc, p_gc, s, 40, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a6 = _leaf8(p_kc, p_vc, p_gc, s, 48, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a7 = _leaf8(p_kc, p_vc, p_gc, s, 56, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a0 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 0, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a1 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 8, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a2 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 16, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a3 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 24, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a4 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 32, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a5 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 40, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a6 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 48, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a7 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 56, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
         upd = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
         b_S = tl.load(p_s, mask=m, other=0.0)
         tl.store(p_s, b_S * _exp(G_last, LIBDEVICE) + upd, mask=m)
 
 
+@triton.jit
+def _gdn_decode_row_kernel(
+    p_q, p_k, p_v, p_g, p_beta, p_pos, p_slot,
+    p_state, p_kc, p_gc, p_xc, p_vc, p_nc, p_o,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    i_b, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (Hv // Hk)
+    t = i_b.to(tl.int64)
+    pos = tl.load(p_pos + i_b)
+    slot = tl.load(p_slot + i_b)
+    valid = slot >= 0
+    s = tl.maximum(slot, 0).to(tl.int64)
+    _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc, t, t, pos, pos, s, valid, i_h, i_hk,
+         Hk, Hv, K, V, BK, BV, C, LIBDEVICE)
+    r = pos % C
+    o_k = tl.arange(0, BK)
+    # every head of a group writes the same k row (no program of this launch reads cache row r)
+    b_k = tl.load(p_k + (t * Hk + i_hk) * K + o_k, mask=o_k < K, other=0.0)
+    tl.store(p_kc + ((s * C + r) * Hk + i_hk) * K + o_k, b_k, mask=o_k < tl.where(valid, K, 0))
+    o_1 = tl.arange(0, 2)
+    tl.store(p_nc + s + o_1, tl.zeros([2], tl.int64) + ((r + 1) % C).to(tl.int64),
+             mask=o_1 < tl.where(valid & (i_h == 0), 1, 0))
+
+
+@triton.jit
+def _gdn_decode_state_kernel(
+    p_k, p_pos, p_slot, p_state, p_kc, p_gc, p_vc,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BKS: tl.constexpr, BVS: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    i_b, i_h, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (Hv // Hk)
+    pos = tl.load(p_pos + i_b)
+    slot = tl.load(p_slot + i_b)
+    if slot >= 0:
+        _state_tile(p_k, p_kc, p_gc, p_vc, p_state, slot.to(tl.int64), i_b.to(tl.int64), pos, pos, i_t, i_h, i_hk,
+                    Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+
+
+@triton.jit
+def _gdn_scan_kernel(
+    p_q, p_k, p_v, p_g, p_beta, p_cu, p_start, p_slot,
+    p_state, p_gc, p_xc, p_vc, p_kc, p_nc, p_o,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr,
+    C: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    """Grid (B, Hv): a sequence's rows in order, each the decode row, the state
+    after rows 63 (and at position 0) by tiles; a barrier after each step, as
+    the next reads what this program wrote.  The slot's k rows are read, never
+    written (heads of a group run at their own pace): ``_k_rows_kernel`` writes
+    the open chunk's after the scan."""
+    i_b, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (Hv // Hk)
+    t0 = tl.load(p_cu + i_b).to(tl.int64)
+    n = tl.load(p_cu + i_b + 1).to(tl.int64) - t0
+    start = tl.load(p_start + i_b)
+    slot = tl.load(p_slot + i_b)
+    valid = slot >= 0
+    s = tl.maximum(slot, 0).to(tl.int64)
+    NT: tl.constexpr = ((K + BKS - 1) // BKS) * ((V + BVS - 1) // BVS)
+    for i in range(0, n):
+        pos = start + i
+        _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc, t0 + i, t0, start, pos, s, valid,
+             i_h, i_hk, Hk, Hv, K, V, BK, BV, C, LIBDEVICE)
+        tl.debug_barrier()
+        if valid & ((pos == 0) | (pos % C == C - 1)):
+            for i_t in range(0, NT):
+                _state_tile(p_k, p_kc, p_gc, p_vc, p_state, s, t0, start, pos, i_t, i_h, i_hk,
+                            Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+            tl.debug_barrier()
+    o_1 = tl.arange(0, 2)
+    tl.store(p_nc + s + o_1, tl.zeros([2], tl.int64) + ((start + n) % C).to(tl.int64),
+             mask=o_1 < tl.where(valid & (i_h == 0) & (n > 0), 1, 0))
+
+
+@triton.jit
+def _k_rows_kernel(p_k, p_cu, p_start, p_slot, p_kc, Hk: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                   C: tl.constexpr):
+    """Grid (B, 64, Hk): row j of the slot's open chunk after the call, from the
+    input where its position is in the call (rows before it stay)."""
+    i_b, j, i_hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0 = tl.load(p_cu + i_b).to(tl.int64)
+    n = tl.load(p_cu + i_b + 1).to(tl.int64) - t0
+    start = tl.load(p_start + i_b)
+    slot = tl.load(p_slot + i_b)
+    last = start + n - 1
+    p_j = last - last % C + j
+    ok = (slot >= 0) & (n > 0) & (p_j >= start) & (p_j <= last)
+    o_k = tl.arange(0, BK)
+    b_k = tl.load(p_k + ((t0 + p_j - start) * Hk + i_hk) * K + o_k, mask=o_k < tl.where(ok, K, 0), other=0.0)
+    s = tl.maximum(slot, 0).to(tl.int64)
+    tl.store(p_kc + ((s * C + j) * Hk + i_hk) * K + o_k, b_k, mask=o_k < tl.where(ok, K, 0))
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _launch_opts(x):
+    lib = not _interpreted() and x.is_cuda
+    return lib, ({"enable_fp_fusion": False, "enable_reflect_ftz": False} if lib else {})
 
 
 def gdn_decode_triton(q, k, v, g, beta, pos, slots, cache, *, bv_row: int = BV_ROW, bks: int = BKS, bvs: int = BVS):
@@ -250,18 +362,46 @@ def gdn_decode_triton(q, k, v, g, beta, pos, slots, cache, *, bv_row: int = BV_R
     o = torch.empty(B, Hv, V, dtype=torch.float32, device=q.device)
     if B == 0:
         return o
-    lib = not _interpreted() and q.is_cuda
-    opts = {"enable_fp_fusion": False, "enable_reflect_ftz": False} if lib else {}
+    lib, opts = _launch_opts(q)
     BK = max(2, next_power_of_2(K))
     BV = max(2, min(bv_row, next_power_of_2(V)))
-    _gdn_row_kernel[(B, Hv)](
+    _gdn_decode_row_kernel[(B, Hv)](
         q, k, v, g, beta, pos, slots,
         cache["state"], cache["k"], cache["g_cum"], cache["x"], cache["v_new"], cache["n"], o,
         Hk, Hv, K, V, BK, BV, CHUNK, lib, **opts,
     )
     bks, bvs = max(2, min(bks, next_power_of_2(K))), max(2, min(bvs, next_power_of_2(V)))
-    _gdn_state_kernel[(B, Hv, cdiv(K, bks) * cdiv(V, bvs))](
-        pos, slots, cache["state"], cache["k"], cache["g_cum"], cache["v_new"],
+    _gdn_decode_state_kernel[(B, Hv, cdiv(K, bks) * cdiv(V, bvs))](
+        k, pos, slots, cache["state"], cache["k"], cache["g_cum"], cache["v_new"],
         Hk, Hv, K, V, bks, bvs, CHUNK, lib, **opts,
     )
+    return o
+
+
+def gdn_scan_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bv_row: int = BV_ROW, bks: int = BKS,
+                    bvs: int = BVS):
+    """The trainer / prefill path as a row-by-row scan: one program per
+    (sequence, value head) runs its rows in order through the decode step's
+    row and state functions (the same jit helpers), so every row has the
+    decode's bits and therefore the CPU path's.  q, k (T, Hk, K), v (T, Hv, V),
+    g, beta (T, Hv) fp32 contiguous; cu_seqlens (B + 1,), starts, slots (B,)
+    int64 device tensors (no host reads); ``cache`` as for decode (the trainer
+    passes a fresh one, slots 0..B-1) -> o (T, Hv, V) fp32.  Sequential in a
+    sequence's length: a correct GPU prefill/trainer forward, not a fast one."""
+    T, Hk, K = k.shape
+    Hv, V = v.shape[1], v.shape[2]
+    B = cu_seqlens.shape[0] - 1
+    o = torch.empty(T, Hv, V, dtype=torch.float32, device=q.device)
+    if B == 0 or T == 0:
+        return o.zero_()
+    lib, opts = _launch_opts(q)
+    BK = max(2, next_power_of_2(K))
+    BV = max(2, min(bv_row, next_power_of_2(V)))
+    bks, bvs = max(2, min(bks, next_power_of_2(K))), max(2, min(bvs, next_power_of_2(V)))
+    _gdn_scan_kernel[(B, Hv)](
+        q, k, v, g, beta, cu_seqlens, starts, slots,
+        cache["state"], cache["g_cum"], cache["x"], cache["v_new"], cache["k"], cache["n"], o,
+        Hk, Hv, K, V, BK, BV, bks, bvs, CHUNK, lib, **opts,
+    )
+    _k_rows_kernel[(B, CHUNK, Hk)](k, cu_seqlens, starts, slots, cache["k"], Hk, K, BK, CHUNK, **opts)
     return o

@@ -80,8 +80,15 @@ def _check(q, k, v, g, beta, cu_seqlens):
         raise ValueError(f"cu_seqlens must be (B + 1,), got shape {tuple(cu_seqlens.shape)}")
 
 
+def _backend(backend, x):
+    backend = backend or ("triton" if x.is_cuda else "torch")
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    return backend
+
+
 def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, slots=None, return_states=False,
-            decode_backend: str | None = None):
+            backend: str | None = None):
     """The gated delta rule over a packed batch -> o (T, Hv, V) fp32.
 
     q, k (T, Hk, K): L2-normalized (``l2norm_fwd``), q scaled by K^-0.5; v
@@ -89,28 +96,42 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
     fp32; cu_seqlens (B + 1,) int.
 
     Without ``cache`` (the trainer): every sequence starts at position 0;
-    ``return_states`` also returns the (N, Hv, K, V) fp32 state after each
-    complete chunk, by sequence then chunk.
+    ``return_states`` (torch backend) also returns the (N, Hv, K, V) fp32 state
+    after each complete chunk, by sequence then chunk.
 
     With ``cache`` (``gdn_cache``'s dict), ``slots`` (B,) int64 (-1: a padding
     row: read as slot 0 and never written) and ``start_positions`` (B,): each
     sequence continues from its slot at that position (position 0: the slot
     is not read) and writes its state and open chunk back.
 
-    The decode shape, T == B (one token per sequence; no sequence may be
-    empty), runs ``cpu.decode_step`` (``decode_backend="torch"``, the default
-    off CUDA) or its Triton form ``kernel.gdn_decode_triton`` ("triton", the
-    default on CUDA: the torch form builds (B, Hv, 64, K, V) temporaries for
-    the state every step): no host reads, capturable in a CUDA graph.  Any
-    other shape runs ``cpu.chunked``, which reads cu_seqlens, start_positions
-    and slots on the host to lay out its chunks.  All give a row the same
-    bits (``cpu.py``; on CUDA the Triton form's bits are to be checked on the
-    device: ``tests/test_gdn.py``'s gpu tests)."""
+    ``backend``: "torch" (``cpu.py``; the default off CUDA) or "triton"
+    (``kernel.py``; the default on CUDA).  torch: the decode shape, T == B
+    (one token per sequence; no sequence may be empty), runs
+    ``cpu.decode_step``, no host reads, capturable in a CUDA graph (but it
+    builds (B, Hv, 64, K, V) temporaries for the state every step); any other
+    shape runs ``cpu.chunked``, which reads cu_seqlens, start_positions and
+    slots on the host to lay out its chunks.  triton: the decode shape runs
+    ``gdn_decode_triton`` (two launches, graph-capturable), any other
+    ``gdn_scan_triton`` (the decode's row function over each sequence's rows
+    in order); neither reads the host.  Every path gives a row the same bits
+    (``cpu.py``); on CUDA, the Triton bits against the torch path's are to be
+    checked on the device (``tests/test_gdn.py``'s gpu tests)."""
     _check(q, k, v, g, beta, cu_seqlens)
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    backend = _backend(backend, q)
     if cache is None:
         if start_positions is not None or slots is not None:
             raise ValueError("start_positions and slots need a cache")
+        B = cu_seqlens.shape[0] - 1
+        if backend == "triton" and not return_states:
+            from .kernel import gdn_scan_triton
+
+            Hk, K = k.shape[1:]
+            Hv, V = v.shape[1:]
+            scratch = gdn_cache(B, Hk, Hv, K, V, q.device)
+            ar = torch.arange(B, device=q.device)
+            return gdn_scan_triton(*(t.contiguous() for t in (q, k, v, g, beta)), cu_seqlens.contiguous(),
+                                   torch.zeros_like(ar), ar, scratch)
         cu = cu_seqlens.tolist()
         return cpu.chunked(q, k, v, g, beta, cu, [0] * (len(cu) - 1), return_states=return_states)
     if start_positions is None or slots is None:
@@ -118,25 +139,51 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
     if return_states:
         raise ValueError("return_states is for the trainer (no cache)")
     B = cu_seqlens.shape[0] - 1
-    if q.shape[0] == B:
-        backend = decode_backend or ("triton" if q.is_cuda else "torch")
-        if backend == "triton":
-            from .kernel import gdn_decode_triton
+    decode = q.shape[0] == B
+    if backend == "triton":
+        from .kernel import gdn_decode_triton, gdn_scan_triton
 
-            return gdn_decode_triton(*(t.contiguous() for t in (q, k, v, g, beta)), start_positions.long().contiguous(),
-                                     slots.long().contiguous(), cache)
-        if backend != "torch":
-            raise ValueError(f"decode_backend must be 'torch' or 'triton', got {decode_backend!r}")
+        args = [t.contiguous() for t in (q, k, v, g, beta)]
+        if decode:
+            return gdn_decode_triton(*args, start_positions.long().contiguous(), slots.long().contiguous(), cache)
+        return gdn_scan_triton(*args, cu_seqlens.contiguous(), start_positions.long().contiguous(),
+                               slots.long().contiguous(), cache)
+    if decode:
         return cpu.decode_step(q, k, v, g, beta, start_positions.long(), slots.long(), cache)
     return cpu.chunked(q, k, v, g, beta, cu_seqlens.tolist(), start_positions.tolist(), cache=cache, slots=slots.tolist())
 
 
-def gdn(q, k, v, g, beta, cu_seqlens):
+class _GDNTritonFn(torch.autograd.Function):
+    """Forward: the Triton scan.  Backward: the torch path (the same arithmetic,
+    the same bits where the device's exp agrees) recomputed under autograd."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, cu_seqlens):
+        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens)
+        return gdn_fwd(q, k, v, g, beta, cu_seqlens, backend="triton")
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, g, beta, cu_seqlens = ctx.saved_tensors
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v, g, beta)]
+        with torch.enable_grad():
+            o = gdn_fwd(*leaves, cu_seqlens, backend="torch")
+            want = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(o, want, do) if want else ())
+        return (*[next(grads) if t.requires_grad else None for t in leaves], None)
+
+
+def gdn(q, k, v, g, beta, cu_seqlens, *, backend: str | None = None):
     """The trainer's differentiable gated delta rule: ``gdn_fwd`` without a
-    cache, shapes as there -> o (T, Hv, V) fp32.  The forward is element-wise
-    torch ops, slices and gathers, so autograd differentiates the very
-    arithmetic that ran (gradients w.r.t. q, k, v, g and beta)."""
-    return gdn_fwd(q, k, v, g, beta, cu_seqlens)
+    cache, shapes as there -> o (T, Hv, V) fp32.  torch backend: the forward is
+    element-wise torch ops, slices and gathers, so autograd differentiates the
+    very arithmetic that ran (gradients w.r.t. q, k, v, g and beta).  triton
+    (CUDA's default): the forward is the Triton scan, the backward recomputes
+    the torch path under autograd (``_GDNTritonFn``)."""
+    if _backend(backend, q) == "triton":
+        _check(q, k, v, g, beta, cu_seqlens)
+        return _GDNTritonFn.apply(q, k, v, g, beta, cu_seqlens)
+    return gdn_fwd(q, k, v, g, beta, cu_seqlens, backend="torch")
 
 
 def conv1d_fwd(x, weight, cu_seqlens, *, tail=None, slots=None, start_positions=None):
