@@ -419,6 +419,8 @@ def test_conv1d_vs_transformers_and_float64():
         for s, e in ((0, 7), (7, 137)):
             ht = tq.causal_conv1d_fn(x[s:e].t()[None].contiguous(), w, None, activation="silu")[0].t()
             assert rel_err(y[s:e], ht) < bound, dtype
+            if dtype == torch.bfloat16:  # the same rounding points: measured bitwise equal (torch 2.13 CPU)
+                assert (y[s:e] != ht).float().mean() < 1e-3
 
 
 def test_conv1d_gradients_vs_float64():
@@ -606,7 +608,8 @@ def test_gpu_triton_decode_replays_from_a_cuda_graph():
     inp.call([(0, 0, 100, 2)], cache)
     idx = torch.tensor([100], device="cuda")
     bufs = [t[idx].clone() for t in (inp.q, inp.k, inp.v, inp.g, inp.beta)]
-    pos, sl, cu = torch.tensor([100], device="cuda"), torch.tensor([2], device="cuda"), torch.tensor([0, 1], device="cuda")
+    pos, sl = torch.tensor([100], device="cuda"), torch.tensor([2], device="cuda")
+    cu = torch.tensor([0, 1], device="cuda")
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     scratch = {n: t.clone() for n, t in cache.items()}

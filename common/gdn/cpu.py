@@ -420,7 +420,9 @@ def conv1d_cpu(x, weight, cu_seqlens, tail=None, slots=None, starts=None):
         loc = n[:, None] - (CONV_K - 1) + m[None, :]  # (B, 3) local index of new tail row m
         st = starts.long()[:, None] if starts is not None else 0
         own = x[(cu[:-1, None] + loc).clamp(min=0, max=max(T - 1, 0))]
-        old = tail[slots.clamp(min=0).long()][torch.arange(B, device=dev)[:, None], (CONV_K - 1 + loc).clamp(min=0, max=CONV_K - 2)]
-        new = torch.where((loc >= 0)[..., None], own, torch.where(((st + loc) >= 0)[..., None], old, torch.zeros_like(old)))
+        old = tail[slots.clamp(min=0).long()]
+        old = old[torch.arange(B, device=dev)[:, None], (CONV_K - 1 + loc).clamp(min=0, max=CONV_K - 2)]
+        old = torch.where(((st + loc) >= 0)[..., None], old, torch.zeros_like(old))
+        new = torch.where((loc >= 0)[..., None], own, old)
         scatter_slots(tail, slots.long(), new)
     return y

@@ -128,8 +128,10 @@ def _k_rows(p_k, p_kc, s, t0, start, pos, o_j, o_kb, m_k, i_hk, Hk: tl.constexpr
     p_j = pos - pos % C + o_j
     inp = (p_j >= start) & (p_j <= pos)
     old = p_j < start
-    a = tl.load(p_k + ((t0 + p_j - start) * Hk + i_hk)[:, None] * K + o_kb[None, :], mask=inp[:, None] & m_k[None, :], other=0.0)
-    c = tl.load(p_kc + ((s * C + o_j) * Hk + i_hk)[:, None] * K + o_kb[None, :], mask=old[:, None] & m_k[None, :], other=0.0)
+    a = tl.load(p_k + ((t0 + p_j - start) * Hk + i_hk)[:, None] * K + o_kb[None, :],
+                mask=inp[:, None] & m_k[None, :], other=0.0)
+    c = tl.load(p_kc + ((s * C + o_j) * Hk + i_hk)[:, None] * K + o_kb[None, :],
+                mask=old[:, None] & m_k[None, :], other=0.0)
     return tl.where(inp[:, None], a, c)
 
 
@@ -233,14 +235,22 @@ def _state_tile(p_k, p_kc, p_gc, p_vc, p_state, s, t0, start, pos, i_tile, i_h, 
         tl.store(p_s, tl.zeros([BKS, BVS], tl.float32), mask=m)
     if pos % C == C - 1:
         G_last = tl.load(p_gc + (s * C + C - 1) * Hv + i_h)
-        a0 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 0, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a1 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 8, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a2 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 16, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a3 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 24, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a4 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 32, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a5 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 40, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a6 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 48, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a7 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 56, G_last, o_kb, o_vb, m_k, m_v, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a0 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 0, G_last, o_kb, o_vb, m_k, m_v,
+                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a1 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 8, G_last, o_kb, o_vb, m_k, m_v,
+                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a2 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 16, G_last, o_kb, o_vb, m_k, m_v,
+                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a3 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 24, G_last, o_kb, o_vb, m_k, m_v,
+                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a4 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 32, G_last, o_kb, o_vb, m_k, m_v,
+                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a5 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 40, G_last, o_kb, o_vb, m_k, m_v,
+                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a6 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 48, G_last, o_kb, o_vb, m_k, m_v,
+                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+        a7 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 56, G_last, o_kb, o_vb, m_k, m_v,
+                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
         upd = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
         b_S = tl.load(p_s, mask=m, other=0.0)
         tl.store(p_s, b_S * _exp(G_last, LIBDEVICE) + upd, mask=m)

@@ -42,7 +42,8 @@ def gdn_ref(q, k, v, g, beta, cu_seqlens, initial_state=None):
         S = torch.where(live[:, t, None, None, None], Sn, S)
     o = torch.stack(outs, 1) if outs else q.new_zeros(B, 0, Hv, V)
     flat = o.reshape(B * Lmax, Hv, V)
-    take = torch.cat([torch.arange(b * Lmax, b * Lmax + lens[b]) for b in range(B)]) if B else torch.zeros(0, dtype=torch.long)
+    take = [torch.arange(b * Lmax, b * Lmax + lens[b]) for b in range(B)]
+    take = torch.cat(take) if take else torch.zeros(0, dtype=torch.long)
     return flat[take], S
 
 

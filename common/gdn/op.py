@@ -51,7 +51,8 @@ def gdn_state_fields(Hk: int, Hv: int, K: int, V: int) -> dict[str, tuple[tuple[
 
 def gdn_cache(num_slots: int, Hk: int, Hv: int, K: int, V: int, device=None) -> dict[str, torch.Tensor]:
     """{name: (num_slots, *shape) zeros}, as ``StatePool.allocate`` makes them."""
-    return {n: torch.zeros(num_slots, *s, dtype=d, device=device) for n, (s, d) in gdn_state_fields(Hk, Hv, K, V).items()}
+    fields = gdn_state_fields(Hk, Hv, K, V)
+    return {n: torch.zeros(num_slots, *s, dtype=d, device=device) for n, (s, d) in fields.items()}
 
 
 def conv1d_state_fields(channels: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -73,7 +74,8 @@ def _check(q, k, v, g, beta, cu_seqlens):
     if q.shape != k.shape:
         raise ValueError(f"q must have the shape of k {tuple(k.shape)}, got {tuple(q.shape)}")
     if v.shape[0] != T or g.shape != (T, Hv) or beta.shape != (T, Hv):
-        raise ValueError(f"v (T, Hv, V), g and beta (T, Hv) with T = {T}: got {tuple(v.shape)}, {tuple(g.shape)}, {tuple(beta.shape)}")
+        raise ValueError(f"v (T, Hv, V), g and beta (T, Hv) with T = {T}: got {tuple(v.shape)}, "
+                         f"{tuple(g.shape)}, {tuple(beta.shape)}")
     if Hv % Hk:
         raise ValueError(f"value heads ({Hv}) must be a multiple of qk heads ({Hk})")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
@@ -150,7 +152,8 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
                                slots.long().contiguous(), cache)
     if decode:
         return cpu.decode_step(q, k, v, g, beta, start_positions.long(), slots.long(), cache)
-    return cpu.chunked(q, k, v, g, beta, cu_seqlens.tolist(), start_positions.tolist(), cache=cache, slots=slots.tolist())
+    return cpu.chunked(q, k, v, g, beta, cu_seqlens.tolist(), start_positions.tolist(), cache=cache,
+                       slots=slots.tolist())
 
 
 class _GDNTritonFn(torch.autograd.Function):
