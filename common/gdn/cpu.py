@@ -334,7 +334,7 @@ def decode_step(q, k, v, g, beta, pos, slots, cache):
     v (B, Hv, V), g, beta (B, Hv) fp32; pos, slots (B,) int64 device tensors.
     Reads the slot's state and open-chunk rows (not at pos == 0), writes row
     pos % 64 and, at row 63, the next state.  -> o (B, Hv, V) fp32."""
-    B, Hk, K = k.shape
+    B, Hk = k.shape[:2]
     Hv, V = v.shape[1], v.shape[2]
     dev = q.device
     head = torch.arange(Hv, device=dev) // (Hv // Hk)
@@ -388,7 +388,7 @@ def conv1d_cpu(x, weight, cu_seqlens, tail=None, slots=None, starts=None):
     roundings are transformers' torch path (F.conv1d in the input dtype, then
     SiLU); causal-conv1d / fla round once.  Element-wise: a row's bits depend
     on its own four taps only."""
-    T, C = x.shape
+    T = x.shape[0]
     dev = x.device
     B = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.long()

@@ -319,13 +319,13 @@ def _gdn_scan_kernel(
     valid = slot >= 0
     s = tl.maximum(slot, 0).to(tl.int64)
     NT: tl.constexpr = ((K + BKS - 1) // BKS) * ((V + BVS - 1) // BVS)
-    for i in range(0, n):
+    for i in range(n):
         pos = start + i
         _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc, t0 + i, t0, start, pos, s, valid,
              i_h, i_hk, Hk, Hv, K, V, BK, BV, C, LIBDEVICE)
         tl.debug_barrier()
         if valid & ((pos == 0) | (pos % C == C - 1)):
-            for i_t in range(0, NT):
+            for i_t in range(NT):
                 _state_tile(p_k, p_kc, p_gc, p_vc, p_state, s, t0, start, pos, i_t, i_h, i_hk,
                             Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
             tl.debug_barrier()

@@ -69,7 +69,7 @@ def l2norm_fwd(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def _check(q, k, v, g, beta, cu_seqlens):
     for name, t, nd in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
         check_tensor(name, t, ndim=nd, contiguous=False)
-    T, Hk, K = k.shape
+    T, Hk = k.shape[:2]
     Hv = v.shape[1]
     if q.shape != k.shape:
         raise ValueError(f"q must have the shape of k {tuple(k.shape)}, got {tuple(q.shape)}")
