@@ -38,7 +38,11 @@ F32 = torch.float32
 
 
 def gdn_state_fields(Hk: int, Hv: int, K: int, V: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The per-slot cache as a ``StatePool`` field spec: {name: (shape, dtype)}."""
+    """The per-slot cache as a ``StatePool`` field spec: {name: (shape, dtype)}
+    (the module docstring says what each holds).  k is kept per qk head (Hk),
+    the rest per value head.  Bytes per slot and layer:
+    4 (Hv K V + 64 (Hk K + Hv (2 V + K + 1))) + 8; Qwen3.5-35B-A3B's shapes
+    (Hk 16, Hv 32, K = V = 128): 2 MiB of state + 3.5 MiB of rows = 5.5 MiB."""
     return {
         "state": ((Hv, K, V), F32),
         "k": ((CHUNK, Hk, K), F32),
@@ -121,6 +125,9 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
     _check(q, k, v, g, beta, cu_seqlens)
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     backend = _backend(backend, q)
+    if q.shape[0] == 0:
+        o = q.new_zeros(0, *v.shape[1:])
+        return (o, q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2])) if return_states else o
     if cache is None:
         if start_positions is not None or slots is not None:
             raise ValueError("start_positions and slots need a cache")
