@@ -54,8 +54,12 @@ def reward(prompt: list[int], answer: list[int], task: str = "reverse") -> float
     return sum(a == t for a, t in zip(answer, target)) / len(target)
 
 
+MODEL = "qwen3"  # examples/qwen35_gdn_rl.py runs this script with its own
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=MODEL, help="the zoo model (alignzoo models)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--prompts", type=int, default=8, help="groups per step")
     ap.add_argument("--group-size", type=int, default=8)
@@ -80,7 +84,7 @@ def parse(argv=None):
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="runs/qwen3_rl")
+    ap.add_argument("--out", default=f"runs/{MODEL}_rl")
     ap.add_argument("--save", default=None, help="save the trained model as a Hugging Face checkpoint here "
                                                  "(with --lora: merged, and the PEFT adapter in SAVE/adapter; "
                                                  "--lora-mode multi: each task's PEFT adapter in SAVE/<task>)")
@@ -104,7 +108,7 @@ def build_pair(args, **kw):
         kw.setdefault("lora_adapters", {t: lora for t in TASKS})
     elif args.lora:
         kw |= dict(lora_mode=args.lora_mode) | ({} if "lora_adapter" in kw else dict(lora=lora))
-    return alignzoo.load_pair("qwen3", config=cfg, device=args.device, dtype=dtype, seed=args.seed,
+    return alignzoo.load_pair(args.model, config=cfg, device=args.device, dtype=dtype, seed=args.seed,
                               server_kernels="vendor" if args.unaligned else "aligned", **kw)
 
 
@@ -236,7 +240,7 @@ def main(argv=None) -> int:
     if args.lora:
         mode += f", LoRA r={args.lora} {args.lora_mode}"
     task = "/".join(TASKS) if multi_lora(args) else "reverse"
-    print(f"qwen3 RL: {task} {args.digits} digits; {args.prompts} prompts x {args.group_size} samples per step; "
+    print(f"{args.model} RL: {task} {args.digits} digits; {args.prompts} prompts x {args.group_size} samples per step; "
           f"{args.objective}; {mode}; {args.dtype}; {'streaming' if args.stream else 'one batch'} -> {log_path}")
     log = []
     bar = tqdm(range(args.steps), desc="RL", unit="step", file=sys.stderr)
@@ -255,7 +259,7 @@ def main(argv=None) -> int:
           f"K3 max over the run {worst:.3g}; {differing} of {sum(r['tokens'] for r in log)} tokens differ")
     if not args.no_plot:
         path = os.path.join(args.out, "rl.png")
-        plot(log, path, f"qwen3 {args.config or 'tiny'}, {task} {args.digits} digits, {args.objective}, {mode}")
+        plot(log, path, f"{args.model} {args.config or 'tiny'}, {task} {args.digits} digits, {args.objective}, {mode}")
         print(f"plot: {path}")
     if args.save and multi_lora(args):  # one PEFT adapter per task; reload them all
         for t in TASKS:
@@ -268,7 +272,7 @@ def main(argv=None) -> int:
             pair.save_pretrained(adapter, adapter_only=True)
             again = build_pair(args, lora_adapter=adapter)
         else:
-            again = alignzoo.load_pair("qwen3", checkpoint=args.save, device=args.device,
+            again = alignzoo.load_pair(args.model, checkpoint=args.save, device=args.device,
                                        dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
     if args.save:
         mine, theirs = pair.trainer.forward_weights(), again.trainer.forward_weights()

@@ -350,6 +350,19 @@ def test_gradients_vs_float64():
         assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
 
 
+def test_gradients_stay_finite_under_strong_decay():
+    """A chunk cut short by the sequence's end, with a decay strong enough that
+    exp(G_i - G_j) of a discarded row past the end would overflow: the masked
+    products must not carry inf into the backward (0 * inf = NaN)."""
+    inp = Inputs([70, 130], seed=8)
+    g = (inp.g * 200).detach().requires_grad_()  # G reaches about -1000 within a chunk
+    q = l2norm_fwd(inp.q_raw) * inp.K ** -0.5
+    v = inp.v.detach().requires_grad_()
+    o = gdn(q, l2norm_fwd(inp.k_raw), v, g, inp.beta, inp.cu_t())
+    o.sum().backward()
+    assert torch.isfinite(o).all() and torch.isfinite(g.grad).all() and torch.isfinite(v.grad).all()
+
+
 def test_l2norm_rows_and_accuracy():
     tq = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
     x = torch.randn(300, 3, 24).bfloat16()

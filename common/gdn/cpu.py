@@ -249,10 +249,13 @@ def chunked(q, k, v, g, beta, cu, starts, *, cache=None, slots=None, return_stat
     act = active[:, None, :]  # (P, 1, 64)
     # G, left to right; cached rows keep their bits
     cols, prev = [], q.new_full((P, Hv), _NEG0)
+    tail = (rows[None, :] >= r1s[:, None]).to(dev)[:, None, :]  # (P, 1, 64) rows past the piece's end
     for i in range(CHUNK):
         new = prev + g_w[..., i]
         keep_i = G_old[..., i] if G_old is not None else torch.zeros_like(new)
-        prev = torch.where(act[..., i], new, keep_i)
+        # a row past the end keeps the last G: exp(G_i - G_j) of a discarded row stays <= 1, so no inf
+        # reaches the backward through the masked products (0 * inf = NaN)
+        prev = torch.where(act[..., i], new, torch.where(tail[..., i], prev, keep_i))
         cols.append(prev)
     G_w = torch.stack(cols, -1)  # (P, Hv, 64)
     _, causal, strict = _masks(dev)
