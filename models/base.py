@@ -43,6 +43,18 @@ from ._packing import pack_scored, sampling_list
 from .capture import no_tap, no_tap_cache
 
 
+def _owner(block: nn.Module, path: str) -> tuple[nn.Module | None, str]:
+    """(the module holding the last part of a dotted ``path``, that attribute); (None, ...) when the
+    block has no such submodule (a hybrid model's other layer type)."""
+    *parents, attr = path.split(".")
+    owner = block
+    for p in parents:
+        owner = getattr(owner, p, None)
+        if owner is None:
+            return None, attr
+    return (owner, attr) if hasattr(owner, attr) else (None, attr)
+
+
 class TrainerBase(nn.Module):
     model_name: str = ""
     lora_targets: tuple[str, ...] = ()
@@ -100,14 +112,15 @@ class TrainerBase(nn.Module):
                 ads = [(cfg, {p: seed * 1_000_003 + 1 + len(order) * (i + j * L) + order.index(p)
                               for p, _, _ in layer_slices if p in cfg.target_modules})
                        for j, cfg in enumerate(configs.values())]
-                if not any(seeds for _, seeds in ads):
+                owner, attr = _owner(block, name)
+                if owner is None or not any(seeds for _, seeds in ads):  # a layer type without this projection
                     continue
                 if mode == "multi":
-                    m = MultiLoRALinear(getattr(block, name), layer_slices, ads)
+                    m = MultiLoRALinear(getattr(owner, attr), layer_slices, ads)
                 else:
                     ((cfg, seeds),) = ads
-                    m = LoRALinear(getattr(block, name), layer_slices, cfg.r, cfg.scale, mode, seeds)
-                setattr(block, name, m)
+                    m = LoRALinear(getattr(owner, attr), layer_slices, cfg.r, cfg.scale, mode, seeds)
+                setattr(owner, attr, m)
         if mode == "multi":
             self.adapter_configs = configs
         else:
@@ -135,7 +148,8 @@ class TrainerBase(nn.Module):
         out = {}
         for i, block in enumerate(self.layers):
             for name, layer_slices in self.lora_slices().items():
-                m = getattr(block, name)
+                owner, attr = _owner(block, name)
+                m = None if owner is None else getattr(owner, attr)
                 holder = m.adapters[j] if isinstance(m, MultiLoRALinear) else m if isinstance(m, LoRALinear) else None
                 if holder is not None:
                     out |= {f"layers.{i}.{p}": (holder, p) for p, _, _ in layer_slices if p in holder.lora_A}

@@ -115,3 +115,13 @@ def test_multi_adapter_tasks_are_exact_and_reload(tmp_path, capsys):
     assert "reloaded bit-identical" in capsys.readouterr().out
     assert qwen3_rl.reward([10, 1, 2, 11], [1, 2, 12], "copy") == 1.0
     assert qwen3_rl.reward([10, 1, 2, 11], [2, 1, 12], "reverse") == 1.0
+
+
+@pytest.mark.parametrize("lora", [[], ["--lora", "4", "--lora-mode", "separate"], ["--lora", "4", "--lora-mode", "merged"]],
+                         ids=["full", "lora-separate", "lora-merged"])
+def test_qwen35_gdn_steps_are_exact(tmp_path, lora):
+    """Rung 5 on the second model: every token of every step K3 == 0 (GDN states decoded from the slots)."""
+    out = str(tmp_path / "q35")
+    assert qwen3_rl.main(["--model", "qwen35_gdn", "--steps", "3", "--out", out, "--no-plot", *lora]) == 0
+    log = read_log(out)
+    assert all(r["differing_tokens"] == 0 and r["k3_max"] == 0.0 and r["tokens"] > 0 for r in log)
