@@ -172,10 +172,10 @@ def scatter_slots(dst: torch.Tensor, slots: torch.Tensor, vals: torch.Tensor, ro
     indices always carry equal values and nothing is read on the host."""
     B = slots.shape[0]
     valid = slots >= 0
-    first = torch.argmax(valid.to(torch.int32))
+    first = torch.argmax(valid.to(torch.int32)).reshape(1)  # a (1,) index: a 0-d one would be read on the host
     src = torch.where(valid, torch.arange(B, device=slots.device), first)
-    tgt = torch.where(valid, slots, slots[first].clamp(min=0))
-    idx = (tgt,) if rows is None else (tgt, torch.where(valid, rows, rows[first]))
+    tgt = torch.where(valid, slots, slots.index_select(0, first).clamp(min=0))
+    idx = (tgt,) if rows is None else (tgt, torch.where(valid, rows, rows.index_select(0, first)))
     new = vals[src]
     new = torch.where(valid.any().reshape((1,) * new.dim()), new, dst[idx])
     dst.index_put_(idx, new.to(dst.dtype))
