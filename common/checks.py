@@ -24,6 +24,7 @@ PRIMITIVES: dict[str, str] = {
     "fp8": "alignzoo.common.fp8.checks",
     "lora": "alignzoo.common.lora.checks",
     "moe": "alignzoo.common.moe.checks",
+    "gdn": "alignzoo.common.gdn.checks",
 }
 
 
