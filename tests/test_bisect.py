@@ -152,3 +152,15 @@ def test_a_checkpoint_receipt_names_its_bytes(tmp_path, pair):
     (ck / "config.json").write_text((ck / "config.json").read_text().replace('"rms_norm_eps"', '"rms_norm_eps" ', 1))
     ok, lines = __import__("alignzoo.models.receipt", fromlist=["verify"]).verify(path)
     assert not ok and "changed since the receipt was written" in lines[0]
+
+
+def test_qwen35_gdn_bisect_equal_server_and_vendor_parts_in_layer_0():
+    """The second model's capture points: the aligned server (prefill and
+    decode, GDN slots and K/V rows included) has every byte; the vendor server
+    parts first in layer 0 with every op before it equal."""
+    q35 = alignzoo.load_pair("qwen35_gdn", config="tiny", device="cpu", cuda_graphs=False, freeze_gc=False)
+    assert all(r.equal and r.ops > 40 for r in bisect(q35, against="server", length=150, batch=2))
+    for rep in bisect(q35, against="vendor", length=150, batch=2):
+        first = rep.diffs[0]
+        assert first.name.startswith("layer.0.")
+        assert not {d.name for d in rep.diffs} & set(rep.order[:rep.order.index(first.name)])

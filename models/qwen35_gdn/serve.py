@@ -65,24 +65,32 @@ class Qwen35GdnServer(ServerBase):
     def _gdn(self, h, p, layer, batch, starts):
         c, T = self.cfg, h.shape[0]
         Hk, Hv, K, V = c.gdn_k_heads, c.gdn_v_heads, c.gdn_k_dim, c.gdn_v_dim
+        L = int(p.split(".")[1])
         proj = self.linear(h, p + "gdn.in_proj.", batch.adapter_ids)
+        self.tap("gdn.in_proj", proj, L)
         qkv, z, b, a = proj.split([c.conv_dim, c.gdn_value_dim, Hv, Hv], dim=-1)
         qkv = conv1d_fwd(qkv, self.w(p + "gdn.conv.weight").squeeze(1), batch.cu_seqlens_q, tail=layer["conv_tail"],
                          slots=batch.state_slots, start_positions=starts)
+        self.tap("gdn.conv", qkv, L)
         q, k, v = qkv.split([c.gdn_key_dim, c.gdn_key_dim, c.gdn_value_dim], dim=-1)
         q, k = qk_l2norm(q.reshape(T, Hk, K), k.reshape(T, Hk, K), K)
         g, beta = gdn_gates(a, b, self.w(p + "gdn.A_log.weight"), self.w(p + "gdn.dt_bias.weight"))
         o = gdn_fwd(q, k, v.reshape(T, Hv, V), g, beta, batch.cu_seqlens_q, start_positions=starts, cache=layer,
                     slots=batch.state_slots).to(h.dtype)
+        self.tap("gdn.core", o, L)
         o = rmsnorm_fwd(o.reshape(T * Hv, V), self.w(p + "gdn.norm.weight"), c.rms_norm_eps,
                         z=z.reshape(T * Hv, V).contiguous())[0]
-        return self.linear(o.reshape(T, Hv * V), p + "gdn.out.", batch.adapter_ids)
+        y = self.linear(o.reshape(T, Hv * V), p + "gdn.out.", batch.adapter_ids)
+        self.tap("gdn.out", y, L)
+        return y
 
     def _attn(self, h, p, layer, batch):
         c, T = self.cfg, h.shape[0]
         Hq, Hkv, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         kv = batch.pools["kv"]
+        L = int(p.split(".")[1])
         qkv = self.linear(h, p + "attn.qkv.", batch.adapter_ids)
+        self.tap("attn.qkv", qkv, L)
         qg, k, v = qkv.split([2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
         qg = qg.reshape(T, Hq, 2 * D)
         q, gate = qg[..., :D], qg[..., D:]
@@ -92,18 +100,30 @@ class Qwen35GdnServer(ServerBase):
                      batch.positions, self.rope, check=False)
         v = v.reshape(T, Hkv, D).contiguous()
         write_kv_fwd(k, v, layer["k"], layer["v"], kv.slot_mapping)
-        o = paged_attention_fwd(q, layer["k"], layer["v"], batch.cu_seqlens_q, batch.seq_lens, kv.block_table,
-                                max_seqlen_q=batch.max_seqlen_q)[0]
-        return self.linear(gated(o, gate).reshape(T, Hq * D), p + "attn.o.", batch.adapter_ids)
+        self.tap("attn.q", q, L)
+        self.tap_cache("attn.k", layer["k"], kv.slot_mapping, L)
+        self.tap_cache("attn.v", layer["v"], kv.slot_mapping, L)
+        o = gated(paged_attention_fwd(q, layer["k"], layer["v"], batch.cu_seqlens_q, batch.seq_lens, kv.block_table,
+                                      max_seqlen_q=batch.max_seqlen_q)[0], gate)
+        self.tap("attn.out", o, L)
+        y = self.linear(o.reshape(T, Hq * D), p + "attn.o.", batch.adapter_ids)
+        self.tap("attn.o_proj", y, L)
+        return y
 
     def _moe(self, h, p, batch):
         c, Is = self.cfg, self.cfg.shared_intermediate_size
+        L = int(p.split(".")[1])
         w, ids = softmax_topk_fwd(matmul_fwd(h, self.w(p + "moe.gate.weight")), c.experts_per_token)
+        self.tap("moe.router.ids", ids.to(torch.int32), L)
+        self.tap("moe.router.weights", w, L)
         routed = experts_fwd(h, ids, w, self.w(p + "moe.gate_up.weight"), self.w(p + "moe.down.weight"))
+        self.tap("moe.routed", routed, L)
         gu = self.linear(h, p + "moe.shared_gate_up.", batch.adapter_ids)
         shared = self.linear(swiglu_fwd(gu[:, :Is], gu[:, Is:]), p + "moe.shared_down.", batch.adapter_ids)
         sg = sigmoid_fp32(matmul_fwd(h, self.w(p + "moe.shared_gate.weight")).float())
-        return tree_reduce_fwd(torch.stack([routed, shared.float() * sg]), h.dtype), ids, w
+        y = tree_reduce_fwd(torch.stack([routed, shared.float() * sg]), h.dtype)
+        self.tap("moe.out", y, L)
+        return y, ids, w
 
     def forward(self, batch: ForwardBatch, caches):
         """-> (FP32 logits (R, V) of ``batch.logit_rows``, {"routed_experts", "routed_weights"})."""
@@ -119,15 +139,19 @@ class Qwen35GdnServer(ServerBase):
                 h, residual = self._norm(x, p + "attn_norm.weight")[0], x
             else:
                 h, residual = self._norm(x, p + "attn_norm.weight", residual)
+            self.tap("attn_norm", h, i)
             if kind == "linear_attention":
                 x = self._gdn(h, p, caches["gdn"][self._slot[i]], batch, starts)
             else:
                 x = self._attn(h, p, caches["kv"][self._slot[i]], batch)
             h, residual = self._norm(x, p + "mlp_norm.weight", residual)
+            self.tap("mlp_norm", h, i)
             x, ids, w = self._moe(h, p, batch)
             ids_all.append(ids.to(torch.int32))
             w_all.append(w.float())
         rows = batch.logit_rows
         h = self._norm(x[rows], "norm.weight", residual[rows])[0]
-        extras = {"routed_experts": torch.stack(ids_all, 1), "routed_weights": torch.stack(w_all, 1)}
-        return lm_head_logits_fwd(h, self.lm_head_weight), extras
+        self.tap("norm", h, rows="logits")
+        logits = lm_head_logits_fwd(h, self.lm_head_weight)
+        self.tap("lm_head.logits", logits, rows="logits")
+        return logits, {"routed_experts": torch.stack(ids_all, 1), "routed_weights": torch.stack(w_all, 1)}

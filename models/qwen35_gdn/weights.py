@@ -118,7 +118,7 @@ NOT_LANGUAGE = (r"^model\.visual\.", r"^mtp\.", r"^model\.mtp\.")
 
 
 def name_map(cfg, prefix: str = "model.") -> NameMap:
-    c, v, hv, I, Is = cfg.conv_dim, cfg.gdn_value_dim, cfg.gdn_v_heads, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+    c, v, hv, Is = cfg.conv_dim, cfg.gdn_value_dim, cfg.gdn_v_heads, cfg.shared_intermediate_size
     D = cfg.head_dim
     return NameMap(
         hf_names(cfg, prefix),
@@ -138,7 +138,7 @@ def expected(cfg, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.
     """{our name: (shape, dtype)}."""
     H, V = cfg.hidden_size, cfg.vocab_size
     E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_intermediate_size
-    D, Hq, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    D, Hq = cfg.head_dim, cfg.num_heads
     out = {"embed.weight": ((V, H), dtype), "norm.weight": ((H,), dtype)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = ((V, H), dtype)
