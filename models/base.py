@@ -40,7 +40,7 @@ from ..common.lora import LoRAConfig, lora_add_fwd, lora_add_multi_fwd
 from ..common.matmul import matmul_fwd
 from ..common.sampling import SamplingParams, params_to_tensors, sampling_logprobs
 from ._packing import pack_scored, sampling_list
-from .capture import no_tap, no_tap_cache
+from .capture import no_tap, no_tap_cache, no_tap_state
 
 
 def _owner(block: nn.Module, path: str) -> tuple[nn.Module | None, str]:
@@ -263,6 +263,7 @@ class ServerBase:
 
     tap = staticmethod(no_tap)  # capture points (``models/capture.py``): off unless a Recorder attaches
     tap_cache = staticmethod(no_tap_cache)
+    tap_state = staticmethod(no_tap_state)
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], lora_scale: float | None = None,
                  lora_adapters: tuple[tuple[str, float], ...] = ()):

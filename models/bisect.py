@@ -142,11 +142,24 @@ def _record_server(engine, seqs, plens, sp, chunk_tokens=None) -> tuple[Recorder
     return rec, lps
 
 
-def _path(name, trainer, ours_seqs, plens, sp, record) -> PathReport:
+def _path(name, trainer, ours_seqs, plens, sp, record) -> tuple[PathReport, Recorder]:
     t_rec, t_lps = _record_trainer(trainer, ours_seqs, plens, sp)
     o_rec, o_lps = record()
     rep = compare(t_rec, o_rec, name)
     _logprob_diff(rep, t_lps, o_lps)
+    return rep, o_rec
+
+
+def _server_only(prefill: Recorder, decode: Recorder, path: str) -> PathReport:
+    """The cache writes only a server makes (recurrent states at 64 boundaries): prefill's
+    against decode's, on the positions both reached."""
+    ops = [n for n in prefill.order if n.endswith(".state")]
+    a, b = Recorder(()), Recorder(())
+    for rec, src in ((a, prefill), (b, decode)):
+        rec.order = [n for n in ops if n in src.rows]
+        rec.rows = {n: src.rows[n] for n in rec.order}
+    rep = compare(a, b, path)
+    rep.one_sided = []
     return rep
 
 
@@ -172,14 +185,18 @@ def bisect(pair, *, against: str = "server", length: int = 300, batch: int = 3, 
         say("building the fp32 trainer")
         other = _fp32_copy(pair)
         say("recording the trainer and the fp32 trainer")
-        return [_path("trainer-fp32", trainer, seqs, plens, sp, lambda: _record_trainer(other, seqs, plens, sp))]
+        return [_path("trainer-fp32", trainer, seqs, plens, sp, lambda: _record_trainer(other, seqs, plens, sp))[0]]
     server = engine if against == "server" else _vendor_engine(pair)
     say(f"recording the trainer and the {against} server's prefill")
-    reports = [_path(f"{against} prefill", trainer, seqs, plens, sp,
-                     lambda: _record_server(server, seqs, plens, sp))]
+    pre, pre_rec = _path(f"{against} prefill", trainer, seqs, plens, sp, lambda: _record_server(server, seqs, plens, sp))
     say(f"recording the trainer and the {against} server's decode (1 token a step, {n_dec} tokens)")
-    reports.append(_path(f"{against} decode", trainer, short, p_short, sp,
-                         lambda: _record_server(server, short, p_short, sp, chunk_tokens=1)))
+    dec, dec_rec = _path(f"{against} decode", trainer, short, p_short, sp,
+                         lambda: _record_server(server, short, p_short, sp, chunk_tokens=1))
+    reports = [pre, dec]
+    if any(n.endswith(".state") for n in dec_rec.order):  # a recurrent model: its slot states at every boundary
+        say(f"recording the {against} server's prefill in 64-token chunks for its states")
+        chunked, _ = _record_server(server, short, p_short, sp, chunk_tokens=64)
+        reports.append(_server_only(chunked, dec_rec, f"{against} states, 64-token prefill vs decode"))
     return reports
 
 

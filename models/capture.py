@@ -37,6 +37,10 @@ def no_tap_cache(op, cache, slot_mapping, layer=None) -> None:
     """The cache capture point when nothing records: does nothing."""
 
 
+def no_tap_state(op, state, slots, ends, layer=None) -> None:
+    """The recurrent-state capture point when nothing records: does nothing."""
+
+
 def op_name(op: str, layer: int | None) -> str:
     return op if layer is None else f"layer.{layer}.{op}"
 
@@ -55,6 +59,7 @@ class Recorder:
         self._token_keys: list[tuple[int, int] | None] = []
         self._logit_keys: list[tuple[int, int] | None] = []
         self._step: list[tuple[int | None, int, int]] = []  # (sequence, start, end) per chunk of the step
+        self._chunk_seqs: list[int | None] = []
 
     # ---------------------------------------------------------------- the row layout of a forward
     def set_packed(self, positions: torch.Tensor, cu_seqlens: torch.Tensor, sequences: list[int],
@@ -68,6 +73,7 @@ class Recorder:
                 keys[r] = None if s is None else (s, pos[r])
         self._token_keys = keys
         self._logit_keys = [] if logit_rows is None else [keys[r] for r in logit_rows.tolist()]
+        self._chunk_seqs = list(sequences)
 
     def sequence_of(self, tokens: Sequence[int]) -> int | None:
         return self._index.get(tuple(tokens))
@@ -82,6 +88,16 @@ class Recorder:
         slots = slot_mapping.tolist()
         keys = [k if s >= 0 else None for k, s in zip(self._token_keys, slots)]
         self._file(op_name(op, layer), flat[slot_mapping.clamp(min=0)], keys)
+
+    def tap_state(self, op, state, slots, ends, layer=None) -> None:
+        """A recurrent state pool after a step: chunk b's slot holds its
+        sequence's state at the last 64-aligned position before ``ends[b]``,
+        filed under (sequence, that boundary); none before position 64."""
+        keys = []
+        for s, slot, end in zip(self._chunk_seqs, slots.tolist(), ends.tolist()):
+            b = end // 64 * 64
+            keys.append(None if s is None or slot < 0 or b == 0 else (s, b))
+        self._file(op_name(op, layer), state[slots.clamp(min=0)], keys)
 
     def _file(self, name: str, tensor: torch.Tensor, keys) -> None:
         if name not in self.rows:
@@ -143,6 +159,8 @@ def _taps(obj, rec: Recorder) -> list:
             out.append((h, "tap", rec.tap))
         if hasattr(h, "tap_cache"):
             out.append((h, "tap_cache", rec.tap_cache))
+        if hasattr(h, "tap_state"):
+            out.append((h, "tap_state", rec.tap_state))
     return out
 
 

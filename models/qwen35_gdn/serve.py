@@ -78,6 +78,7 @@ class Qwen35GdnServer(ServerBase):
         o = gdn_fwd(q, k, v.reshape(T, Hv, V), g, beta, batch.cu_seqlens_q, start_positions=starts, cache=layer,
                     slots=batch.state_slots).to(h.dtype)
         self.tap("gdn.core", o, L)
+        self.tap_state("gdn.state", layer["state"], batch.state_slots, starts + batch.cu_seqlens_q.diff(), L)
         o = rmsnorm_fwd(o.reshape(T * Hv, V), self.w(p + "gdn.norm.weight"), c.rms_norm_eps,
                         z=z.reshape(T * Hv, V).contiguous())[0]
         y = self.linear(o.reshape(T, Hv * V), p + "gdn.out.", batch.adapter_ids)
