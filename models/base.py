@@ -223,12 +223,23 @@ class TrainerBase(nn.Module):
         prompt_lens: Sequence[int],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         adapters: str | None | Sequence[str | None] = None,
+        *,
+        replay: Sequence[Mapping[str, torch.Tensor]] | None = None,
+        replay_mode: str = "straight-through",
     ) -> list[torch.Tensor]:
         """FP32 log-probs of ``sequence[prompt_len:]`` for each sequence, under
         the sampling transforms of its ``SamplingParams`` (default: plain
         softmax) and, in multi-mode LoRA, the adapter ``adapters`` names (one
         for all or one per sequence; None: the base model), bitwise equal to
-        the server's; differentiable."""
+        the server's; differentiable.
+
+        ``replay`` (MoE models): per sequence the server's per-token extras
+        (``Completion.extras``, or ``score(..., return_extras=True)``'s), whose
+        "routed_experts" (n - 1, L, k) and "routed_weights" route the trainer's
+        MoE layers instead of its own routers (router replay: the routing the
+        sampler used, e.g. under stale weights); the last token, never fed to
+        the server, keeps the trainer's own.  ``replay_mode``: "frozen" or
+        "straight-through" (``common.moe.router_replay``)."""
         params = sampling_list(sampling, len(sequences))
         ids = self._adapter_ids(adapters, len(sequences))
         batch = pack_scored(sequences, prompt_lens, self.cfg.vocab_size, self.cfg.max_position, self.device)
@@ -237,11 +248,33 @@ class TrainerBase(nn.Module):
             per_token = torch.repeat_interleave(torch.tensor(ids, device=batch.tokens.device),
                                                 batch.cu_seqlens.diff(), output_size=batch.tokens.shape[0])
             rows = AdapterRows(per_token, frozenset(ids) - {-1})
-        logits = self.logits(batch.tokens, batch.positions, batch.cu_seqlens, batch.rows, batch.max_seqlen, rows)
+        kw = {} if replay is None else {"replay": self._replay_rows(replay, sequences, batch, replay_mode)}
+        logits = self.logits(batch.tokens, batch.positions, batch.cu_seqlens, batch.rows, batch.max_seqlen, rows, **kw)
         per_row = [p for p, n in zip(params, batch.counts) for _ in range(n)]
         t = params_to_tensors(per_row, [0] * len(per_row), device=logits.device)
         lp = sampling_logprobs(logits, batch.targets, t["temperature"], t["top_k"], t["top_p"], t["min_p"])
         return list(lp.split(batch.counts))
+
+    def _replay_rows(self, replay, sequences, batch, mode: str):
+        """Per layer (ids (T, k), weights (T, k), rows with a replay (T,) bool, mode) of the packed batch."""
+        if len(replay) != len(sequences):
+            raise ValueError(f"{len(sequences)} sequences but {len(replay)} replay entries: one per sequence")
+        ids, ws, have = [], [], []
+        for i, (ex, n) in enumerate(zip(replay, batch.cu_seqlens.diff().tolist())):
+            if "routed_experts" not in ex or "routed_weights" not in ex:
+                raise ValueError(f"replay entry {i} has no routed_experts / routed_weights: pass a MoE model's "
+                                 f"Completion.extras")
+            e, w = ex["routed_experts"], ex["routed_weights"]
+            if e.shape[0] != n - 1 or w.shape != e.shape:
+                raise ValueError(f"replay entry {i}: routed_experts {tuple(e.shape)} and routed_weights "
+                                 f"{tuple(w.shape)}, want ({n - 1}, layers, k) for a sequence of {n} tokens")
+            pad = torch.zeros(1, *e.shape[1:], dtype=e.dtype)
+            ids.append(torch.cat([e, pad]))
+            ws.append(torch.cat([w, pad.to(w.dtype)]))
+            have.append(torch.arange(n) < n - 1)
+        dev = self.device
+        ids, ws, have = torch.cat(ids).to(dev), torch.cat(ws).to(dev), torch.cat(have).to(dev)
+        return [(ids[:, j], ws[:, j], have, mode) for j in range(ids.shape[1])]
 
     def _adapter_ids(self, adapters, n: int) -> list[int]:
         """Per sequence, the index of its multi-mode adapter (-1: none)."""

@@ -146,13 +146,14 @@ class MoE(nn.Module):
     tap = staticmethod(no_tap)
 
     def forward(self, h, adapters=None, replay=None):
-        """h: (T, H) -> (T, H); ``replay``: (ids, weights, mode) of the server's routing for these rows."""
+        """h: (T, H) -> (T, H); ``replay``: (ids, weights, rows that have them, mode) of the server's routing."""
         c, L = self.cfg, self.index
         logits = matmul(h, self.gate.weight)
-        if replay is None:
-            w, ids = softmax_topk(logits, c.experts_per_token)
-        else:
-            ids_r, w_r, mode = replay
+        w, ids = softmax_topk(logits, c.experts_per_token)
+        if replay is not None:  # the server's routing where it has one (not the sequence's last token)
+            ids_r, w_r, have, mode = replay
+            ids_r = torch.where(have[:, None], ids_r.long(), ids)
+            w_r = torch.where(have[:, None], w_r.to(w.dtype), w.detach())
             w, ids = router_replay(logits, ids_r, w_r, mode=mode, scoring="softmax")
         self.tap("moe.router.ids", ids.to(torch.int32), L)
         self.tap("moe.router.weights", w, L)
@@ -228,7 +229,7 @@ class Qwen35GdnTrainer(TrainerBase):
     def hidden(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None,
                replay=None):
         """Final normed hidden states (R, H) of ``rows``.  ``replay``: per layer
-        (ids (T, k), weights (T, k), mode) to route by instead of the router."""
+        (ids (T, k), weights (T, k), rows that have them (T,), mode) to route by instead of the router."""
         x, residual, routing = self.embed.weight[tokens], None, []
         for i, layer in enumerate(self.layers):
             rep = None if replay is None else replay[i]
