@@ -7,7 +7,9 @@ Every bitwise promise is a ``torch.equal``; sequences run past several 64-token 
 tokens) in mixed batches, with temperature, top-k, top-p and min-p together.
 """
 import glob
+import json
 import os
+import re
 from dataclasses import replace
 
 import pytest
@@ -230,6 +232,24 @@ def test_checkpoint_round_trip(name, device, shard, dtype, tmp_path):
         ref = [torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(1, s[1:, None])[:, 0] for s in seqs]
     for g, r in zip(got, ref):
         assert (g - r).abs().max() <= c.hf_atol, float((g - r).abs().max())
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: c.update(tie_word_embeddings="false"), r": .*tie_word_embeddings"),
+    (lambda c: c.pop("hidden_size"), r" lacks hidden_size"),
+    (lambda c: c.update(num_attention_heads=0), r": .*num_(attention_)?heads must be a positive int"),
+    (lambda c: c.update(rms_norm_eps=float("inf")), r": .*rms_norm_eps must be a finite number > 0"),
+], ids=["tie-str", "no-hidden", "zero-heads", "eps-inf"])
+def test_a_bad_config_json_is_refused_naming_its_file(name, edit, match, tmp_path):
+    """Every model's from_hf: a bad config.json is a CheckpointError that names the file and the field."""
+    from alignzoo.weights import CheckpointError
+
+    cfg = model_module(name).SPEC.presets["tiny"].to_hf()
+    edit(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = model_module(name).SPEC
+    with pytest.raises(CheckpointError, match=re.escape(str(tmp_path / "config.json")) + match):
+        spec.config_cls.from_hf(tmp_path)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

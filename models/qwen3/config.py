@@ -3,14 +3,14 @@ presets, and conversion from / to a transformers ``config.json``."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from ...common.rope import RopeSpec
 from ...common.rope.table import Yarn
+from ...weights import CheckpointError
+from ..config import check_fields, errors_name, read_config_json, require_keys
 
 
 @dataclass(frozen=True)
@@ -29,22 +29,12 @@ class Qwen3Config:
     tie_word_embeddings: bool = False  # lm_head shares the embedding (0.6B does)
 
     def __post_init__(self):
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim", "max_position"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Qwen3Config.{f} must be a positive int, got {v!r}")
+        check_fields(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                            "num_kv_heads", "head_dim", "max_position"))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2 or self.head_dim > 256:
             raise ValueError(f"head_dim must be even and <= 256 (the attention kernel's limit), got {self.head_dim}")
-        for f in ("rms_norm_eps", "rope_theta"):
-            v = getattr(self, f)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
-                raise ValueError(f"Qwen3Config.{f} must be a finite number > 0, got {v!r}")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"Qwen3Config.tie_word_embeddings must be a bool (true or false in config.json), "
-                             f"got {self.tie_word_embeddings!r}")
 
     @property
     def qkv_size(self) -> int:
@@ -68,33 +58,18 @@ class Qwen3Config:
     def from_hf(cls, config: dict[str, Any] | str | os.PathLike, *, where: str | None = None) -> "Qwen3Config":
         """From a transformers Qwen3 ``config.json`` (a path, its directory, or
         the dict; ``where`` names a dict's file in error messages)."""
-        from ...weights import CheckpointError, read_hf_config
-
-        if not isinstance(config, dict):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                where, config = os.path.join(path, "config.json"), read_hf_config(path)
-            else:
-                where = path
-                with open(path) as f:
-                    config = json.load(f)
-                if not isinstance(config, dict):
-                    raise CheckpointError(f"{path} holds a JSON {type(config).__name__}, expected an object")
-        where = where or "the qwen3 config"
+        config, where = read_config_json(config, "qwen3", where)
         from .weights import check_qwen3_checkpoint
 
         check_qwen3_checkpoint(config)
-        missing = [k for k in _REQUIRED_HF if k not in config]
-        if missing:
-            raise CheckpointError(f"{where} lacks {', '.join(missing)}: a qwen3 config.json needs "
-                                  f"{', '.join(_REQUIRED_HF)}")
+        require_keys(config, _REQUIRED_HF, where, "a qwen3 config.json")
         unsupported = {k: config[k] for k in ("attention_bias", "use_sliding_window") if config.get(k)}
         if unsupported:
             raise NotImplementedError(f"qwen3 config options not supported: {unsupported}")
         n_heads = config["num_attention_heads"]
         if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
             raise CheckpointError(f"{where}: num_attention_heads must be a positive int, got {n_heads!r}")
-        try:  # our own checks first: transformers' (inside RopeSpec.from_hf) name no file
+        with errors_name(where):  # our own checks first: transformers' (inside RopeSpec.from_hf) name no file
             cfg = cls(
                 vocab_size=config["vocab_size"],
                 hidden_size=config["hidden_size"],
@@ -109,10 +84,6 @@ class Qwen3Config:
             )
             spec = RopeSpec.from_hf(config)
             return cfg.replace(rope_theta=spec.base, rope_yarn=spec.yarn)
-        except NotImplementedError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"{where}: {e}") from e
 
     def to_hf(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A transformers ``config.json`` dict (``Qwen3ForCausalLM`` loads it)."""

@@ -5,13 +5,12 @@ transformers ``config.json`` (``Qwen3_5MoeTextConfig``; the multimodal
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from ...common.rope import RopeSpec
+from ..config import check_fields, errors_name, read_config_json, require_keys
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -44,12 +43,9 @@ class Qwen35GdnConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
-        for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "gdn_k_heads",
-                  "gdn_v_heads", "gdn_k_dim", "gdn_v_dim", "conv_kernel", "num_experts", "experts_per_token",
-                  "moe_intermediate_size", "shared_intermediate_size", "max_position"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Qwen35GdnConfig.{f} must be a positive int, got {v!r}")
+        check_fields(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                            "gdn_k_heads", "gdn_v_heads", "gdn_k_dim", "gdn_v_dim", "conv_kernel", "num_experts",
+                            "experts_per_token", "moe_intermediate_size", "shared_intermediate_size", "max_position"))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
             raise ValueError(f"layer_types must be {self.num_layers} of {LAYER_TYPES}, got {self.layer_types!r}")
@@ -61,12 +57,6 @@ class Qwen35GdnConfig:
             raise ValueError(f"experts_per_token {self.experts_per_token} > num_experts {self.num_experts}")
         if self.conv_kernel != 4:
             raise NotImplementedError(f"the causal conv keeps a 3-row tail: conv_kernel must be 4, got {self.conv_kernel}")
-        for f in ("rms_norm_eps", "rope_theta"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"Qwen35GdnConfig.{f} must be a finite number > 0, got {v!r}")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
 
     # ---------------------------------------------------------------- derived sizes
     @property
@@ -119,39 +109,29 @@ class Qwen35GdnConfig:
         """From a transformers config.json (a path, its directory or the dict):
         ``Qwen3_5MoeTextConfig`` (model_type qwen3_5_moe_text) or the multimodal
         ``Qwen3_5MoeConfig`` (qwen3_5_moe, the text model under text_config)."""
-        where = "config"
-        if not isinstance(config, dict):
-            where = os.fspath(config)
-            where = os.path.join(where, "config.json") if os.path.isdir(where) else where
-            with open(where) as f:
-                config = json.load(f)
+        config, where = read_config_json(config, "qwen35_gdn")
         from .weights import check_checkpoint_config, text_config
 
         check_checkpoint_config(config)
         t = text_config(config)
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                               "linear_num_key_heads", "linear_num_value_heads", "num_experts",
-                               "moe_intermediate_size") if k not in t]
-        if missing:
-            raise ValueError(f"{where} has no {', '.join(missing)}: not a complete Qwen3.5-MoE config")
-        spec = RopeSpec.from_hf(config)
-        n_layers = t["num_hidden_layers"]
-        types = t.get("layer_types") or [("full_attention" if (i + 1) % t.get("full_attention_interval", 4) == 0
-                                          else "linear_attention") for i in range(n_layers)]
-        return cls(
-            vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_layers=n_layers, layer_types=tuple(types),
-            num_heads=t["num_attention_heads"], num_kv_heads=t.get("num_key_value_heads") or t["num_attention_heads"],
-            head_dim=t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
-            rope_theta=spec.base, partial_rotary_factor=spec.rotary_dim / (t.get("head_dim") or
-                                                                            t["hidden_size"] // t["num_attention_heads"]),
-            gdn_k_heads=t["linear_num_key_heads"], gdn_v_heads=t["linear_num_value_heads"],
-            gdn_k_dim=t.get("linear_key_head_dim", 128), gdn_v_dim=t.get("linear_value_head_dim", 128),
-            conv_kernel=t.get("linear_conv_kernel_dim", 4), num_experts=t["num_experts"],
-            experts_per_token=t.get("num_experts_per_tok", 8), moe_intermediate_size=t["moe_intermediate_size"],
-            shared_intermediate_size=t.get("shared_expert_intermediate_size", t["moe_intermediate_size"]),
-            rms_norm_eps=t.get("rms_norm_eps", 1e-6), max_position=t.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
-        )
+        require_keys(t, _REQUIRED_HF, where, "a Qwen3.5-MoE config")
+        n_layers, n_heads = t["num_hidden_layers"], t["num_attention_heads"]
+        with errors_name(where):
+            spec = RopeSpec.from_hf(config)
+            head_dim = t.get("head_dim") or t["hidden_size"] // n_heads
+            return cls(
+                vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_layers=n_layers,
+                layer_types=tuple(t.get("layer_types") or _types(n_layers, t.get("full_attention_interval", 4))),
+                num_heads=n_heads, num_kv_heads=t.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+                rope_theta=spec.base, partial_rotary_factor=spec.rotary_dim / head_dim,
+                gdn_k_heads=t["linear_num_key_heads"], gdn_v_heads=t["linear_num_value_heads"],
+                gdn_k_dim=t.get("linear_key_head_dim", 128), gdn_v_dim=t.get("linear_value_head_dim", 128),
+                conv_kernel=t.get("linear_conv_kernel_dim", 4), num_experts=t["num_experts"],
+                experts_per_token=t.get("num_experts_per_tok", 8), moe_intermediate_size=t["moe_intermediate_size"],
+                shared_intermediate_size=t.get("shared_expert_intermediate_size", t["moe_intermediate_size"]),
+                rms_norm_eps=t.get("rms_norm_eps", 1e-6), max_position=t.get("max_position_embeddings", 32768),
+                tie_word_embeddings=config.get("tie_word_embeddings", t.get("tie_word_embeddings", False)),
+            )
 
     def to_hf(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A transformers config.json dict that ``Qwen3_5MoeForCausalLM`` loads."""
@@ -170,6 +150,10 @@ class Qwen35GdnConfig:
             "rms_norm_eps": self.rms_norm_eps, "max_position_embeddings": self.max_position,
             "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": False, "dtype": torch_dtype,
         }
+
+
+_REQUIRED_HF = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "linear_num_key_heads",
+                "linear_num_value_heads", "num_experts", "moe_intermediate_size")
 
 
 def _types(n: int, interval: int = 4) -> tuple[str, ...]:
