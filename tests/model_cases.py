@@ -85,9 +85,10 @@ def rich(n: int, max_new_tokens, seed: int = 0) -> list[SamplingParams]:
 
 
 def assert_same(got, want, where=""):
-    """Two completions of one request: the same tokens and the same FP32 bits."""
+    """Two completions of one request: the same tokens, the same end and the same FP32 bits."""
     assert got.error is None and want.error is None, (where, got.error, want.error)
-    assert got.tokens == want.tokens, where
+    assert got.tokens == want.tokens and got.finish_reason == want.finish_reason, where
+    assert got.logprobs.dtype == torch.float32, (where, got.logprobs.dtype)
     assert torch.equal(got.logprobs, want.logprobs), (where, mismatch(got.logprobs, want.logprobs))
 
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from engine_toy import ToyServeModel
+from model_cases import assert_same
 
 from alignzoo.common.engine import Completion, Engine, ForwardBatch, PagedRows, ServeModel, graph_batch_sizes
 from alignzoo.common.engine.model_api import first_rows, static_decode_batch
@@ -32,12 +33,6 @@ def prompt(n: int, seed: int) -> list[int]:
 def solo(model, p, sp) -> Completion:
     """The reference: the request alone in a fresh engine, prefilled in one piece."""
     return Engine(model, num_pages=64, max_batch_tokens=4096).generate([p], sp)[0]
-
-
-def assert_same(got: Completion, want: Completion):
-    assert got.tokens == want.tokens
-    assert got.finish_reason == want.finish_reason
-    assert got.logprobs.dtype == torch.float32 and torch.equal(got.logprobs, want.logprobs)
 
 
 # Different lengths straddling page boundaries; per-request seeds and transforms.

@@ -8,28 +8,10 @@ the misaligned server: tests/test_models.py, which every model runs.
 """
 import pytest
 import torch
+from model_cases import assert_trainer_matches, make_pair, prompts_of
 
 import alignzoo
 from alignzoo import SamplingParams
-from alignzoo.common.metrics import mismatch
-
-
-def make_pair(device="cpu", dtype=torch.bfloat16, seed=0, **kw):
-    pair = alignzoo.load_pair("qwen3", config="tiny", device=device, dtype=dtype, seed=seed, **kw)
-    with torch.no_grad():  # norms away from one, so a swapped norm weight shows
-        g = torch.Generator(device=device).manual_seed(seed + 1)
-        for n, p in pair.trainer.named_parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5, generator=g)
-            else:
-                p.mul_(3.0)  # sharper distributions than the 0.02 init: top-p / min-p bite
-    pair.sync()
-    return pair
-
-
-def prompts_of(lens, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
 SP = [SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05, max_new_tokens=24, seed=11),
@@ -38,22 +20,9 @@ SP = [SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05, max_new_t
       SamplingParams(temperature=0.0, max_new_tokens=17, seed=14)]
 
 
-def assert_trainer_matches(pair, prompts, sps, outs):
-    seqs = [p + o.tokens for p, o in zip(prompts, outs)]
-    lens = [len(p) for p in prompts]
-    with torch.no_grad():
-        lp_t = pair.trainer.logprobs(seqs, lens, sps)
-    lp_s = pair.server.score(seqs, lens, sps)
-    for o, t, s in zip(outs, lp_t, lp_s):
-        assert o.error is None, o.error
-        t = t.cpu()
-        assert torch.equal(t, o.logprobs), mismatch(t, o.logprobs)
-        assert torch.equal(s, o.logprobs), mismatch(s, o.logprobs)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    return make_pair()
+    return make_pair("qwen3")
 
 
 def test_trainer_equals_server_long_mixed(pair):
@@ -76,7 +45,7 @@ def test_batch_composition_and_order(pair):
 
 
 def test_fp32_end_to_end():
-    pair = make_pair(dtype=torch.float32)
+    pair = make_pair("qwen3", dtype=torch.float32)
     prompts = prompts_of([150, 3], pair.config.vocab_size, seed=9)
     outs = pair.server.generate(prompts, SP[:2])
     assert_trainer_matches(pair, prompts, SP[:2], outs)

@@ -7,17 +7,13 @@ import json
 
 import pytest
 import torch
+from model_cases import prompts_of
 
 import alignzoo
 from alignzoo import SamplingParams
 from alignzoo.common.fp8 import dequantize_weight_fp8, quantize_weight_fp8
 
 SP = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02, max_new_tokens=20, seed=3)
-
-
-def prompts_of(lens, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
 def assert_k3_zero(pair, prompts, sp=SP):

@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+from model_cases import prompts_of
 from safetensors import safe_open
 
 import alignzoo
@@ -51,11 +52,6 @@ def make_pair(mode=None, lora=LORA, **kw):
     if mode is not None:
         kw |= dict(lora=lora, lora_mode=mode)
     return sharpen(alignzoo.load_pair("qwen3", config="tiny", device="cpu", seed=0, **kw))
-
-
-def prompts_of(lens, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
 def base_of(trainer):

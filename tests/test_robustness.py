@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 from interpreted import run_interpreted
+from model_cases import assert_same
 from safetensors.torch import load_file, save_file
 
 import alignzoo
@@ -55,12 +56,6 @@ def engine(pair, **kw) -> Engine:
 def refs(pair):
     """Each good request alone in a fresh engine."""
     return [engine(pair).generate([p], sp)[0] for p, sp in zip(PROMPTS, SP)]
-
-
-def assert_same(got, want):
-    assert got.error is None, got.error
-    assert got.tokens == want.tokens and got.finish_reason == want.finish_reason
-    assert torch.equal(got.logprobs, want.logprobs)
 
 
 def broken(sp: SamplingParams, **fields) -> SamplingParams:
