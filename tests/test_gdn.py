@@ -462,7 +462,9 @@ def test_bad_input():
 
 # ------------------------------------------------------------------ the Triton decode step
 
-_INTERPRETED = r"""
+# Both interpreted scripts start here: the inputs, and NaN-filled cache slots (a kernel that reads a
+# row or state it has not written shows).
+_INTERPRETED_PRELUDE = r"""
 import numpy as np
 import torch
 from triton.runtime import interpreter as _it
@@ -473,27 +475,41 @@ from triton.runtime import interpreter as _it
 _it.InterpreterBuilder.create_exp = lambda self, arg: self.unary_op(
     arg, lambda a: torch.exp(torch.from_numpy(np.array(a, copy=True))).numpy())
 
-from alignzoo.common.gdn import cpu, gdn_fwd, gdn_cache, l2norm_fwd
+from alignzoo.common.gdn import gdn_cache, gdn_fwd, l2norm_fwd
+
+
+def inputs(seed, T, Hk, Hv, K, V):
+    gen = torch.Generator().manual_seed(seed)
+    q = l2norm_fwd(torch.randn(T, Hk, K, generator=gen)) * K ** -0.5
+    k = l2norm_fwd(torch.randn(T, Hk, K, generator=gen))
+    v = torch.randn(T, Hv, V, generator=gen)
+    g = -torch.rand(T, Hv, generator=gen) * 0.5
+    beta = torch.rand(T, Hv, generator=gen)
+    return q, k, v, g, beta
+
+
+def nan_cache(Hk, Hv, K, V):
+    c = gdn_cache(4, Hk, Hv, K, V)
+    for t in c.values():
+        t.fill_(float("nan") if t.is_floating_point() else 7)
+    return c
+"""
+
+_INTERPRETED = _INTERPRETED_PRELUDE + r"""
+from alignzoo.common.gdn import cpu
 from alignzoo.common.gdn.kernel import gdn_decode_triton
 
-gen = torch.Generator().manual_seed(0)
 Hk, Hv, K, V = 2, 4, 24, 20
 lens, pre, slot_of = [68, 132, 6], [60, 125, 0], [3, 0, 2]
 T = sum(lens)
-q = l2norm_fwd(torch.randn(T, Hk, K, generator=gen)) * K ** -0.5
-k = l2norm_fwd(torch.randn(T, Hk, K, generator=gen))
-v = torch.randn(T, Hv, V, generator=gen)
-g = -torch.rand(T, Hv, generator=gen) * 0.5
-beta = torch.rand(T, Hv, generator=gen)
+q, k, v, g, beta = inputs(0, T, Hk, Hv, K, V)
 cu = [0]
 for n in lens:
     cu.append(cu[-1] + n)
 ref = gdn_fwd(q, k, v, g, beta, torch.tensor(cu))
 caches = []
 for _ in range(2):
-    c = gdn_cache(4, Hk, Hv, K, V)
-    for t in c.values():
-        t.fill_(float("nan") if t.is_floating_point() else 7)
+    c = nan_cache(Hk, Hv, K, V)
     idx = torch.cat([torch.arange(cu[b], cu[b] + pre[b]) for b in (0, 1)])
     gdn_fwd(q[idx], k[idx], v[idx], g[idx], beta[idx], torch.tensor([0, pre[0], pre[0] + pre[1]]),
             start_positions=torch.zeros(2, dtype=torch.long), cache=c, slots=torch.tensor([3, 0]))
@@ -529,33 +545,13 @@ def test_triton_decode_kernel_interpreted():
     run_interpreted(_INTERPRETED, expect="ok")
 
 
-_INTERPRETED_SCAN = r"""
-import numpy as np
-import torch
-from triton.runtime import interpreter as _it
-
-_it.InterpreterBuilder.create_exp = lambda self, arg: self.unary_op(
-    arg, lambda a: torch.exp(torch.from_numpy(np.array(a, copy=True))).numpy())
-
-from alignzoo.common.gdn import gdn_cache, gdn_fwd, l2norm_fwd
-
-gen = torch.Generator().manual_seed(1)
+_INTERPRETED_SCAN = _INTERPRETED_PRELUDE + r"""
 Hk, Hv, K, V = 1, 2, 24, 20
 lens = [130, 7, 3]
 T = sum(lens)
-q = l2norm_fwd(torch.randn(T, Hk, K, generator=gen)) * K ** -0.5
-k = l2norm_fwd(torch.randn(T, Hk, K, generator=gen))
-v = torch.randn(T, Hv, V, generator=gen)
-g = -torch.rand(T, Hv, generator=gen) * 0.5
-beta = torch.rand(T, Hv, generator=gen)
+xs = inputs(1, T, Hk, Hv, K, V)
 cu = [0, 130, 137, 140]
-xs = (q, k, v, g, beta)
-caches = {}
-for be in ("torch", "triton"):
-    c = gdn_cache(4, Hk, Hv, K, V)
-    for t in c.values():
-        t.fill_(float("nan") if t.is_floating_point() else 7)
-    caches[be] = c
+caches = {be: nan_cache(Hk, Hv, K, V) for be in ("torch", "triton")}
 # call 1: A 0..69, a padding sequence, B 0..4; call 2: A 70..129 (from mid-chunk, across 127), B 5..6
 calls = [([(0, 0, 70, 1), (2, 0, 3, -1), (1, 0, 5, 3)]), ([(1, 5, 2, 3), (0, 70, 60, 1)])]
 for items in calls:
