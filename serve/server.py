@@ -206,9 +206,9 @@ class EngineLoop:
     def _progress(self) -> None:
         for job, item in self._streams.values():
             seq = item.seq
-            if seq is not None and len(seq.tokens) > item.sent:
-                item.sent = len(seq.tokens)
-                job.emit(("chunk", item, list(seq.tokens), list(seq.logprobs), seq.versions[-1]))
+            if seq is not None and len(seq.tokens) > item.sent:  # only the new rows: the stream keeps the rest
+                a, item.sent = item.sent, len(seq.tokens)
+                job.emit(("chunk", item, seq.tokens[a:item.sent], seq.logprobs[a:item.sent], seq.versions[-1]))
 
     def _quiesce(self, fn) -> None:
         """Run ``fn`` with no step in flight and schedule nothing: ``score`` of no sequences waits for a
@@ -522,13 +522,17 @@ def create_app(server: AlignedServer) -> FastAPI:
 
     async def _sse(job: Job, spec):
         left = {it.rid for it in job.items}
+        so_far: dict[str, tuple[list, list]] = {it.rid: ([], []) for it in job.items}  # SGLang's chunks are cumulative
         multi = not spec.single
         try:
             while left:
                 ev = await job.events.get()
                 item = ev[1]
                 if ev[0] == "chunk":
-                    _, _, tokens, lps, version = ev
+                    _, _, new_tokens, new_lps, version = ev
+                    tokens, lps = so_far[item.rid]
+                    tokens += new_tokens
+                    lps += new_lps
                     chunk = api.item_response(item, tokens, lps, version, index=item.index if multi else None)
                 else:
                     _, _, c, version = ev
