@@ -10,7 +10,7 @@ side runs the requests once untimed first).
     python benchmarks/bench_http.py                                   # CPU smoke run, tiny preset
     python benchmarks/bench_http.py --config qwen3-0.6b --device cuda --batch 64 --prompt-len 512 --new 256
 
-The issue-26 target: HTTP >= 0.95x in-process at batch 64 with qwen3-0.6b on the H200.
+Target: HTTP >= 0.95x in-process at batch 64 with qwen3-0.6b on the H200.
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from ..sync import Payload, Publisher
+from ..sync.payload import FORMAT
 
 
 class ServerError(RuntimeError):
@@ -160,7 +161,7 @@ class Client:
         from .wire import encode_payload_b64
 
         return self.post("/update_weights_from_tensor", {"serialized_named_tensors": [encode_payload_b64(payload)],
-                                                         "load_format": "alignzoo.sync/1",
+                                                         "load_format": FORMAT,
                                                          "abort_all_requests": abort_all_requests})
 
     def init_weights_update_group(self, master_address: str, master_port: int, *, backend: str = "gloo",
@@ -189,7 +190,7 @@ class Client:
 
         if self._group is None:
             raise RuntimeError("no weight update group: call init_weights_update_group first")
-        body = {"group_name": self._group["group_name"], "load_format": "alignzoo.sync/1",
+        body = {"group_name": self._group["group_name"], "load_format": FORMAT,
                 "weight_version": payload.version, "abort_all_requests": abort_all_requests}
         answer = _Background(lambda: self.post("/update_weights_from_distributed", body))
         DistTransport(1).send(payload)

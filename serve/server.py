@@ -37,6 +37,7 @@ from ..common.engine.sequence import Completion, Status
 from ..common.sampling import SamplingParams
 from ..sync import (CorruptPayload, DistTransport, Publisher, Receiver, SyncError, VersionSkew, apply_between_steps,
                     weights_checksum)
+from ..sync.payload import FORMAT
 from . import api, wire
 from .api import ApiError, Item
 
@@ -82,7 +83,6 @@ class EngineLoop:
         self._rids: set[str] = set()
         self._rid_lock = threading.Lock()
         self.paused: str | None = None  # the pause mode, None when generating
-        self.failed: str | None = None  # set if the loop itself died
         self._stopping = False
         self.thread = threading.Thread(target=self._run, name="alignzoo-engine", daemon=True)
 
@@ -391,7 +391,7 @@ class AlignedServer:
 
     def update_from_tensor(self, req: api.UpdateFromTensorIn) -> dict:
         if len(req.serialized_named_tensors) != 1:
-            raise ApiError(400, f"serialized_named_tensors must hold one payload ({wire.FORMAT}: "
+            raise ApiError(400, f"serialized_named_tensors must hold one payload ({FORMAT}: "
                                 f"alignzoo.serve.wire.encode_payload_b64), got {len(req.serialized_named_tensors)}")
         payload = wire.decode_payload_b64(req.serialized_named_tensors[0])
         with self._update_lock:
@@ -422,7 +422,7 @@ class AlignedServer:
     def update_from_distributed(self, req: api.UpdateFromDistributedIn) -> dict:
         if req.names is not None or req.dtypes is not None or req.shapes is not None:
             raise ApiError(400, f"names/dtypes/shapes (SGLang's raw per-tensor broadcast) are not taken: this server "
-                                f"receives one checked payload ({wire.FORMAT}) from rank 0 over the group "
+                                f"receives one checked payload ({FORMAT}) from rank 0 over the group "
                                 f"(alignzoo.client.Client.update_weights_from_distributed)")
         if self._group is None:
             raise ApiError(400, "no weight update group: /init_weights_update_group first")

@@ -14,7 +14,6 @@ import torch
 
 from ..sync import CorruptPayload, Payload
 
-FORMAT = "alignzoo.sync/1"
 _KEY = "alignzoo.sync"
 
 
