@@ -11,20 +11,20 @@ and a logical xor-shift, each a bijection mod 2**64, so a single changed word
 always changes the sum) and the words' images are summed modulo 2**64.
 On the CPU that is about 10 element-wise int64 passes; on CUDA one Triton
 kernel (``_checksum_kernel``) does the same arithmetic in registers, one read
-of the bytes (on the H200 the torch passes cost most of an 8B model's 1.3-1.6 s
-publish + apply).
+of the bytes (there the torch passes would dominate a publish + apply).
 
 ``checksums_and_nonfinite`` also counts the NaN/Inf elements of float
 tensors (integer tensors -- uint8 E2M1 codes and E8M0 scales, int32 tables --
 have none to count; E8M0 stored as float8_e8m0fnu counts its NaN byte 0xFF)
 on the same words: an element is non-finite when its exponent bits
 are all ones (``nonfinite_rule``: a mask and pattern per lane of the 32-bit
-word), so the CUDA kernel finds them in the pass that reads the bytes.
+word), so the CUDA kernel finds them in the pass that reads the bytes, and
+the CPU path in the same loop over the words.
 Integer addition is associative, so the value does not depend on the
 reduction order: CPU and CUDA give the same checksum.  It is a 64-bit
 checksum against torn and corrupted payloads, not a cryptographic hash.
-The payload carries these; the receiver re-checks the full weights with one
-after every apply.
+The payload carries these; before it writes, the receiver checks with them
+that the weights as the payload would leave them are the publisher's.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import torch
 from ..common._host import cdiv
 
 _MASK64 = (1 << 64) - 1
-_CHUNK_WORDS = 1 << 25  # 128 MiB of input; bounds the int64 temporaries to 256 MiB each
+_CHUNK_WORDS = 1 << 25  # 128 MiB of input; bounds the int64 temporaries to 256 MiB each; even (float64's rule)
 
 
 def _s64(x: int) -> int:
@@ -91,11 +91,6 @@ def nonfinite_rule(dtype: torch.dtype) -> tuple[int, int, int, bool] | None:
     return _NONFINITE.get(dtype)
 
 
-def _word_sum_triton(words: torch.Tensor) -> torch.Tensor:
-    """sum over i of f(words[i] + i * K0) mod 2**64 as an int64 CUDA scalar (one kernel + a torch sum)."""
-    return _word_sums_triton(words, None)[0]
-
-
 def _word_sums_triton(words: torch.Tensor, rule) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(sum over i of f(words[i] + i * K0) mod 2**64, the non-finite lanes
     under ``rule`` or None) as int64 CUDA scalars: one kernel + torch sums."""
@@ -110,30 +105,34 @@ def _word_sums_triton(words: torch.Tensor, rule) -> tuple[torch.Tensor, torch.Te
     return part.sum(), (bad.sum() if rule is not None else None)
 
 
-def _word_sum_torch(words: torch.Tensor) -> torch.Tensor:
+def _word_sums_torch(words: torch.Tensor, rule) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_word_sums_triton`` in torch ops, chunk by chunk (int64 scalars on ``words.device``)."""
     acc = torch.zeros((), dtype=torch.int64, device=words.device)
+    bad = torch.zeros_like(acc) if rule is not None else None
     for s in range(0, words.numel(), _CHUNK_WORDS):
         w = words[s: s + _CHUNK_WORDS]
-        x = w.to(torch.int64)  # sign extension: still one int64 per int32
-        x.add_(torch.arange(s, s + w.numel(), dtype=torch.int64, device=words.device).mul_(_K0))
-        _lsr_xor_(x.mul_(_K1), 32).mul_(_K2)
-        acc += x.sum()
-    return acc
+        acc += _word_sum_torch(w, s)
+        if rule is not None:
+            bad += _nonfinite_torch(w, rule)
+    return acc, bad
 
 
-def _nonfinite_torch(words: torch.Tensor, rule) -> torch.Tensor:
-    """The lanes of ``words`` that are NaN/Inf under ``rule``, an int64 scalar (the kernel's count)."""
+def _word_sum_torch(w: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """sum over i of f(w[i] + (start + i) * K0) mod 2**64 as an int64 scalar (``w``: a tensor's words
+    from word ``start`` on)."""
+    x = w.to(torch.int64)  # sign extension: still one int64 per int32
+    x.add_(torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device).mul_(_K0))
+    _lsr_xor_(x.mul_(_K1), 32).mul_(_K2)
+    return x.sum()
+
+
+def _nonfinite_torch(w: torch.Tensor, rule) -> torch.Tensor:
+    """The lanes of ``w`` (a tensor's words from an even word on) that are NaN/Inf under ``rule``, an
+    int64 scalar (the kernel's count)."""
     lanes, mask, pattern, odd = rule
     bits = 32 // lanes
-    acc = torch.zeros((), dtype=torch.int64, device=words.device)
-    for s in range(0, words.numel(), _CHUNK_WORDS):
-        w = words[s: s + _CHUNK_WORDS]
-        if odd:
-            w = w[(1 - s % 2)::2]
-        u = w.to(torch.int64) & 0xFFFFFFFF
-        for k in range(lanes):
-            acc += ((u >> (k * bits)) & mask).eq_(pattern).sum()
-    return acc
+    u = (w[1::2] if odd else w).to(torch.int64) & 0xFFFFFFFF
+    return sum(((u >> (k * bits)) & mask).eq_(pattern).sum() for k in range(lanes))
 
 
 def _word_acc(t: torch.Tensor, nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int]:
@@ -145,10 +144,7 @@ def _word_acc(t: torch.Tensor, nonfinite: bool = False) -> tuple[torch.Tensor, t
     if n % 4 or b.storage_offset() % 4:  # int32 words need a 4-byte multiple at a 4-byte offset
         b = torch.cat([b, b.new_zeros(-n % 4)])  # zero lanes are finite under every rule
     words = b.view(torch.int32)
-    if words.is_cuda and words.numel():
-        acc, bad = _word_sums_triton(words, rule)
-    else:
-        acc, bad = _word_sum_torch(words), (_nonfinite_torch(words, rule) if rule is not None else None)
+    acc, bad = (_word_sums_triton if words.is_cuda and words.numel() else _word_sums_torch)(words, rule)
     if nonfinite and rule is None and (t.dtype.is_floating_point or t.dtype.is_complex) and \
             t.dtype not in _ALWAYS_FINITE:
         bad = (~torch.isfinite(t.detach())).sum()  # a float dtype without a bit rule: one more pass
@@ -185,8 +181,13 @@ def tensor_checksum(t: torch.Tensor) -> int:
     return tensor_checksums([t])[0]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how the hashes and the manifest name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _header(name: str, t: torch.Tensor) -> str:
-    return json.dumps([name, str(t.dtype).removeprefix("torch."), list(t.shape)])
+    return json.dumps([name, dtype_name(t.dtype), list(t.shape)])
 
 
 def combine_checksums(entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]]) -> str:
@@ -194,7 +195,7 @@ def combine_checksums(entries: dict[str, tuple[torch.dtype, tuple[int, ...], int
     h = hashlib.sha256()
     for name in sorted(entries):
         dtype, shape, cs = entries[name]
-        h.update(json.dumps([name, str(dtype).removeprefix("torch."), list(shape), f"{cs:016x}"]).encode())
+        h.update(json.dumps([name, dtype_name(dtype), list(shape), f"{cs:016x}"]).encode())
         h.update(b"\n")
     return h.hexdigest()
 

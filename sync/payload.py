@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .checksum import checksums_and_nonfinite, tensor_checksum
+from .checksum import checksums_and_nonfinite, dtype_name, tensor_checksum
 from .layout import Layout
 
 FORMAT = "alignzoo.sync/1"
@@ -57,6 +57,11 @@ class TensorDelta:
     @property
     def nbytes(self) -> int:
         return self.indices.numel() * self.indices.element_size() + self.data.numel() * self.data.element_size()
+
+    @property
+    def data_checksum(self) -> int:
+        """``tensor_checksum(data)``, as ``checksum`` says: of a tensor's bytes when all its blocks ship."""
+        return int(self.checksum[16:], 16)
 
     def compute_checksum(self) -> str:
         return f"{tensor_checksum(self.indices):016x}{tensor_checksum(self.data):016x}"
@@ -143,10 +148,6 @@ class Payload:
                        header["manifest_hash"], stats)
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptPayload(f"malformed payload header: {type(e).__name__}: {e}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def parse_dtype(name: str) -> torch.dtype:

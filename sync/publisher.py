@@ -93,9 +93,14 @@ class Publisher:
 
     def _update_shadow(self, name: str, w: torch.Tensor, delta: TensorDelta) -> None:
         shadow = self._shadow.get(name)
-        if shadow is None or delta.indices.numel():
-            if shadow is None:
-                self._shadow[name] = shadow = torch.empty_like(w, memory_format=torch.contiguous_format)
+        if shadow is not None and not delta.indices.numel():
+            return
+        if shadow is None:
+            self._shadow[name] = shadow = torch.empty_like(w, memory_format=torch.contiguous_format)
+        if delta.indices.numel() == delta.layout.num_blocks:  # the data is the whole tensor, hashed by _delta
+            shadow.view(-1).copy_(delta.data)
+            self._sums[name] = delta.data_checksum
+        else:
             shadow.copy_(w)
             self._sums[name] = tensor_checksum(shadow)
 

@@ -18,6 +18,11 @@ class _Write:
     data: torch.Tensor  # (m,) integers on the target's device
     name: str = ""
 
+    @property
+    def whole(self) -> bool:
+        """Every block ships: the data is the whole tensor."""
+        return self.indices.numel() == self.layout.num_blocks
+
 
 class Receiver:
     """Holds the server's weights ``{name: tensor}`` (the very tensors the
@@ -27,10 +32,11 @@ class Receiver:
     ``version`` is the weights version held: 0 at the start (the first,
     full, payload applies on it), None once its weights are known to be no
     version (they changed out of band: only a full payload applies then).
-    ``verify_end_state``: before writing, stage the changed tensors and
-    compare ``weights_checksum`` of the result with the publisher's (one pass
-    over the weights on their device, one copy of each partly changed
-    tensor), so a payload that would not give the trainer's bytes writes
+    ``verify_end_state``: before writing, compare ``weights_checksum`` of
+    the weights as the payload would leave them with the publisher's (a
+    tensor shipped whole checksums as its data, already checked; the others
+    are hashed in one pass on their device, each partly changed one staged
+    in a copy), so a payload that would not give the trainer's bytes writes
     nothing.  ``check_finite``: refuse a payload whose data holds NaN/Inf
     (``NonFiniteWeights``), counted in the pass that checksums the data.
     """
@@ -58,29 +64,24 @@ class Receiver:
         ``SyncError`` (``VersionSkew``, ``LayoutMismatch``, ``CorruptPayload``,
         ``NonFiniteWeights``, ``EndStateMismatch``) before anything is written."""
         writes = self._validate(payload)
-        staged = None
         if self.verify_end_state:
-            staged = [_stage(wr) for wr in writes]
-            self._check_end_state(payload, writes, staged)
+            self._check_end_state(payload, writes)
         try:
             with torch.no_grad():
-                for i, wr in enumerate(writes):
-                    if staged is None:
-                        _write(wr)
-                    elif staged[i] is not None:
-                        wr.target.view(-1).copy_(staged[i])
+                for wr in writes:
+                    _write(wr, wr.target)
         except BaseException:
             self.version = self._end = None  # half-written
             raise
         self.version, self._end = payload.version, payload.end_checksum
 
-    def _check_end_state(self, p: Payload, writes: list[_Write], staged: list[torch.Tensor | None]) -> None:
+    def _check_end_state(self, p: Payload, writes: list[_Write]) -> None:
         """The weights as the payload would leave them must hash to the publisher's."""
-        new = {wr.name: s for wr, s in zip(writes, staged) if s is not None}
-        names = list(self.weights)
-        sums = tensor_checksums([new.get(n, self.weights[n]) for n in names])
-        got = combine_checksums({n: (self.weights[n].dtype, tuple(self.weights[n].shape), cs)
-                                 for n, cs in zip(names, sums)})
+        sums = {wr.name: p.tensors[wr.name].data_checksum for wr in writes if wr.whole}  # checked by _validate
+        staged = {wr.name: _write(wr, wr.target.clone()) for wr in writes if wr.indices.numel() and not wr.whole}
+        rest = [n for n in self.weights if n not in sums]
+        sums.update(zip(rest, tensor_checksums([staged.get(n, self.weights[n]) for n in rest])))
+        got = combine_checksums({n: (w.dtype, tuple(w.shape), sums[n]) for n, w in self.weights.items()})
         if got == p.end_checksum:
             return
         intact = self._end is not None and weights_checksum(self.weights) == self._end
@@ -177,30 +178,14 @@ class Receiver:
         return _Write(as_int(w).view(lay.view), lay, idx, data, name)
 
 
-def _stage(wr: _Write) -> torch.Tensor | None:
-    """The target's new elements (1-D integers), in a tensor of their own; None when unchanged."""
-    n = wr.indices.numel()
-    if n == 0:
-        return None
-    if n == wr.layout.num_blocks:
-        return wr.data.view(-1)
-    staged = wr.target.clone()
-    E, N, M = wr.layout.view
-    mask = wr.layout.mask(wr.layout.blocks_from_indices(wr.indices))
-    staged[mask] = wr.data.view(-1, M) if mask.dim() == 2 else wr.data
-    return staged.view(-1)
-
-
-def _write(wr: _Write) -> None:
-    n = wr.indices.numel()
-    if n == 0:
-        return
-    if n == wr.layout.num_blocks:
-        wr.target.view(-1).copy_(wr.data)
-        return
-    E, N, M = wr.layout.view
-    mask = wr.layout.mask(wr.layout.blocks_from_indices(wr.indices))
-    wr.target[mask] = wr.data.view(-1, M) if mask.dim() == 2 else wr.data
+def _write(wr: _Write, into: torch.Tensor) -> torch.Tensor:
+    """Copy ``wr``'s blocks into ``into`` (its target, or a copy of it: (E, N, M) integers); returns ``into``."""
+    if wr.whole:
+        into.view(-1).copy_(wr.data)
+    elif wr.indices.numel():
+        mask = wr.layout.mask(wr.layout.blocks_from_indices(wr.indices))
+        into[mask] = wr.data.view(-1, wr.layout.view[2]) if mask.dim() == 2 else wr.data
+    return into
 
 
 def apply_between_steps(engine, receiver: Receiver, payload: Payload) -> int:

@@ -187,6 +187,22 @@ def test_checksums_are_pinned_and_batched_alike():
         "7936bdf4d0deeadcf254e0ed8b17bd9de07d64685ff0ca113e568d0beef7086f"
 
 
+def test_checksum_chunks_give_the_unchunked_sums_and_counts(monkeypatch):
+    """The CPU path's chunk loop (chunks of an even number of words: float64's
+    rule counts the odd words of the tensor) gives what one chunk gives."""
+    from alignzoo.sync import checksum as C
+
+    g = torch.Generator().manual_seed(6)
+    ts = [torch.randn(1001, generator=g).double(), torch.randn(999, generator=g).bfloat16(),
+          torch.randn(37, 5, generator=g)]
+    for t in ts:
+        t.view(torch.uint8)[::97] = 0xFF  # NaNs; in a float64's low word 0xFF must not count
+    one = C.checksums_and_nonfinite(ts)
+    assert all(bad for _, bad in one)
+    monkeypatch.setattr(C, "_CHUNK_WORDS", 6)
+    assert C.checksums_and_nonfinite(ts) == one
+
+
 @pytest.mark.gpu
 def test_checksum_cuda_kernel_equals_cpu():
     """The CUDA kernel and the CPU torch passes give the same checksum, at odd
@@ -212,7 +228,7 @@ def test_checksum_kernel_interpreted_equals_torch_passes():
             "g = torch.Generator().manual_seed(0)\n"
             "for n in (1, 4095, 4096, 9001):\n"
             "    w = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g)\n"
-            "    assert int(C._word_sum_triton(w)) == int(C._word_sum_torch(w)), n\n")
+            "    assert int(C._word_sums_triton(w, None)[0]) == int(C._word_sum_torch(w)), n\n")
     run_interpreted(code)
 
 
@@ -326,6 +342,29 @@ def test_end_state_mismatch_needs_a_full_resync(synced):
     refused(rx, pub.publish(), VersionSkew, "holds no valid version")
     rx.apply(pub.publish(full=True))
     assert rx.version == 4 and same_bytes(server, trainer)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["delta", "full"])
+def test_damaged_blocks_with_consistent_checksums_write_nothing(synced, full):
+    """A payload whose block data and checksums agree but whose end state is
+    not the trainer's (a partly changed and a whole tensor, each alone) is
+    refused by the end-state check with the server untouched byte for byte."""
+    from alignzoo.sync.checksum import tensor_checksum as cs
+
+    _, server, pub, rx = synced
+    p = pub.publish(full=full)
+    for name in ("a.weight", "norm.weight"):  # 2 of a's 5 blocks, or all; norm's only block
+        d = p.tensors[name]
+        good = d.data.clone()
+        d.data.view(torch.uint8)[3] ^= 0x01
+        d.checksum = f"{cs(d.indices):016x}{cs(d.data):016x}"
+        p.manifest_hash = p.compute_manifest_hash()
+        refused(rx, p, EndStateMismatch, "its blocks are damaged; nothing was written")
+        d.data = good
+        d.checksum = d.compute_checksum()
+        p.manifest_hash = p.compute_manifest_hash()
+    rx.apply(p)
+    assert rx.version == 2 and weights_checksum(server) == p.end_checksum
 
 
 def test_publisher_refuses_a_changed_model():

@@ -254,6 +254,10 @@ def test_fp8_formats_round_trip():
     scale_inv = torch.rand(2, 2, 3, generator=g) + 0.5
     w = FP8_BLOCK128.dequantize(codes, scale_inv)
     assert torch.equal(bits(w[1]), bits(dequantize_weight_fp8(codes[1], scale_inv[1])))
+    nan = torch.where(torch.rand(raw.shape, generator=g) < 0.01, raw | 0x7F, raw).view(torch.float8_e4m3fn)
+    for cs in (codes, nan):  # the whole stack in one product: each matrix's bits, NaN codes included
+        assert torch.equal(bits(FP8_BLOCK128.dequantize(cs, scale_inv)),
+                           bits(torch.stack([dequantize_weight_fp8(c, s) for c, s in zip(cs, scale_inv)])))
     c, s = FP8_BLOCK128.quantize(w)
     c1, s1 = quantize_weight_fp8(w[1])
     assert torch.equal(bits(c[1]), bits(c1)) and torch.equal(s[1], s1)

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common._host import cdiv
+from ..sync.checksum import dtype_name
 from .checkpoint import CheckpointError
 from .name_map import _DictSource
 
@@ -49,14 +51,6 @@ _E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
 E8M0_DTYPES = tuple(d for d in (torch.uint8, _E8M0_DTYPE) if d is not None)
 E2M1X2_DTYPES = tuple(d for d in (torch.uint8, torch.int8, _FP4_DTYPE) if d is not None)
 E8M0_BIAS = 127
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
@@ -90,7 +84,7 @@ def _block_amax(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """max |w| over each (br, bc) block of (..., N, K), zero-padded at the edges: (..., nbr, nbc) fp32."""
     *lead, N, K = w.shape
     br, bc = block
-    nbr, nbc = _cdiv(N, br), _cdiv(K, bc)
+    nbr, nbc = cdiv(N, br), cdiv(K, bc)
     a = w.float().abs()
     if (nbr * br, nbc * bc) != (N, K):
         a = torch.nn.functional.pad(a, (0, nbc * bc - K, 0, nbr * br - N))
@@ -149,7 +143,7 @@ class WeightFormat:
 
     def scales_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         *lead, N, K = shape
-        return (*lead, _cdiv(N, self.block[0]), _cdiv(K, self.block[1]))
+        return (*lead, cdiv(N, self.block[0]), cdiv(K, self.block[1]))
 
     def weight_shape(self, codes_shape: Sequence[int]) -> tuple[int, ...]:
         *lead, N, Kc = codes_shape
@@ -174,9 +168,9 @@ class WeightFormat:
     def check_dtypes(self, name: str, codes_dtype: torch.dtype, scale_name: str, scales_dtype: torch.dtype) -> None:
         for what, dtype, allowed in ((name, codes_dtype, self.code_dtypes), (scale_name, scales_dtype, self.scale_dtypes)):
             if dtype not in allowed:
-                raise CheckpointError(f"{what}: stored as {_dtype_name(dtype)}; {self.name} "
+                raise CheckpointError(f"{what}: stored as {dtype_name(dtype)}; {self.name} "
                                       f"{'codes' if what == name else 'scales'} are "
-                                      f"{' or '.join(map(_dtype_name, allowed))}")
+                                      f"{' or '.join(map(dtype_name, allowed))}")
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32, *,
                    name: str = "weight", scale_name: str | None = None) -> torch.Tensor:
@@ -185,15 +179,8 @@ class WeightFormat:
         self.check_dtypes(name, codes.dtype, scale_name, scales.dtype)
         shape = self.check_shapes(name, codes.shape, scale_name, scales.shape)
         *_, N, K = shape
-        if self.scales == "fp32":
-            from ..common.fp8 import dequantize_weight_fp8
-
-            c2, s2 = codes.reshape(-1, N, K), scales.reshape(-1, *scales.shape[-2:])
-            w = torch.stack([dequantize_weight_fp8(c, s, torch.float32) for c, s in zip(c2, s2)])
-            w = w.reshape(shape)
-        else:
-            values = e2m1_decode(codes) if self.codes == "e2m1x2" else codes.float()
-            w = values * _expand(e8m0_to_float(scales), self.block, N, K)
+        values = e2m1_decode(codes) if self.codes == "e2m1x2" else codes.float()
+        w = values * _expand(scales if self.scales == "fp32" else e8m0_to_float(scales), self.block, N, K)
         return w if dtype == torch.float32 else w.to(dtype)
 
     def quantize(self, w: torch.Tensor, *, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +188,7 @@ class WeightFormat:
         uint8 E8M0 scales (view them as another allowed dtype to store them so)."""
         if not w.dtype.is_floating_point or w.dim() < 2:
             raise TypeError(f"{name}: {self.name} quantizes a float tensor of >= 2 dims, got "
-                            f"{_dtype_name(w.dtype)} {tuple(w.shape)}")
+                            f"{dtype_name(w.dtype)} {tuple(w.shape)}")
         N, K = w.shape[-2:]
         if self.codes == "e2m1x2" and K % self.block[1]:
             raise ValueError(f"{name}: {self.name} needs K = {K} to be a multiple of {self.block[1]}")

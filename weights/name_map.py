@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm import tqdm
 
+from ..sync.checksum import dtype_name
 from .checkpoint import CheckpointError, HFCheckpoint
 
 log = logging.getLogger(__name__)
@@ -284,10 +285,9 @@ class NameMap:
                     cat = f"cat({', '.join(lay.labels)})"
                     return [f"{cat} for {ours}: expected {shape[d]} {along}, found {sum(sizes)}"], None
         bad = []
-        for part, names, size in zip(lay.fuse.parts, lay.names, sizes):
+        for part, names, size, got in zip(lay.fuse.parts, lay.names, sizes, found):
             want = shape[:d] + (size,) + shape[d + 1:]
             if not isinstance(part, Stack):
-                got = tuple(src.shape(names[0]))
                 if got != want:
                     bad.append(f"{names[0]}: expected {_fmt(want)}, found {_fmt(got)} (part of {ours} {_fmt(shape)})")
                 continue
@@ -372,12 +372,11 @@ class NameMap:
             skipped, unexpected = [], []
             for k in extras:
                 (skipped if k in optional or any(r.search(k) for r in self.ignore) else unexpected).append(k)
+            where = f"{self.name} checkpoint {getattr(src, 'path', src)}"
             if missing or unexpected or misshaped:
-                raise WeightMismatchError(f"{self.name} checkpoint {getattr(src, 'path', src)}", missing, unexpected,
-                                          misshaped, notes)
+                raise WeightMismatchError(where, missing, unexpected, misshaped, notes)
             if skipped:
                 log.debug("%s: ignored %d checkpoint tensor(s): %s", self.name, len(skipped), ", ".join(skipped))
-            where = f"{self.name} checkpoint {getattr(src, 'path', src)}"
             if not_float:
                 raise CheckpointError(f"{where}: {len(not_float)} weight(s) not stored as floating point (a cast "
                                       f"would invent their values): {', '.join(not_float)}")
@@ -421,7 +420,7 @@ class NameMap:
                 bad = int((~torch.isfinite(src.get(p).to(dtype))).sum())
                 if bad:
                     raise CheckpointError(f"{where}: {p} holds {bad} NaN/Inf value(s) (as "
-                                          f"{str(dtype).removeprefix('torch.')}); refusing to serve them")
+                                          f"{dtype_name(dtype)}); refusing to serve them")
         return t
 
     def to_hf(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -429,10 +428,9 @@ class NameMap:
         stacked experts unstacked into views, in the layout ``from_hf`` read (the first before)."""
         if self.tie_word_embeddings:
             tensors = {k: v for k, v in tensors.items() if k not in self.tied}
-        self._layouts_or_raise(tensors)
         out = {}
-        for ours in tensors:
-            lay = self._layout(ours)
+        for ours, layouts in self._layouts_or_raise(tensors).items():
+            lay = layouts[self._chosen.get(ours, 0)]
             t = tensors[ours].detach()
             if lay.single:
                 out[lay.flat[0]] = t
