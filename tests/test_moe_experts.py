@@ -161,3 +161,19 @@ def test_triton_kernels_keep_the_structure_interpreted():
     equals a numpy reference of the contract on inputs whose dots are exact:
     skewed routing, an expert with no token, one token, ragged H and I."""
     run_interpreted(_INTERPRETED, expect="ok")
+
+
+def test_the_backward_clamps_where_the_forward_does():
+    """A bf16 expert clamps at limit_in(bf16, 7.3) = 7.3125, so a gate of 7.31
+    passes: its gradient is the true one, not the zero of a clamp at 7.3."""
+    from alignzoo.common.moe.op import _swiglu_bwd
+    from alignzoo.common.swiglu.cpu import limit_in
+
+    lim = limit_in(torch.bfloat16, 7.3)
+    assert lim == 7.3125
+    gu = torch.tensor([[7.31, -7.31, 7.31, 8.0]], dtype=torch.float64, requires_grad=True)
+    g, u = gu[:, :2].clamp(max=lim), gu[:, 2:].clamp(min=-lim, max=lim)
+    da = torch.tensor([[1.0, 0.5]], dtype=torch.float64)
+    (ref,) = torch.autograd.grad((g * torch.sigmoid(g) * u * da).sum(), gu)
+    got = _swiglu_bwd(gu.detach().float(), da.float(), 7.3, torch.bfloat16)
+    assert got[0, 0] != 0 and rel_err(got, ref) < 1e-6

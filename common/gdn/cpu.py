@@ -54,6 +54,9 @@ from __future__ import annotations
 
 import torch
 
+from ..swiglu.cpu import silu
+from ..tree.cpu import pad_to, pairwise_tree, tree_width
+
 CHUNK = 64
 _NEG0 = -0.0
 # The trainer/prefill path evaluates its largest products (the (64, 64, K) dots, the (64, 64, V)
@@ -62,24 +65,10 @@ _NEG0 = -0.0
 _BLOCK_ELEMS = 1 << 21
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Sum over ``dim`` by the fixed pairwise tree: padded with -0.0 to a power
     of two, then x[2m] + x[2m+1] level by level.  Element-wise adds only."""
-    dim = dim % x.dim()
-    n = x.shape[dim]
-    p = next_pow2(n)
-    if p != n:
-        pad = list(x.shape)
-        pad[dim] = p - n
-        x = torch.cat([x, x.new_full(pad, _NEG0)], dim)
-    while x.shape[dim] > 1:
-        x = x.unflatten(dim, (x.shape[dim] // 2, 2))
-        x = x.select(dim + 1, 0) + x.select(dim + 1, 1)
-    return x.squeeze(dim)
+    return pairwise_tree(x, torch.add, dim, _NEG0)
 
 
 def l2norm_cpu(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -91,24 +80,15 @@ def l2norm_cpu(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 # -- the row functions: every path calls these (leading dims are free) -----------------------
 
 
-def _pad_to(x: torch.Tensor, dim: int, p: int, value: float) -> torch.Tensor:
-    n = x.shape[dim]
-    if n == p:
-        return x
-    shape = list(x.shape)
-    shape[dim] = p - n
-    return torch.cat([x, x.new_full(shape, value)], dim)
-
-
 def row_dots(a: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
     """a (..., K), ctx (..., 64, K) -> (..., 64): tree_K(a[k] * ctx[j, k]).
 
     The K lanes are padded on the operands, a with +0.0 and ctx with -0.0,
     so a padded product is (+0.0) * (-0.0) == -0.0 exactly: the tree_K of
-    the -0.0-padded products without building them twice (a cat of the
-    (..., 64, 64, K) products was a third of the trainer's time)."""
-    p = next_pow2(a.shape[-1])
-    return tree_sum(_pad_to(a, -1, p, 0.0).unsqueeze(-2) * _pad_to(ctx, -1, p, _NEG0), -1)
+    the -0.0-padded products without building the large (..., 64, 64, K)
+    product twice (padding it would copy it again)."""
+    p = tree_width(a.shape[-1])
+    return tree_sum(pad_to(a, -1, p, 0.0).unsqueeze(-2) * pad_to(ctx, -1, p, _NEG0), -1)
 
 
 def decay(G_i: torch.Tensor, G_ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -136,8 +116,8 @@ def solve_row(beta_i, kk_i, E_i, b_i, x_ctx, lower):
 def state_dot(a: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     """a (..., K), S (..., K, V) -> (..., V): tree_K(a[k] * S[k, :]), padded as
     ``row_dots`` is (a with +0.0, S with -0.0: each padded product is -0.0)."""
-    p = next_pow2(a.shape[-1])
-    return tree_sum(_pad_to(a, -1, p, 0.0).unsqueeze(-1) * _pad_to(S, -2, p, _NEG0), -2)
+    p = tree_width(a.shape[-1])
+    return tree_sum(pad_to(a, -1, p, 0.0).unsqueeze(-1) * pad_to(S, -2, p, _NEG0), -2)
 
 
 def vnew_row(u, w, S0):
@@ -260,19 +240,19 @@ def chunked(q, k, v, g, beta, cu, starts, *, cache=None, slots=None, return_stat
     G_w = torch.stack(cols, -1)  # (P, Hv, 64)
     _, causal, strict = _masks(dev)
     kh_w = k_w[:, head]  # (P, Hv, 64, K)
-    Kp = next_pow2(K)
+    Kp = tree_width(K)
     nb = max(1, _BLOCK_ELEMS // (Hk * CHUNK * CHUNK * Kp))  # pieces per product block
     kk = torch.cat([row_dots(k_w[a : a + nb], k_w[a : a + nb].unsqueeze(-3)) for a in range(0, P, nb)])[:, head]
     qk = torch.cat([row_dots(q_w[a : a + nb], k_w[a : a + nb].unsqueeze(-3)) for a in range(0, P, nb)])[:, head]
     q_w = q_w[:, head]
     E = decay(G_w, G_w.unsqueeze(-2).expand(*G_w.shape, CHUNK), causal)  # (P, Hv, 64 i, 64 j)
     b_w = rhs(v_w, kh_w, beta_w, G_w)  # (P, Hv, 64, V + K)
-    # Step i reads rows j < i only: the 64-tree with rows >= p = next_pow2(i) all -0.0 is the
+    # Step i reads rows j < i only: the 64-tree with rows >= p = tree_width(i) all -0.0 is the
     # p-tree of rows < p (every subtree of -0.0 is -0.0, and x + -0.0 == x), so the step
     # evaluates rows < p, the same bits with a third less work.
     x_rows, zero = [], b_w.new_zeros(b_w.shape[:2] + b_w.shape[3:])
     for i in range(CHUNK):
-        p = next_pow2(i)
+        p = tree_width(i)
         ctx = torch.stack(x_rows[:p] + [zero] * (p - len(x_rows[:p])), -2)
         x_i = solve_row(beta_w[..., i], kk[..., i, :p], E[..., i, :p], b_w[..., i, :], ctx, strict[i, :p])
         if x_old is not None:
@@ -416,7 +396,7 @@ def conv1d_cpu(x, weight, cu_seqlens, tail=None, slots=None, starts=None):
         term = wf[:, d] * xs
         acc = term if acc is None else acc + term
     z = acc.to(x.dtype).float()
-    y = (z / (1.0 + torch.exp(-z))).to(x.dtype)
+    y = silu(z).to(x.dtype)
     if tail is not None:
         n = cu[1:] - cu[:-1]  # (B,)
         m = torch.arange(CONV_K - 1, device=dev)

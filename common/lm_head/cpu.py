@@ -52,6 +52,7 @@ from __future__ import annotations
 import torch
 
 from alignzoo.common.matmul.cpu import fixed_order_dot
+from alignzoo.common.tree.cpu import pairwise_tree
 
 VOCAB_GROUP = 256
 # Default projection call: at most 2**15 FP32 logits (128 rows x one group,
@@ -63,13 +64,6 @@ _CHUNK_ELEMS = 1 << 15
 _DEFAULT_BLOCK_M = _CHUNK_ELEMS // 256
 
 _NEG_INF = float("-inf")
-
-
-def _pairwise(x: torch.Tensor, op) -> torch.Tensor:
-    """Reduce the last dim (a power of two) by the fixed tree x[2i] op x[2i+1], level by level."""
-    while x.shape[-1] > 1:
-        x = op(x[..., 0::2], x[..., 1::2])
-    return x[..., 0]
 
 
 def merge_groups(m: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,9 +88,9 @@ def group_stats(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(T, n * VOCAB_GROUP) FP32 logits, -inf padded -> per-group (max, sum exp(z - max)), (T, n) each."""
     T = z.shape[0]
     zg = z.view(T, z.shape[1] // VOCAB_GROUP, VOCAB_GROUP)  # (T, n, 256)
-    m = _pairwise(zg, torch.maximum)  # (T, n)
+    m = pairwise_tree(zg, torch.maximum)  # (T, n): x[2i] op x[2i+1] over the group's 256 lanes
     e = torch.exp(zg - m.unsqueeze(-1))
-    return m, _pairwise(e, torch.add)
+    return m, pairwise_tree(e, torch.add)
 
 
 def _vocab_chunks(T: int, V: int, vocab_chunk: int | None, block_m: int | None = None):

@@ -21,25 +21,16 @@ from __future__ import annotations
 import torch
 
 from ..matmul.cpu import fixed_order_dot
-from ..swiglu.cpu import limit_in
+from ..swiglu.cpu import clamp_gate_up, limit_in, silu
+from .router import slot_sum  # (T, k, H) fp32 contributions -> (T, H), added in slot order
 
 
 def swiglu_f32(gu: torch.Tensor, limit: float | None, dtype: torch.dtype) -> torch.Tensor:
-    """(R, 2I) fp32 [gate | up] -> (R, I) in ``dtype``: clamp (DeepSeek-V4), SiLU(g)·u in fp32, one rounding."""
+    """(R, 2I) fp32 [gate | up] -> (R, I) in ``dtype``: clamp at ``limit_in(dtype, limit)``
+    (DeepSeek-V4), SiLU(g)·u in fp32, one rounding."""
     I = gu.shape[1] // 2
-    g, u = gu[:, :I], gu[:, I:]
-    if limit is not None:
-        lim = limit_in(dtype, limit)
-        g, u = torch.clamp(g, max=lim), torch.clamp(u, min=-lim, max=lim)
-    return (g / (1.0 + torch.exp(-g)) * u).to(dtype)
-
-
-def slot_sum(c: torch.Tensor) -> torch.Tensor:
-    """(T, k, H) fp32 per-slot contributions -> (T, H) fp32, added in slot order."""
-    acc = c[:, 0]
-    for j in range(1, c.shape[1]):
-        acc = acc + c[:, j]
-    return acc
+    g, u = clamp_gate_up(gu[:, :I], gu[:, I:], None if limit is None else limit_in(dtype, limit))
+    return (silu(g) * u).to(dtype)
 
 
 def experts_fwd_cpu(x, ids, weights, w_gate_up, w_down, limit=None, keep: bool = False):

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv
+from ..swiglu.cpu import limit_in
 from .cpu import slot_sum
 
 BLOCK_M = 64  # wgmma's smallest M: a tile never lowers to mma.sync
@@ -134,15 +135,15 @@ def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, block_
     T, k = ids.shape
     E, I2, H = w_gate_up.shape
     I = I2 // 2
+    if T * k == 0:
+        return torch.zeros(T, H, dtype=torch.float32, device=x.device)
     x, w_gate_up, w_down = x.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
     # a static choice (shapes only): a graph captured for one T keeps it
     order, t_e, t_r0, t_r1 = row_tile_map(ids) if T * k < E else tile_map(ids, E, block_m)
     tok = (order // k).to(torch.int32)
     a = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     c = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
-    if T * k == 0:
-        return torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    lim = 0.0 if limit is None else float(torch.tensor(limit, dtype=x.dtype))
+    lim = 0.0 if limit is None else limit_in(x.dtype, limit)  # the CPU path's bound (cpu.swiglu_f32)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 experts (tests, fp32 trainers): no tf32 rounding
     n_tiles = t_e.shape[0]
     _gate_up_kernel[(n_tiles, cdiv(I, block_n))](

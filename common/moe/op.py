@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
+from ..swiglu.cpu import clamp_gate_up, limit_in
 from ..tree import tree_reduce
-from .cpu import experts_fwd_cpu
+from .cpu import experts_fwd_cpu, swiglu_f32
 
 
 def experts_fwd(x, ids, weights, w_gate_up, w_down, limit=None) -> torch.Tensor:
@@ -30,14 +31,16 @@ def experts_fwd(x, ids, weights, w_gate_up, w_down, limit=None) -> torch.Tensor:
     return experts_fwd_cpu(x, ids, weights, w_gate_up, w_down, limit)
 
 
-def _swiglu_bwd(gu: torch.Tensor, da: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """d[gate | up] (R, 2I) fp32 of a = SiLU(g)·u at the clamped fp32 ``gu``."""
+def _swiglu_bwd(gu: torch.Tensor, da: torch.Tensor, limit: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """d[gate | up] (R, 2I) fp32 of a = SiLU(g)·u at fp32 ``gu``, clamped where the
+    forward clamps (``swiglu_f32``: at ``limit_in(dtype, limit)``, not at the raw limit)."""
     I = gu.shape[1] // 2
     g, u = gu[:, :I], gu[:, I:]
     pass_g = pass_u = None
     if limit is not None:
-        pass_g, pass_u = g <= limit, (u >= -limit) & (u <= limit)
-        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        lim = limit_in(dtype, limit)
+        pass_g, pass_u = g <= lim, (u >= -lim) & (u <= lim)
+        g, u = clamp_gate_up(g, u, lim)
     s = torch.sigmoid(g)
     dg = da * u * (s * (1 + g * (1 - s)))
     du = da * g * s
@@ -70,25 +73,17 @@ class _Experts(torch.autograd.Function):
             xe = x[tok].float()
             wgu, wd = w_gate_up[e].float(), w_down[e].float()
             gu = xe @ wgu.T
-            a = _swiglu_fwd_f32(gu, ctx.limit).to(x.dtype).float()  # the forward's bf16 SwiGLU rows
+            a = swiglu_f32(gu, ctx.limit, x.dtype).float()  # the forward's bf16 SwiGLU rows
             down = a @ wd.T  # (R, H)
             g = dy[tok]
             dw[sel] = (g * down).sum(1)
             d_down = g * wflat[sel, None]
             dd_w[e] += d_down.T @ a
-            dgu = _swiglu_bwd(gu, d_down @ wd, ctx.limit)
+            dgu = _swiglu_bwd(gu, d_down @ wd, ctx.limit, x.dtype)
             dgu_w[e] += dgu.T @ xe
             dx.index_add_(0, tok, dgu @ wgu)
         return (dx.to(x.dtype), None, dw.view(T, k).to(weights.dtype), dgu_w.to(w_gate_up.dtype),
                 dd_w.to(w_down.dtype), None)
-
-
-def _swiglu_fwd_f32(gu: torch.Tensor, limit: float | None) -> torch.Tensor:
-    I = gu.shape[1] // 2
-    g, u = gu[:, :I], gu[:, I:]
-    if limit is not None:
-        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-    return g / (1.0 + torch.exp(-g)) * u
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,

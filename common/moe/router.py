@@ -24,11 +24,10 @@ so the same code runs inside a CUDA graph.
   to int64 keys, ascending = "value descending, then id ascending", distinct
   within a row; the k smallest keys (``torch.topk(largest=False)``) are the
   unique answer of any correct algorithm.
-* Scores: torch 2.13's CPU ``torch.sigmoid`` and ``F.softplus`` give an
+* Scores: torch 2.13's CPU ``torch.sigmoid`` and ``F.softplus`` can give an
   element other bits in a short slice (a vector tail) than inside a long
-  tensor (1.0% and 1.7% of 161,600 elements), ``exp``/``log1p``/``sqrt``/
-  ``reciprocal`` do not (0 of 161,600 each), so both are written here from
-  the latter: ``sigmoid_fp32``, ``sqrtsoftplus_fp32``
+  tensor, ``exp``/``log1p``/``sqrt``/``reciprocal`` do not, so both are
+  written here from the latter: ``sigmoid_fp32``, ``sqrtsoftplus_fp32``
   (tests/test_moe_router.py keeps checking them).
 
 Layers: those rules -> ``*_fwd`` launchers (no validation: the server's
@@ -46,9 +45,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .._host import next_power_of_2
 from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
 from ..sampling.rules import key_ids, order_keys
+from ..tree.cpu import pairwise_tree
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 REPLAY_MODES = ("frozen", "straight-through")
@@ -85,29 +84,19 @@ EXPERT_SHAPES = {
 # ---------------------------------------------------------------- rules: fixed-order element-wise pieces
 
 
-def _tree(x: torch.Tensor, op, identity: float) -> torch.Tensor:
-    """(..., n) -> (...): pad n to a power of two with ``identity``, then x[2i] op x[2i+1] level by level."""
-    n = x.shape[-1]
-    pad = next_power_of_2(n) - n
-    if pad:
-        x = torch.cat([x, x.new_full((*x.shape[:-1], pad), identity)], dim=-1)
-    while x.shape[-1] > 1:
-        x = op(x[..., 0::2], x[..., 1::2])
-    return x[..., 0]
-
-
 def tree_max(x: torch.Tensor) -> torch.Tensor:
-    """Max over the last dim by the fixed tree (a max is exact in any order; the tree keeps it element-wise)."""
-    return _tree(x, torch.maximum, float("-inf"))
+    """Max over the last dim by the fixed tree, -inf padding (a max is exact in any order; the tree keeps it element-wise)."""
+    return pairwise_tree(x, torch.maximum, -1, float("-inf"))
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum of values >= 0 over the last dim by the fixed pairwise tree, +0.0 padding (x + 0.0 == x)."""
-    return _tree(x, torch.add, 0.0)
+    return pairwise_tree(x, torch.add, -1, 0.0)
 
 
 def slot_sum(w: torch.Tensor) -> torch.Tensor:
-    """(T, k) -> (T,): ((w0 + w1) + w2) + ..., FP32 left to right over the slots."""
+    """(T, k, ...) -> (T, ...): ((w0 + w1) + w2) + ..., left to right over the slots (dim 1),
+    element-wise in w's dtype (the router's (T, k) weights, the experts' (T, k, H) contributions)."""
     acc = w[:, 0]
     for j in range(1, w.shape[1]):
         acc = acc + w[:, j]

@@ -40,7 +40,8 @@ thread split (measured: 3.3M values, lengths 1..65537, offsets 0..16, 1 and 2
 threads; ``tests/test_swiglu.py`` keeps checking it).  ``F.silu`` and
 ``torch.sigmoid`` do not: their last few elements take a scalar fallback (190
 of 5000 values differed between a 1-element and a 200k-element call, torch
-2.13 AVX2), which is why SiLU is written out as ``z / (1 + exp(-z))``.
+2.13 AVX2), which is why SiLU is written out as ``z / (1 + exp(-z))``
+(``swiglu.cpu.silu``, shared with SwiGLU, the MoE experts and the GDN conv).
 
 A row's output therefore depends only on that row and ``w``: the same bits for
 any batch size, row order, padding or ``block_rows``.  Plain and fused
@@ -54,14 +55,12 @@ from __future__ import annotations
 
 import torch
 
+from ..swiglu.cpu import silu
+from ..tree.cpu import pad_to, pairwise_tree, tree_width
+
 ROW_CHUNK = 256  # lanes of the row sum's chunk accumulator (part of its order, see above)
 DW_TILES = 16  # row tiles per block in the dw reduction (part of its order, not a knob)
 DW_SLOTS2 = 32  # slots of the dw reduction's second level (part of its order)
-
-
-def tree_width(H: int) -> int:
-    """Lanes of the pairwise row tree: H padded up to a power of two."""
-    return 1 << max(H - 1, 0).bit_length()
 
 
 def dw_slots(H: int) -> int:
@@ -69,28 +68,18 @@ def dw_slots(H: int) -> int:
     return max(1, min(16, 2048 // tree_width(H)))
 
 
-def _tree_over_dim1(v: torch.Tensor) -> torch.Tensor:
-    """Pairwise tree over dim 1 (a power of two) of v (B, S, H) -> (B, H)."""
-    while v.shape[1] > 1:
-        v = v[:, 0::2] + v[:, 1::2]
-    return v[:, 0]
-
-
 def row_tree_sum(v: torch.Tensor) -> torch.Tensor:
     """Sum fp32 v (M, H) over its last dim in the row order (module docstring) -> (M,):
     chunks of ROW_CHUNK lanes accumulated in order, then the pairwise tree."""
     M, H = v.shape
     P = tree_width(H)
-    if P != H:
-        v = torch.cat([v, v.new_zeros(M, P - H)], dim=1)  # (M, P)
+    v = pad_to(v, 1, P, 0.0)  # (M, P)
     if P > ROW_CHUNK:
         acc = v.new_zeros(M, ROW_CHUNK)
         for c in range(P // ROW_CHUNK):
             acc = acc + v[:, c * ROW_CHUNK : (c + 1) * ROW_CHUNK]
         v = acc
-    while v.shape[1] > 1:
-        v = v[:, 0::2] + v[:, 1::2]
-    return v[:, 0]
+    return pairwise_tree(v)
 
 
 def _slot_sum(v: torch.Tensor, slots: int) -> torch.Tensor:
@@ -104,7 +93,7 @@ def _slot_sum(v: torch.Tensor, slots: int) -> torch.Tensor:
     acc = torch.zeros(B, slots, H, dtype=torch.float32, device=v.device)
     for t in range(steps):
         acc = acc + v[:, t]
-    return _tree_over_dim1(acc)
+    return pairwise_tree(acc, dim=1)
 
 
 def dw_sum(v: torch.Tensor) -> torch.Tensor:
@@ -117,11 +106,6 @@ def dw_sum(v: torch.Tensor) -> torch.Tensor:
         v = torch.cat([v, v.new_zeros(NB * RB - M, H)])
     part = _slot_sum(v.view(NB, RB, H), S)  # (NB, H)
     return _slot_sum(part[None], DW_SLOTS2)[0]
-
-
-def silu(z: torch.Tensor) -> torch.Tensor:
-    """fp32 SiLU as z / (1 + exp(-z)) from element-wise ops (see module docstring)."""
-    return z / (1.0 + torch.exp(-z))
 
 
 def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:

@@ -34,16 +34,23 @@ def limit_in(dtype: torch.dtype, limit: float) -> float:
     return torch.tensor(limit, dtype=dtype).item()
 
 
-def _clamp(g: torch.Tensor, u: torch.Tensor, lim: float | None):
+def clamp_gate_up(g: torch.Tensor, u: torch.Tensor, lim: float | None):
+    """DeepSeek-V4's clamp at the bound ``lim`` (``limit_in``'s value; None: no clamp):
+    g = min(g, lim), u = min(max(u, -lim), lim), exact."""
     if lim is None:
         return g, u
     return torch.clamp(g, max=lim), torch.clamp(u, min=-lim, max=lim)
 
 
+def silu(z: torch.Tensor) -> torch.Tensor:
+    """fp32 SiLU as fl(z / fl(1 + exp(-z))) from element-wise ops (see module docstring)."""
+    return z / (1.0 + torch.exp(-z))
+
+
 def _fwd_rows(gate, up, limit):
     lim = None if limit is None else limit_in(gate.dtype, limit)
-    g, u = _clamp(gate.float(), up.float(), lim)
-    return (g / (1.0 + torch.exp(-g)) * u).to(gate.dtype)
+    g, u = clamp_gate_up(gate.float(), up.float(), lim)
+    return (silu(g) * u).to(gate.dtype)
 
 
 def swiglu_fwd_cpu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None, block_rows: int | None = None):
@@ -70,7 +77,7 @@ def swiglu_bwd_cpu(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit
     """
     lim = None if limit is None else limit_in(gate.dtype, limit)
     g0, u0 = gate.float(), up.float()
-    g, u = _clamp(g0, u0, lim)
+    g, u = clamp_gate_up(g0, u0, lim)
     dyf = dy.float()
     e = torch.exp(-g)
     s = 1.0 / (1.0 + e)
