@@ -41,3 +41,10 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
 def check_dim(name: str, got: int, want: int, what: str) -> None:
     if got != want:
         raise ValueError(f"{name}: {what} is {got}, expected {want}")
+
+
+def check_int(name: str, v, lo: int = 1, *, bound: str | None = None) -> None:
+    """``v`` must be an int (a bool is not one) >= ``lo``; else ValueError
+    "{name} must be an int {bound}, got {v!r}" (``bound``: ">= lo" unless given)."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an int {bound or f'>= {lo}'}, got {v!r}")

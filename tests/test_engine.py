@@ -13,7 +13,7 @@ from engine_toy import ToyServeModel
 from model_cases import assert_same
 
 from alignzoo.common.engine import Completion, Engine, ForwardBatch, PagedRows, ServeModel, graph_batch_sizes
-from alignzoo.common.engine.model_api import first_rows, static_decode_batch
+from alignzoo.common.engine.model_api import batch_tensors, first_rows, static_decode_batch
 from alignzoo.common.engine.model_runner import DecodeGraphs
 from alignzoo.common.engine.scheduler import Scheduler
 from alignzoo.common.sampling import SamplingParams
@@ -376,6 +376,31 @@ def test_padded_decode_path_on_cpu(model, alone):
     for got, want in zip(eng.generate(PROMPTS, PARAMS), alone):
         assert_same(got, want)
     assert {6, 4, 1} <= set(replays)  # 5 rows in bucket 6, then 3 in bucket 4: pad rows ride along
+
+
+def test_decode_graph_inputs_are_views_of_the_static_batch(model):
+    """``DecodeGraphs.inputs[bs]``, made once, are the first bs rows of the
+    static batch in place (what a captured graph reads): a replay's copies
+    land in ``static``, and every path of the batch is there."""
+    runner = Engine(model, num_pages=8, max_batch_size=6).runner
+    static = static_decode_batch(6, runner.graph_widths, "cpu")
+    graphs = DecodeGraphs(static, {bs: None for bs in graph_batch_sizes(6)}, {})
+    whole = batch_tensors(static)
+    for bs, inputs in graphs.inputs.items():
+        want = batch_tensors(first_rows(static, bs))
+        assert list(inputs) == list(want) == list(whole)
+        for path, t in inputs.items():
+            assert t.data_ptr() == whole[path].data_ptr() and t.shape == want[path].shape
+    graphs.inputs[4]["tokens"].fill_(7)
+    assert static.tokens.tolist() == [7] * 4 + [0] * 2
+    assert DecodeGraphs(None, {4: None}, {}).inputs == {}
+
+
+def test_engine_integer_arguments_refuse_bools(model):
+    with pytest.raises(ValueError, match="num_pages must be an int >= 1, got True"):
+        Engine(model, num_pages=True)
+    with pytest.raises(ValueError, match="kv_cache_bytes must be an int of at least one page of every cache pool"):
+        Engine(model, kv_cache_bytes=False)
 
 
 # LoRA adapters named per request, served in one batch (the toy adapts its qkv projection)

@@ -110,3 +110,26 @@ def test_window_pool_gives_pages_back_under_a_long_decode():
     assert max(held) <= 3  # the window's two pages and the one being filled
     assert_matches_reference(toy, prompt, out.tokens, out.logprobs, sp, out.extras)
     assert eng.block_manager.idle
+
+
+def test_runner_takes_the_engines_pools_in_the_models_order():
+    """The runner allocates the specs the engine sized and reads which pools
+    are paged (and whether one holds state) off the engine's cache manager,
+    keeping the model's order of pools (the manager puts a window pool last)."""
+    from alignzoo.common.kv_cache import StatePool
+
+    for kind in ("state", "rate", "window"):
+        toy = PoolToy(kind)
+        eng = Engine(toy, num_pages=8, freeze_gc=False)
+        pools = toy.cache_pools()
+        assert eng.runner.pools == pools
+        assert eng.runner.paged == [n for n, p in pools.items() if not isinstance(p, StatePool)]
+        assert eng.runner.has_state == (kind == "state")
+        assert {n: len(c) for n, c in eng.runner.caches.items()} == {n: p.layers for n, p in pools.items()}
+
+    class WindowFirst(PoolToy):
+        def cache_pools(self):
+            return dict(reversed(super().cache_pools().items()))
+
+    eng = Engine(WindowFirst("window"), num_pages=8, freeze_gc=False)
+    assert eng.runner.paged == ["win", "kv"] and list(eng.block_manager.ledgers) == ["kv", "win"]

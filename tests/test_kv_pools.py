@@ -147,3 +147,28 @@ def test_pool_specs_size_and_allocate():
         WindowPool({"kv": (4,)}, torch.float32, 1, window=0)
     with pytest.raises(ValueError, match="rows"):
         PagedPool({"k": (0,)}, torch.float32, 1)
+
+
+def test_pool_specs_share_one_sizing_interface():
+    """Every spec has ``units`` (pages; a state pool's slots, whatever the
+    blocks) and ``unit_bytes`` (a page's or a slot's), which ``pool_units``
+    and ``pool_bytes`` use; integer fields refuse bools and values below 1."""
+    kv = PagedPool({"k": (2, 24)}, torch.bfloat16, layers=3)
+    c4 = RatePool({"kv": (40,)}, torch.float32, layers=2, rate=4)
+    win = WindowPool({"k": (2, 24)}, torch.bfloat16, layers=1, window=128)
+    st = StatePool({"h": ((4, 8, 8), torch.float32)}, layers=2)
+    lim = PoolLimits(max_batch_size=4, max_batch_tokens=256)
+    assert [p.units(100, lim) for p in (kv, c4, win, st)] == [100, 25, 20, 8]
+    assert [p.units(1, lim) for p in (kv, c4, win, st)] == [1, 1, 1, 8]
+    assert (kv.unit_bytes(), st.unit_bytes()) == (kv.page_bytes(), st.slot_bytes())
+    for make, match in ((lambda: PagedPool({"k": (4,)}, torch.float32, 0), "a pool's layers must be an int >= 1, got 0"),
+                        (lambda: StatePool({"h": ((4,), torch.float32)}, True), "a pool's layers must be an int >= 1, got True"),
+                        (lambda: RatePool({"k": (4,)}, torch.float32, 1, rate=True), "a rate pool's rate must be an int >= 1"),
+                        (lambda: WindowPool({"k": (4,)}, torch.float32, 1, window=2.0), "a window pool's window must be an int")):
+        with pytest.raises(ValueError, match=match):
+            make()
+    for make, match in ((lambda: BlockManager(4, rate=0), r"rate must be an int >= 1 \(positions per row\), got 0"),
+                        (lambda: WindowManager(4, True), "window must be an int >= 1, got True"),
+                        (lambda: StateSlots(0), "num_slots must be an int >= 1, got 0")):
+        with pytest.raises(ValueError, match=match):
+            make()

@@ -4,7 +4,7 @@
 call.  Weights change only between steps (``between_steps``), and every token
 records the weight version it was sampled under.
 
-Overlap (``overlap=True``, the default; ``Engine.__init__`` has the H200
+Overlap (``overlap=True``, the default; ``docs/DESIGN.md`` has the H200
 figures): when a step is all decode rows that
 continue (no prefill, no request waiting for a free slot in the batch, a page
 for every next position), the engine launches the next step before it reads
@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
+from .._host import cdiv
+from .._validate import check_int
 from ..kv_cache import PAGE_SIZE, CacheManager, PoolLimits
 from ..kv_cache.pools import blocks_for_bytes, pool_bytes, pool_units
 from ..sampling import SamplingParams
@@ -93,7 +95,6 @@ class Engine:
 
         ``overlap``: launch a decode step before reading the previous one's
         tokens (the module docstring); False reads every step before the next.
-        It decodes qwen3-8b 1.10-1.17x faster on the H200 (CUDA graphs, batch 1-256).
 
         ``kv_cache_bytes``: an int of at least one page's bytes (a smaller
         cache could hold no request)."""
@@ -120,7 +121,8 @@ class Engine:
         self.block_manager = CacheManager({n: p.ledger(self.pool_units[n], name=n, shuffle_seed=page_shuffle_seed)
                                            for n, p in pools.items()})
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, max_batch_size)
-        self.runner = ModelRunner(model, self.pool_units, max_batch_size=max_batch_size, cuda_graphs=cuda_graphs)
+        self.runner = ModelRunner(model, pools, self.pool_units, self.block_manager, max_batch_size=max_batch_size,
+                                  cuda_graphs=cuda_graphs)
         self.weight_version = 0
         self._score_preemptions = 0
         self._hooks: deque[Callable[[], None]] = deque()
@@ -300,12 +302,13 @@ class Engine:
                         return done + self._run_alone(chunks, e, self.weight_version)
                 ahead = self._plan_ahead(launched)
                 if ahead is not None:
+                    nxt, ids, steps = ahead
                     try:
-                        self._ahead = self.runner.launch(*ahead[:2], tokens=ahead[2], steps=ahead[3],
+                        self._ahead = self.runner.launch(nxt, self.block_manager, tokens=ids, steps=steps,
                                                          version=self.weight_version)
                     except Exception as e:
                         # its chunks hold their slots: run them alone once this step's tokens are known
-                        return done + self._finish(launched) + self._run_alone(ahead[0], e, self.weight_version)
+                        return done + self._finish(launched) + self._run_alone(nxt, e, self.weight_version)
                 return done + self._finish(launched)
 
     def _finish(self, launched: Launched) -> list[Completion]:
@@ -374,7 +377,7 @@ class Engine:
         sequence, the whole batch (no request waiting for a free batch slot), a
         page for each next position.  Sequences whose token of ``launched`` is
         their last by length are left out; ones that stop on a stop token ride
-        along.  -> (chunks, block manager, device token ids, sampler steps) or None."""
+        along.  -> (chunks, device token ids, sampler steps) or None."""
         sched, bm, chunks = self.scheduler, self.block_manager, launched.chunks
         if not self.overlap or self._hooks or not chunks or launched.tokens is None:
             return None
@@ -388,7 +391,7 @@ class Engine:
         nxt = [Chunk(chunks[i].seq, chunks[i].end, chunks[i].end + 1, bm.append(chunks[i].seq.id, 1)) for i in keep]
         ids = launched.tokens if len(keep) == len(chunks) else \
             launched.tokens[torch.tensor(keep, dtype=torch.int64).to(launched.tokens.device, non_blocking=True)]
-        return nxt, bm, ids, [len(chunks[i].seq.tokens) + 1 for i in keep]
+        return nxt, ids, [len(chunks[i].seq.tokens) + 1 for i in keep]
 
     def _score_sequences(self, sequences, prompt_lens, sampling, adapters, chunk_tokens) -> list[Sequence]:
         if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
@@ -452,8 +455,7 @@ class Engine:
         ``kv_cache_bytes`` buys), capped at what max_batch_size sequences of
         max_position positions could use."""
         if num_pages is not None:
-            if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-                raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
+            check_int("num_pages", num_pages)
             return num_pages
         least = pool_bytes(pools, pool_units(pools, 1, limits))
         if kv_cache_bytes is None:
@@ -461,10 +463,10 @@ class Engine:
                 kv_cache_bytes = max(least, int(torch.cuda.mem_get_info(device)[0] * CUDA_KV_CACHE_FRACTION))
             else:
                 kv_cache_bytes = CPU_KV_CACHE_BYTES
-        elif isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < least:
-            raise ValueError(f"kv_cache_bytes must be an int of at least one page of every cache pool ({least} bytes "
-                             f"for this model), got {kv_cache_bytes!r}")
-        most = self.max_batch_size * -(-self.model.max_position // PAGE_SIZE)
+        else:
+            check_int("kv_cache_bytes", kv_cache_bytes, least,
+                      bound=f"of at least one page of every cache pool ({least} bytes for this model)")
+        most = self.max_batch_size * cdiv(self.model.max_position, PAGE_SIZE)
         return blocks_for_bytes(pools, kv_cache_bytes, limits, most)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kv_cache import CacheManager, StatePool
+from ..kv_cache import CacheManager
 from ..matmul import graph_launches
 from ..sampling import head_width, params_to_tensors, sample_fwd, sampling_logprobs_fwd
 from .model_api import ForwardBatch, ServeModel, batch_tensors, field_spec, first_rows, from_tensors, static_decode_batch
@@ -36,12 +36,19 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 @dataclass
 class DecodeGraphs:
     """Captured decode forwards: ``graphs[bs]`` reads ``static`` sliced to bs
-    rows and writes ``logits[bs]`` (bs, V) and ``extras[bs]`` ({name: (bs, ...)})."""
+    rows and writes ``logits[bs]`` (bs, V) and ``extras[bs]`` ({name: (bs, ...)}).
+    ``inputs[bs]``: {batch path: tensor} of those bs rows, views of ``static``
+    made once (a replay copies a step's rows into them)."""
 
     static: ForwardBatch
     graphs: dict[int, torch.cuda.CUDAGraph]
     logits: dict[int, torch.Tensor]
     extras: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    inputs: dict[int, dict[str, torch.Tensor]] = field(init=False, default_factory=dict)
+
+    def __post_init__(self):
+        if self.static is not None:  # None: a stand-in holding only the logits (tests of SampleGraphs)
+            self.inputs = {bs: batch_tensors(first_rows(self.static, bs)) for bs in self.graphs}
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.graphs if b >= n), None)
@@ -193,17 +200,20 @@ class SampleGraphs:
 
 
 class ModelRunner:
-    """Allocates the model's cache pools (``units``: pages or slots of each)
-    and runs steps: one packed batch per step, eager or replayed from the
-    decode graph of the next bucket up."""
+    """Allocates the model's cache pools (``pools``: its ``cache_pools()``;
+    ``units``: pages or slots of each; ``cache``: the engine's manager of
+    them, which knows the paged ones and the state pool) and runs steps: one
+    packed batch per step, eager or replayed from the decode graph of the
+    next bucket up."""
 
-    def __init__(self, model: ServeModel, units: dict[str, int], *, max_batch_size: int, cuda_graphs: bool):
+    def __init__(self, model: ServeModel, pools: dict, units: dict[str, int], cache: CacheManager, *,
+                 max_batch_size: int, cuda_graphs: bool):
         self.model = model
         self.device = torch.device(model.device)
-        self.pools = model.cache_pools()
-        self.caches = {n: p.allocate(units[n], self.device) for n, p in self.pools.items()}
-        self.paged = [n for n, p in self.pools.items() if not isinstance(p, StatePool)]
-        self.has_state = len(self.paged) < len(self.pools)
+        self.pools = pools
+        self.caches = {n: p.allocate(units[n], self.device) for n, p in pools.items()}
+        self.paged = [n for n in pools if n in cache.paged]  # in the model's order (the manager puts a window last)
+        self.has_state = cache.state is not None
         self._pin = self.device.type == "cuda"
         self.graph_widths = {n: self.pools[n].graph_width(model.max_position) for n in self.paged}
         self.graphs: DecodeGraphs | None = None
@@ -362,7 +372,7 @@ class ModelRunner:
         (bs, W) table; "tokens" may be the real rows' ids on the device}) into
         bucket bs's static inputs, pad rows with each field's pad value, and
         replay.  -> (logits, extras) of the bucket's bs rows."""
-        static = batch_tensors(first_rows(self.graphs.static, bs))
+        static = self.graphs.inputs[bs]
         for path, data in host.items():
             dst = static[path]
             if isinstance(data, torch.Tensor) and data.device.type != "cpu":  # device ids of the real rows

@@ -23,6 +23,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from .._validate import check_int
 from .op import PAGE_SIZE
 
 
@@ -36,12 +37,10 @@ class BlockManager:
         """``shuffle_seed`` shuffles the initial free order (page placement
         must not matter; the tests use it); ``rate``: positions per row;
         ``name`` names the pool in errors."""
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
+        check_int("num_pages", num_pages)
         if page_size != PAGE_SIZE:
             raise ValueError(f"page_size must be {PAGE_SIZE} (it is the attention kernels' KV block)")
-        if isinstance(rate, bool) or not isinstance(rate, int) or rate < 1:
-            raise ValueError(f"rate must be an int >= 1 (positions per row), got {rate!r}")
+        check_int("rate", rate, bound=">= 1 (positions per row)")
         self.num_pages = num_pages
         self.page_size = page_size
         self.rate = rate
@@ -155,10 +154,12 @@ class BlockManager:
     def undo_one(self, seq_id: Hashable) -> None:
         """Take back the last ``append_one`` (its page, if it took one, goes
         back to the front of the free list): a manager over several pools
-        undoes the pools that had room when a later one has none."""
+        undoes the pools that had room when a later one has none.  Every
+        entry of the table is a page: only ``WindowManager`` writes -1, and
+        it cannot undo."""
         table, n = self._tables[seq_id], self._lens[seq_id] - 1
         self._lens[seq_id] = n
-        if len(table) > self._pages_needed((), n) and table[-1] >= 0:
+        if len(table) > self._pages_needed((), n):
             self._free.appendleft(table.pop())
 
     def _appended(self, seq_id: Hashable, table: list[int], start: int) -> None:
@@ -200,8 +201,7 @@ class WindowManager(BlockManager):
     become -1 (the attention kernels never read blocks before the window)."""
 
     def __init__(self, num_pages: int, window: int, **kw):
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        check_int("window", window)
         super().__init__(num_pages, **kw)
         self.window = window
         self._released: dict[Hashable, int] = {}
@@ -235,8 +235,7 @@ class StateSlots:
     after a preemption, whose prefill writes its state without reading it."""
 
     def __init__(self, num_slots: int, *, name: str = "state"):
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        check_int("num_slots", num_slots)
         self.num_pages = num_slots  # the manager counts slots as a pool's pages
         self.name = name
         self._free: deque[int] = deque(range(num_slots))

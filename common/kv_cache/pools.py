@@ -9,10 +9,12 @@ kind is its own class:
   WindowPool  a row per position; pages behind ``window`` go back to the pool
   StatePool   fixed-size tensors per running sequence (recurrent state)
 
-A spec knows its bytes, allocates its tensors (per layer, a dict of named
-tensors: the model's forward reads ``caches[pool][layer][name]``) and makes
-its ledger (``block_manager.py``).  ``CacheManager`` runs every ledger behind
-one API (``append``, ``append_one``, ``can_append``, ``free``): a sequence is
+A spec knows how many units it has for the engine's limits (``units``:
+pages, or slots for a state pool) and the bytes of one (``unit_bytes``),
+allocates its tensors (per layer, a dict of named tensors: the model's
+forward reads ``caches[pool][layer][name]``) and makes its ledger
+(``block_manager.py``).  ``CacheManager`` runs every ledger behind one API
+(``append``, ``append_one``, ``can_append``, ``free``): a sequence is
 admitted, grown or preempted only when every pool it uses has room, and an
 append that one pool cannot serve changes none.
 
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._host import cdiv
+from .._validate import check_int
 from .block_manager import BlockManager, OutOfPages, StateSlots, WindowManager
 from .op import PAGE_SIZE
 
@@ -48,22 +52,24 @@ class PagedPool:
     def __post_init__(self):
         if not self.rows or any(not all(isinstance(d, int) and d >= 1 for d in s) for s in self.rows.values()):
             raise ValueError(f"a pool's rows must map names to shapes of positive ints, got {dict(self.rows)!r}")
-        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
-            raise ValueError(f"a pool needs layers >= 1, got {self.layers!r}")
+        check_int("a pool's layers", self.layers)
 
     def page_bytes(self) -> int:
         return PAGE_SIZE * self.layers * _item(self.dtype) * sum(math.prod(s) for s in self.rows.values())
 
+    def unit_bytes(self) -> int:
+        return self.page_bytes()
+
     def graph_width(self, max_position: int) -> int:
         """Block-table columns that cover ``max_position`` positions."""
-        return -(-(-(-max_position // self.rate)) // PAGE_SIZE)
+        return cdiv(cdiv(max_position, self.rate), PAGE_SIZE)
 
     def ledger(self, num_pages: int, *, name: str, shuffle_seed: int | None = None) -> BlockManager:
         return BlockManager(num_pages, rate=self.rate, name=name, shuffle_seed=shuffle_seed)
 
-    def pages(self, blocks: int, engine_limits: "PoolLimits") -> int:
+    def units(self, blocks: int, engine_limits: "PoolLimits") -> int:
         """This pool's pages when the engine holds ``blocks`` 64-position blocks."""
-        return max(1, -(-blocks // self.rate))
+        return max(1, cdiv(blocks, self.rate))
 
     def allocate(self, num_pages: int, device) -> list[dict[str, torch.Tensor]]:
         return [{n: torch.zeros(num_pages, PAGE_SIZE, *s, dtype=self.dtype, device=device)
@@ -79,8 +85,7 @@ class RatePool(PagedPool):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.rate, bool) or not isinstance(self.rate, int) or self.rate < 1:
-            raise ValueError(f"a rate pool needs rate >= 1, got {self.rate!r}")
+        check_int("a rate pool's rate", self.rate)
 
 
 @dataclass(frozen=True)
@@ -92,17 +97,16 @@ class WindowPool(PagedPool):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"a window pool needs window >= 1, got {self.window!r}")
+        check_int("a window pool's window", self.window)
 
     def ledger(self, num_pages: int, *, name: str, shuffle_seed: int | None = None) -> WindowManager:
         return WindowManager(num_pages, self.window, name=name, shuffle_seed=shuffle_seed)
 
-    def pages(self, blocks: int, engine_limits: "PoolLimits") -> int:
+    def units(self, blocks: int, engine_limits: "PoolLimits") -> int:
         # every sequence's window and its open page, and one chunk's worth of pages beyond them
         lim = engine_limits
-        per_seq = -(-(self.window - 1) // PAGE_SIZE) + 2
-        return max(1, min(blocks, lim.max_batch_size * per_seq + -(-lim.max_batch_tokens // PAGE_SIZE)))
+        per_seq = cdiv(self.window - 1, PAGE_SIZE) + 2
+        return max(1, min(blocks, lim.max_batch_size * per_seq + cdiv(lim.max_batch_tokens, PAGE_SIZE)))
 
 
 @dataclass(frozen=True)
@@ -117,11 +121,17 @@ class StatePool:
     def __post_init__(self):
         if not self.fields:
             raise ValueError("a state pool needs at least one field")
-        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
-            raise ValueError(f"a pool needs layers >= 1, got {self.layers!r}")
+        check_int("a pool's layers", self.layers)
 
     def slot_bytes(self) -> int:
         return self.layers * sum(math.prod(s) * _item(d) for s, d in self.fields.values())
+
+    def unit_bytes(self) -> int:
+        return self.slot_bytes()
+
+    def units(self, blocks: int, engine_limits: "PoolLimits") -> int:
+        """This pool's slots: the engine's ``state_slots``, whatever its blocks."""
+        return engine_limits.state_slots
 
     def ledger(self, num_slots: int, *, name: str, shuffle_seed: int | None = None) -> StateSlots:
         return StateSlots(num_slots, name=name)
@@ -147,11 +157,11 @@ class PoolLimits:
 def pool_units(pools: Mapping[str, object], blocks: int, limits: PoolLimits) -> dict[str, int]:
     """Pages (slots for a state pool) of each pool when the engine holds
     ``blocks`` 64-position blocks."""
-    return {n: limits.state_slots if isinstance(p, StatePool) else p.pages(blocks, limits) for n, p in pools.items()}
+    return {n: p.units(blocks, limits) for n, p in pools.items()}
 
 
 def pool_bytes(pools: Mapping[str, object], units: Mapping[str, int]) -> int:
-    return sum(units[n] * (p.slot_bytes() if isinstance(p, StatePool) else p.page_bytes()) for n, p in pools.items())
+    return sum(units[n] * p.unit_bytes() for n, p in pools.items())
 
 
 def blocks_for_bytes(pools: Mapping[str, object], budget: int, limits: PoolLimits, most: int) -> int:
