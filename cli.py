@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from .models.receipt import DTYPES
+
 # What the library raises for input it refuses: a one-line message, exit 2.  Anything else is a bug
 # and keeps its traceback.
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, NotImplementedError)
@@ -129,11 +131,16 @@ def _load_pair(args: argparse.Namespace, max_batch_size: int, **kw):
     from . import load_pair
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     extra = {"fp8": True} if args.fp8 else {}
     config = None if args.checkpoint else _preset(args)
-    return load_pair(args.model, checkpoint=args.checkpoint, config=config, device=args.device, dtype=dtype,
-                     progress=sys.stderr.isatty(), max_batch_size=max_batch_size, **extra, **kw)
+    return load_pair(args.model, checkpoint=args.checkpoint, config=config, device=args.device,
+                     dtype=DTYPES[args.dtype], progress=sys.stderr.isatty(), max_batch_size=max_batch_size, **extra,
+                     **kw)
+
+
+def _check_length(args: argparse.Namespace, pair) -> None:
+    if args.length > pair.config.max_position:
+        raise ValueError(f"--length {args.length} is past the model's {pair.config.max_position} positions")
 
 
 def _preset(args: argparse.Namespace) -> str:
@@ -144,22 +151,25 @@ def _where(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
+def _progress(t0: float):
+    """A progress callback: each step on stderr with the seconds since ``t0``."""
+    return lambda s: _say(f"[{time.perf_counter() - t0:6.1f}s] {s}")
+
+
 def cmd_check_model(args: argparse.Namespace) -> int:
     from .models.checks import run_ladder
 
     t0 = time.perf_counter()
     _say(f"building the {args.model} pair ({args.checkpoint or _preset(args)}) on {args.device}")
     pair = _load_pair(args, args.batch)
+    _check_length(args, pair)
     c = pair.config
-    if args.length > c.max_position:
-        raise ValueError(f"--length {args.length} is past the model's {c.max_position} positions")
     print(f"alignzoo check {args.model} on {_where(args.device)} (torch {torch.__version__}): "
           f"{args.checkpoint or _preset(args)}, {c.num_layers} layers, hidden {c.hidden_size}, "
           f"vocab {c.vocab_size}, {args.dtype}{' + fp8' if args.fp8 else ''}; "
           f"{args.batch} sequences up to {args.length} tokens; loaded in {time.perf_counter() - t0:.1f}s", flush=True)
     started, t_check = time.time(), time.perf_counter()
-    rows = run_ladder(pair, length=args.length, batch=args.batch, seed=args.seed,
-                      progress=lambda s: _say(f"[{time.perf_counter() - t0:6.1f}s] {s}"))
+    rows = run_ladder(pair, length=args.length, batch=args.batch, seed=args.seed, progress=_progress(t0))
     if args.receipt:
         from .models.receipt import make_receipt, write_receipt
 
@@ -215,10 +225,9 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     _say(f"building the {args.model} pair ({args.checkpoint or _preset(args)}) on {args.device}, eager")
     pair = _load_pair(args, args.batch, cuda_graphs=False)
-    if args.length > pair.config.max_position:
-        raise ValueError(f"--length {args.length} is past the model's {pair.config.max_position} positions")
+    _check_length(args, pair)
     reports = bisect(pair, against=args.against, length=args.length, batch=args.batch, seed=args.seed,
-                     progress=lambda s: _say(f"[{time.perf_counter() - t0:6.1f}s] {s}"))
+                     progress=_progress(t0))
     print(f"alignzoo bisect {args.model} against {args.against} on {_where(args.device)}: {args.batch} sequences "
           f"up to {args.length} tokens")
     for r in reports:
@@ -230,8 +239,7 @@ def cmd_receipt(args: argparse.Namespace) -> int:
     from .models.receipt import verify
 
     t0 = time.perf_counter()
-    ok, lines = verify(args.file, device=args.device,
-                       progress=lambda s: _say(f"[{time.perf_counter() - t0:6.1f}s] {s}"))
+    ok, lines = verify(args.file, device=args.device, progress=_progress(t0))
     print("\n".join(lines))
     return 0 if ok else 1
 
@@ -270,10 +278,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .serve.server import serve
     except ImportError as e:
         raise NotImplementedError(f"alignzoo serve needs fastapi and uvicorn ({e}): pip install 'alignzoo[serve]'") from None
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     return serve(args.model, host=args.host, port=args.port, checkpoint=args.checkpoint,
-                 config=None if args.checkpoint else _preset(args), device=args.device, dtype=dtype, fp8=args.fp8,
-                 seed=args.seed, max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)
+                 config=None if args.checkpoint else _preset(args), device=args.device, dtype=DTYPES[args.dtype],
+                 fp8=args.fp8, seed=args.seed, max_batch_size=args.max_batch_size,
+                 max_batch_tokens=args.max_batch_tokens)
 
 
 # --- parser -----------------------------------------------------------------------------------------
@@ -282,16 +290,19 @@ def _model_args(c: argparse.ArgumentParser) -> None:
     src = c.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", type=_checkpoint, default=None, help="Hugging Face checkpoint directory")
     src.add_argument("--config", default=None, help="preset when no checkpoint is given (default tiny)")
-    c.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    c.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     c.add_argument("--fp8", action="store_true", help="unified FP8 projections (FP32 masters, e4m3 128x128 blocks)")
     c.add_argument("--seed", type=_seed, default=0)
+    _threads_arg(c)
+
+
+def _threads_arg(c: argparse.ArgumentParser) -> None:
     c.add_argument("--threads", type=_at_least(1), default=None,
                    help="torch CPU threads (default: OMP_NUM_THREADS if set, else 1)")
 
 
 def _set_threads(args: argparse.Namespace) -> None:
-    # One thread unless asked: the tiny check gains little from two (9.4 vs 10.8 s on an idle 2-core
-    # machine), and OpenMP's spinning threads took it to 86-103 s on a busy one (12-19 s with one).
+    # One thread unless asked: a second gains little on a tiny model, and OpenMP's spinning threads slow a busy one.
     n = args.threads or (None if os.environ.get("OMP_NUM_THREADS") else 1)
     if n and (args.device is None or args.device.type == "cpu"):
         torch.set_num_threads(n)
@@ -299,6 +310,7 @@ def _set_threads(args: argparse.Namespace) -> None:
 
 def parser() -> argparse.ArgumentParser:
     from . import list_models
+    from .models.bisect import AGAINST
 
     p = _Parser(prog="alignzoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -314,7 +326,7 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_check)
     b = sub.add_parser("bisect", help="the first op where the trainer and another path part, and the ops after")
     b.add_argument("model", choices=list_models())
-    b.add_argument("--against", choices=("server", "vendor", "trainer-fp32"), default="server")
+    b.add_argument("--against", choices=AGAINST, default="server")
     b.add_argument("--device", type=_device, default=device)
     b.add_argument("--length", type=_at_least(2), default=300, help="longest sequence")
     b.add_argument("--batch", type=_at_least(1), default=3, help="sequences")
@@ -324,8 +336,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("action", choices=("verify",))
     r.add_argument("file", help="the receipt (alignzoo check MODEL --receipt FILE.json)")
     r.add_argument("--device", type=_device, default=None, help="re-run there instead of the receipt's device")
-    r.add_argument("--threads", type=_at_least(1), default=None,
-                   help="torch CPU threads (default: OMP_NUM_THREADS if set, else 1)")
+    _threads_arg(r)
     r.set_defaults(fn=cmd_receipt)
     g = sub.add_parser("generate", help="sample completions of token-id prompts")
     g.add_argument("model", choices=list_models())

@@ -5,16 +5,19 @@ only its config, its weight names and its block math.
 ``layers`` (``add_lora`` replaces each targeted ``Linear`` of a block by its
 LoRA form), the adapters' accessors, ``forward_weights`` (the tensors the
 forward reads, named as the server's weights), ``invalidate_caches`` and
-``logprobs`` over the subclass's ``logits``.  A subclass sets ``model_name``
-and ``lora_targets`` (HF projections in layer order), and provides
-``lora_slices()`` ({block attribute: ((projection, first row, end row), ...)})
-and ``logits(tokens, positions, cu_seqlens, rows, max_seqlen, adapters)``.
+``logprobs`` over ``logits`` (the LM head on the subclass's ``hidden``).  A
+subclass sets ``model_name``, ``lora_targets`` (HF projections in layer
+order) and ``lora_slices_of`` (its ``weights.lora_slices``: cfg -> {block
+attribute: ((projection, first row, end row), ...)}), and provides
+``hidden(tokens, positions, cu_seqlens, rows, max_seqlen, adapters)``.
 
 ``ServerBase``: the server's weight dict (``.weights``, what sync writes
-into), its device and dtype, and ``linear`` (the fixed-order matmul, its FP8
-form when the layer's ``weight_scale_inv`` is there, and the separate or
-multi-mode LoRA branch the trainer's layer adds).  A subclass provides
-``lora_slices()``, ``cache_pools()`` and ``forward``.
+into), its device and dtype, the RoPE table (built before any CUDA-graph
+capture), ``linear`` (the fixed-order matmul, its FP8 form when the layer's
+``weight_scale_inv`` is there, and the separate or multi-mode LoRA branch the
+trainer's layer adds), ``_norm`` and ``_logits`` (the final norm and LM head).
+A subclass sets ``lora_slices_of`` and provides ``cache_pools()`` and
+``forward``.
 """
 from __future__ import annotations
 
@@ -36,11 +39,28 @@ from ..common.layers import (
     check_adapter_configs,
     check_lora_config,
 )
+from ..common.lm_head import lm_head_logits, lm_head_logits_fwd
 from ..common.lora import LoRAConfig, lora_add_fwd, lora_add_multi_fwd
 from ..common.matmul import matmul_fwd
+from ..common.rmsnorm import rmsnorm_fwd
+from ..common.rope import rope_table
 from ..common.sampling import SamplingParams, params_to_tensors, sampling_logprobs
 from ._packing import pack_scored, sampling_list
 from .capture import no_tap, no_tap_cache, no_tap_state
+
+
+def check_lora_mode(mode: str, fp8: bool = False) -> None:
+    """The LoRA mode is one of ``LORA_MODES``, and no FP8 trainer takes LoRA
+    (``load`` and ``add_lora`` refuse alike)."""
+    if mode not in LORA_MODES:
+        raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {mode!r}")
+    if fp8:
+        raise NotImplementedError("LoRA with fp8=True is not supported yet (the adapters would need the FP8 GEMM's "
+                                  "rounding points); use bf16 or fp32 with LoRA")
+
+
+def _no_lora_slices(cfg) -> dict[str, tuple[tuple[str, int, int], ...]]:
+    raise NotImplementedError("set lora_slices_of to the model's weights.lora_slices")
 
 
 def _owner(block: nn.Module, path: str) -> tuple[nn.Module | None, str]:
@@ -58,6 +78,7 @@ def _owner(block: nn.Module, path: str) -> tuple[nn.Module | None, str]:
 class TrainerBase(nn.Module):
     model_name: str = ""
     lora_targets: tuple[str, ...] = ()
+    lora_slices_of = staticmethod(_no_lora_slices)  # the model's ``weights.lora_slices``
     tap = staticmethod(no_tap)  # capture points (``models/capture.py``): off unless a Recorder attaches
 
     def __init__(self, cfg, *, activation_checkpointing: bool = False, fp8: bool = False):
@@ -70,18 +91,24 @@ class TrainerBase(nn.Module):
         self.lora_mode: str | None = None
 
     def lora_slices(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
-        raise NotImplementedError
+        return self.lora_slices_of(self.cfg)
 
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def check_lora(self, lora: LoRAConfig | Mapping) -> LoRAConfig:
-        """``lora`` checked against this model's projections (``check_lora_config``)."""
-        return check_lora_config(lora, self.lora_targets, self.model_name)
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def check_adapters(self, adapters: Mapping) -> dict[str, LoRAConfig]:
-        return check_adapter_configs(adapters, self.lora_targets, self.model_name)
+    @classmethod
+    def check_lora(cls, lora: LoRAConfig | Mapping) -> LoRAConfig:
+        """``lora`` checked against this model's projections (``check_lora_config``)."""
+        return check_lora_config(lora, cls.lora_targets, cls.model_name)
+
+    @classmethod
+    def check_adapters(cls, adapters: Mapping) -> dict[str, LoRAConfig]:
+        return check_adapter_configs(adapters, cls.lora_targets, cls.model_name)
 
     def add_lora(self, lora: LoRAConfig | Mapping, mode: str = "merged", seed: int = 0) -> None:
         """Freeze every parameter and give each targeted projection of every
@@ -96,11 +123,7 @@ class TrainerBase(nn.Module):
         ``generate(..., adapters=)``)."""
         if self.lora_mode is not None:
             raise RuntimeError("this trainer already has LoRA adapters")
-        if mode not in LORA_MODES:
-            raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {mode!r}")
-        if self.fp8:
-            raise NotImplementedError("LoRA on an FP8 trainer is not supported yet (the adapters would need the "
-                                      "FP8 GEMM's rounding points); use bf16 or fp32 with LoRA")
+        check_lora_mode(mode, self.fp8)
         configs = self.check_adapters(lora) if mode == "multi" else {None: self.check_lora(lora)}
         for p in self.parameters():
             p.requires_grad_(False)
@@ -217,6 +240,15 @@ class TrainerBase(nn.Module):
                 out[prefix + "weight"] = module.weight.detach()
         return out
 
+    def logits(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None,
+               **kw) -> torch.Tensor:
+        """FP32 next-token logits (R, V) of ``rows``: the LM head on ``hidden``
+        (``kw``: the model's own, e.g. ``replay``); differentiable."""
+        logits = lm_head_logits(self.hidden(tokens, positions, cu_seqlens, rows, max_seqlen, adapters, **kw),
+                                self.lm_head_weight)
+        self.tap("lm_head.logits", logits, rows="logits")
+        return logits
+
     def logprobs(
         self,
         sequences: Sequence[Sequence[int] | torch.Tensor],
@@ -294,6 +326,7 @@ class ServerBase:
     adapters in ``weights``; ``lora_adapters``: ((name, scale), ...) of the
     multi-mode adapters in index order (requests name them: ``adapter_names``)."""
 
+    lora_slices_of = staticmethod(_no_lora_slices)  # the model's ``weights.lora_slices``
     tap = staticmethod(no_tap)  # capture points (``models/capture.py``): off unless a Recorder attaches
     tap_cache = staticmethod(no_tap_cache)
     tap_state = staticmethod(no_tap_state)
@@ -320,9 +353,12 @@ class ServerBase:
         self.dtype = weights["embed.weight"].dtype
         self.vocab_size = cfg.vocab_size
         self.max_position = cfg.max_position
+        self.rope = getattr(cfg, "rope", None)
+        if self.rope is not None:
+            rope_table(self.rope, self.device)  # built and copied before any CUDA-graph capture
 
     def lora_slices(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
-        raise NotImplementedError
+        return self.lora_slices_of(self.cfg)
 
     def _branch(self, prefix: str, p: str):
         """Projection p's adapter tensors in layer ``prefix``: separate (A, B);
@@ -341,6 +377,24 @@ class ServerBase:
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.weights.get("lm_head.weight", self.weights["embed.weight"])
+
+    def norm_weight(self, name: str) -> torch.Tensor:
+        """An RMSNorm weight as ``_norm`` reads it (a zero-centred model: 1 + w)."""
+        return self.w(name)
+
+    def _norm(self, x, name, residual=None):
+        """rmsnorm_fwd of x (with the residual add fused when ``residual`` is given) -> (y, new residual)."""
+        y, new_residual, _ = rmsnorm_fwd(x, self.norm_weight(name), self.cfg.rms_norm_eps, residual)
+        return y, new_residual
+
+    def _logits(self, x, residual, batch) -> torch.Tensor:
+        """The final norm (residual add fused) and the LM head on ``batch.logit_rows`` -> FP32 logits (R, V)."""
+        rows = batch.logit_rows
+        h = self._norm(x[rows], "norm.weight", residual[rows])[0]
+        self.tap("norm", h, rows="logits")
+        logits = lm_head_logits_fwd(h, self.lm_head_weight)
+        self.tap("lm_head.logits", logits, rows="logits")
+        return logits
 
     def linear(self, x, prefix, adapter_ids):
         """x · Wᵀ; an FP8 layer (its ``weight_scale_inv`` present) reads its

@@ -21,7 +21,7 @@ import torch
 
 from ..common.ladder import _as_bits as _bits
 from .capture import Recorder
-from .checks import make_sequences
+from .checks import decode_prefixes, logprob_mismatch, scoring_batch
 
 AGAINST = ("server", "vendor", "trainer-fp32")
 DECODE_TOKENS = 160  # decode steps one token at a time: the decode path scores this many tokens a sequence
@@ -119,13 +119,8 @@ def compare(ours: Recorder, theirs: Recorder, path: str) -> PathReport:
 
 
 def _logprob_diff(rep: PathReport, ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
-    a = torch.cat([t.detach().float().cpu().reshape(-1) for t in ours])
-    b = torch.cat([t.detach().float().cpu().reshape(-1) for t in theirs])
-    rep.tokens = a.numel()
-    rep.tokens_differing = int((_bits(a) != _bits(b)).sum())
-    d = (a.double() - b.double()).abs()
-    d = d[torch.isfinite(d)]
-    rep.max_abs_logprob = float(d.max()) if d.numel() else 0.0
+    m, rep.max_abs_logprob = logprob_mismatch(ours, theirs)
+    rep.tokens, rep.tokens_differing = m.tokens, m.differing
 
 
 def _record_trainer(trainer, seqs, plens, sp) -> tuple[Recorder, list[torch.Tensor]]:
@@ -169,18 +164,13 @@ def bisect(pair, *, against: str = "server", length: int = 300, batch: int = 3, 
     ``batch`` random sequences of mixed lengths up to ``length``; one report
     per path (prefill, decode).  The pair's engine must run eager
     (``cuda_graphs=False``): a replayed graph runs no capture point."""
-    from ..common.sampling import SamplingParams
-
     if against not in AGAINST:
         raise ValueError(f"against must be one of {', '.join(AGAINST)}, got {against!r}")
     say = progress or (lambda s: None)
     trainer, engine = pair.trainer, pair.server
-    seqs = make_sequences(pair.config.vocab_size, length, batch, seed)
-    plens = [max(1, len(s) // 3) for s in seqs]
-    sp = [SamplingParams(temperature=0.7 + 0.1 * i, seed=seed + i) for i in range(batch)]
+    seqs, plens, sp = scoring_batch(pair.config.vocab_size, length, batch, seed)
     n_dec = min(length, decode_tokens)
-    short = [s[:n_dec] for s in seqs]
-    p_short = [max(1, min(p, len(s) // 3)) for p, s in zip(plens, short)]
+    short, p_short = decode_prefixes(seqs, plens, n_dec)
     if against == "trainer-fp32":
         say("building the fp32 trainer")
         other = _fp32_copy(pair)

@@ -5,7 +5,8 @@ A model's trainer and server call ``self.tap(op, tensor, layer, rows)`` after
 each op (``op`` like "attn.qkv", ``layer`` its layer or None); the class
 default is ``no_tap``, which does nothing, so capture points cost one empty
 call when off: no flag is read, nothing is copied, and a CUDA graph captures
-no work for them.  ``Recorder.attached_trainer`` / ``attached_server`` replace ``tap`` on one trainer or
+no work for them.  So a capture point passes tensors the forward has anyway
+(no cast, no arithmetic for the tap alone); the Recorder derives what it files.  ``Recorder.attached_trainer`` / ``attached_server`` replace ``tap`` on one trainer or
 server (instance attributes: the class keeps ``no_tap``) and wraps the calls
 that say which rows are which, so each captured row is filed under the
 logical (sequence index, position) it belongs to, whether it came from a
@@ -37,7 +38,7 @@ def no_tap_cache(op, cache, slot_mapping, layer=None) -> None:
     """The cache capture point when nothing records: does nothing."""
 
 
-def no_tap_state(op, state, slots, ends, layer=None) -> None:
+def no_tap_state(op, state, slots, starts, cu_seqlens, layer=None) -> None:
     """The recurrent-state capture point when nothing records: does nothing."""
 
 
@@ -89,12 +90,15 @@ class Recorder:
         keys = [k if s >= 0 else None for k, s in zip(self._token_keys, slots)]
         self._file(op_name(op, layer), flat[slot_mapping.clamp(min=0)], keys)
 
-    def tap_state(self, op, state, slots, ends, layer=None) -> None:
-        """A recurrent state pool after a step: chunk b's slot holds its
-        sequence's state at the last 64-aligned position before ``ends[b]``,
-        filed under (sequence, that boundary); none before position 64."""
+    def tap_state(self, op, state, slots, starts, cu_seqlens, layer=None) -> None:
+        """A recurrent state pool after a step: chunk b (its first position
+        ``starts[b]``, its rows ``cu_seqlens[b]..cu_seqlens[b + 1]``) ends at
+        end = starts[b] + its row count, and its slot holds its sequence's
+        state at the last 64-aligned position before end, filed under
+        (sequence, that boundary); none before position 64."""
         keys = []
-        for s, slot, end in zip(self._chunk_seqs, slots.tolist(), ends.tolist()):
+        ends = (starts + cu_seqlens.diff()).tolist()
+        for s, slot, end in zip(self._chunk_seqs, slots.tolist(), ends):
             b = end // 64 * 64
             keys.append(None if s is None or slot < 0 or b == 0 else (s, b))
         self._file(op_name(op, layer), state[slots.clamp(min=0)], keys)

@@ -20,18 +20,24 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..common.ladder import RungResult
-from ..common.metrics import mismatch
+from ..common.metrics import Mismatch, mismatch
 from ..common.sampling import SamplingParams
 
 
-def _row(name: str, rung: int, check: str, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> RungResult:
+def logprob_mismatch(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> tuple[Mismatch, float]:
+    """The mismatch of two sides' FP32 log-probs of the same tokens (concatenated),
+    its K3 max over the tokens finite on both sides, and their max |Δ|."""
     la = torch.cat([t.detach().float().cpu().reshape(-1) for t in a])
     lb = torch.cat([t.detach().float().cpu().reshape(-1) for t in b])
     m = mismatch(la, lb)
     finite = torch.isfinite(la) & torch.isfinite(lb)  # -inf: a token outside the top-k/p support on both sides
     d = (la[finite].double() - lb[finite].double()).abs()
-    max_abs = float(d.max()) if d.numel() else 0.0
     m.k3_max = float(mismatch(la[finite], lb[finite]).k3_max)
+    return m, float(d.max()) if d.numel() else 0.0
+
+
+def _row(name: str, rung: int, check: str, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> RungResult:
+    m, max_abs = logprob_mismatch(a, b)
     return RungResult(name, rung, check, m.exact and m.tokens > 0, m.tokens, m.differing,
                       f"max|d| {max_abs:.3g}  K3 max {m.k3_max:.3g}",
                       extra={"max_abs": max_abs, "scored_lengths": [int(t.numel()) for t in a], **m.as_dict()})
@@ -44,6 +50,22 @@ def make_sequences(vocab: int, length: int, batch: int, seed: int) -> list[list[
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
+def scoring_batch(vocab: int, length: int, batch: int, seed: int):
+    """(sequences, prompt lengths, per-sequence ``SamplingParams``) that the
+    ladder and bisect score: ``make_sequences``, a third of each as prompt,
+    temperatures only, so every token has a finite log-prob."""
+    seqs = make_sequences(vocab, length, batch, seed)
+    plens = [max(1, len(s) // 3) for s in seqs]
+    sp = [SamplingParams(temperature=0.7 + 0.1 * i, seed=seed + i) for i in range(batch)]
+    return seqs, plens, sp
+
+
+def decode_prefixes(seqs, plens, n: int):
+    """The first ``n`` tokens of each sequence and their prompt lengths (a third at most), for the decode path."""
+    short = [s[:n] for s in seqs]
+    return short, [max(1, min(p, len(s) // 3)) for p, s in zip(plens, short)]
+
+
 DECODE_RUNG_TOKENS = 384
 
 
@@ -52,10 +74,7 @@ def run_ladder(pair, *, length: int = 1024, batch: int = 4, seed: int = 0, new_t
     name, trainer, server = pair.name, pair.trainer, pair.server
     vocab = pair.config.vocab_size
     say = progress or (lambda s: None)
-    seqs = make_sequences(vocab, length, batch, seed)
-    plens = [max(1, len(s) // 3) for s in seqs]
-    # scoring random sequences: temperatures only, so every token has a finite log-prob
-    sp = [SamplingParams(temperature=0.7 + 0.1 * i, seed=seed + i) for i in range(batch)]
+    seqs, plens, sp = scoring_batch(vocab, length, batch, seed)
     rows: list[RungResult] = []
     with torch.no_grad():
         say("rung 1: repeat")
@@ -77,8 +96,7 @@ def run_ladder(pair, *, length: int = 1024, batch: int = 4, seed: int = 0, new_t
         say("rung 3: trainer == server")
         rows.append(_row(name, 3, "trainer == server prefill", t1, s1))
         n_dec = min(length, DECODE_RUNG_TOKENS)  # one engine step per token: keep it short
-        short = [s[:n_dec] for s in seqs]
-        p_short = [max(1, min(p, len(s) // 3)) for p, s in zip(plens, short)]
+        short, p_short = decode_prefixes(seqs, plens, n_dec)
         t_short = trainer.logprobs(short, p_short, sp)
         s_dec = server.score(short, p_short, sp, chunk_tokens=1)
         rows.append(_row(name, 3, f"trainer == server decode (1 token/step, first {n_dec})", t_short, s_dec))

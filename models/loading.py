@@ -13,19 +13,12 @@ from collections.abc import Mapping
 
 import torch
 
-from ..common.layers import LORA_MODES, LoRALinear, MultiLoRALinear, check_adapter_configs, check_lora_config
+from ..common.layers import LoRALinear, MultiLoRALinear
 from ..common.lora import LoRAConfig
+from .base import check_lora_mode
 from .spec import ModelSpec
 
 log = logging.getLogger("alignzoo.models")
-
-
-def _check_lora(spec: ModelSpec, lora):
-    return check_lora_config(lora, spec.trainer_cls.lora_targets, spec.name)
-
-
-def _check_adapters(spec: ModelSpec, adapters):
-    return check_adapter_configs(adapters, spec.trainer_cls.lora_targets, spec.name)
 
 
 def resolve_config(spec: ModelSpec, checkpoint=None, config=None):
@@ -55,18 +48,34 @@ def resolve_config(spec: ModelSpec, checkpoint=None, config=None):
     raise TypeError(f"config must be a preset name ({', '.join(presets)}), a dict or a {cls.__name__}, got {type(config).__name__}")
 
 
-def init_weights(trainer, seed: int = 0) -> None:
+def _by_suffix(rules: Mapping | None, name: str):
+    return next((r for suffix, r in (rules or {}).items() if name.endswith(suffix)), None)
+
+
+def init_weights(trainer, seed: int = 0, *, fill: Mapping | None = None, std: Mapping | None = None,
+                 vector: float = 1.0) -> None:
     """transformers' default init (normal, std 0.02; 1-D weights (norms) at one), drawn on
     the trainer's device from a fixed seed, so a (config, seed, device type)
-    names a model."""
+    names a model.  A model's own rules, by parameter-name suffix: ``fill``
+    {suffix: value, or fn(parameter) -> tensor} sets a parameter without a
+    draw; ``std`` {suffix: std} of a drawn matrix; ``vector`` the value of
+    every other 1-D weight.  Parameters go in name order, and only drawn ones
+    advance the generator."""
     device = trainer.device
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for _, p in sorted(trainer.named_parameters()):
-            if p.dim() == 1:
-                p.fill_(1.0)
+        for name, p in sorted(trainer.named_parameters()):
+            value = _by_suffix(fill, name)
+            if callable(value):
+                p.copy_(value(p))
+            elif value is not None:
+                p.fill_(value)
+            elif p.dim() == 1:
+                p.fill_(vector)
             else:
-                p.copy_(torch.empty(p.shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=g))
+                s = _by_suffix(std, name)
+                p.copy_(torch.empty(p.shape, dtype=torch.float32, device=device).normal_(
+                    0.0, 0.02 if s is None else s, generator=g))
 
 
 def build_trainer(spec: ModelSpec, cfg, checkpoint=None, *, device="cpu", dtype=torch.bfloat16, seed: int = 0,
@@ -101,11 +110,11 @@ def read_lora_adapter(spec: ModelSpec, directory) -> tuple[dict[str, tuple[torch
     from ..common.lora import load_peft_adapter
 
     adapters, lora = load_peft_adapter(directory, from_hf=spec.lora_from_hf)
-    return adapters, _check_lora(spec, lora)
+    return adapters, spec.trainer_cls.check_lora(lora)
 
 
 def _check_same_lora(spec: ModelSpec, have, want, where) -> None:
-    a, b = _check_lora(spec, have), _check_lora(spec, want)
+    a, b = spec.trainer_cls.check_lora(have), spec.trainer_cls.check_lora(want)
     if (a.r, a.scale, a.target_modules) != (b.r, b.scale, b.target_modules):
         raise ValueError(f"{where} has r={b.r}, scale={b.scale}, target_modules={b.target_modules}, but the model's "
                          f"LoRA has r={a.r}, scale={a.scale}, target_modules={a.target_modules}")
@@ -148,8 +157,7 @@ def load(spec: ModelSpec, checkpoint=None, config=None, device=None, dtype=torch
         raise ValueError(f"seed must be an int that fits in int64 (it seeds torch.Generator), got {seed!r}")
     if lora_mode is None:
         lora_mode = "multi" if lora_adapters is not None else "merged"
-    if lora_mode not in LORA_MODES:
-        raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {lora_mode!r}")
+    check_lora_mode(lora_mode)
     if (lora_mode == "multi") != (lora_adapters is not None) or lora_mode == "multi" and (
             lora is not None or lora_adapter is not None):
         raise ValueError("multi-adapter LoRA takes lora_adapters={name: LoRAConfig, dict or PEFT dir} (and neither "
@@ -175,9 +183,8 @@ def load(spec: ModelSpec, checkpoint=None, config=None, device=None, dtype=torch
         else:
             _check_same_lora(spec, lora, from_file, f"the adapter in {os.fspath(lora_adapter)!r}")
     if lora is not None:
-        lora = _check_adapters(spec, lora) if lora_mode == "multi" else _check_lora(spec, lora)
-        if fp8:
-            raise NotImplementedError("LoRA with fp8=True is not supported yet; use bf16 or fp32 with LoRA")
+        lora = spec.trainer_cls.check_adapters(lora) if lora_mode == "multi" else spec.trainer_cls.check_lora(lora)
+        check_lora_mode(lora_mode, fp8)
         if lora_mode != "merged" and server_kernels == "vendor":
             raise NotImplementedError(f"the vendor server does not apply {lora_mode} LoRA adapters; "
                                       f"use lora_mode='merged'")

@@ -9,6 +9,7 @@ import torch
 
 import alignzoo
 from alignzoo import SamplingParams
+from alignzoo.models.capture import Recorder
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,15 @@ def test_replay_at_the_same_weights_changes_no_bit(sampled, mode):
     assert all(torch.equal(a.detach(), o.logprobs) for a, o in zip(got, outs))
 
 
+def _routed(trainer, seqs, lens, sp, **kw) -> list[torch.Tensor]:
+    """Per MoE layer the experts the trainer routed each packed token to (T, k), read at its capture points."""
+    rec = Recorder(seqs)
+    with rec.attached_trainer(trainer):
+        trainer.logprobs(seqs, lens, sp, **kw)
+    return [torch.stack([rec.rows[f"layer.{j}.moe.router.ids"][i, t] for i, s in enumerate(seqs) for t in range(len(s))])
+            for j in range(trainer.cfg.num_layers)]
+
+
 def test_stale_weights_route_as_the_sampler_did(sampled):
     pair, prompts, sp, outs = sampled
     seqs, lens = [p + o.tokens for p, o in zip(prompts, outs)], [len(p) for p in prompts]
@@ -47,10 +57,8 @@ def test_stale_weights_route_as_the_sampler_did(sampled):
             for n, p in pair.trainer.named_parameters():
                 if n.endswith("moe.gate.weight"):
                     p.add_(torch.randn_like(p) * 0.05)  # the trainer moved on: its routers disagree now
-        pair.trainer.logprobs(seqs, lens, sp)
-        own = [ids for ids, _ in pair.trainer.routing]
-        pair.trainer.logprobs(seqs, lens, sp, replay=[o.extras for o in outs])
-        replayed = [ids for ids, _ in pair.trainer.routing]
+        own = _routed(pair.trainer, seqs, lens, sp)
+        replayed = _routed(pair.trainer, seqs, lens, sp, replay=[o.extras for o in outs])
         served = torch.cat([torch.cat([o.extras["routed_experts"], o.extras["routed_experts"][-1:]]) for o in outs])
         last = torch.cumsum(torch.tensor([len(s) for s in seqs]), 0) - 1
         keep = torch.ones(served.shape[0], dtype=torch.bool)

@@ -28,38 +28,24 @@ import torch
 from ...common.attention import paged_attention_fwd
 from ...common.engine.model_api import ForwardBatch
 from ...common.kv_cache import PagedPool
-from ...common.lm_head import lm_head_logits_fwd
-from ...common.rmsnorm import rmsnorm_fwd
 from ...common.qk_norm_rope import qk_norm_rope_kv_fwd
-from ...common.rope import rope_table
 from ...common.swiglu import swiglu_fwd
 from ..base import ServerBase
-from .config import Qwen3Config
 from .weights import lora_slices
 
 
 class Qwen3Server(ServerBase):
     """Qwen3's forward over the server's weights (``ServerBase``: the weight
-    dict, LoRA branches, ``linear``)."""
+    dict, the RoPE table, LoRA branches, ``linear``, ``_norm``, the final norm
+    and LM head)."""
 
-    def __init__(self, cfg: Qwen3Config, weights: dict[str, torch.Tensor], lora_scale: float | None = None,
-                 lora_adapters: tuple[tuple[str, float], ...] = ()):
-        super().__init__(cfg, weights, lora_scale, lora_adapters)
-        self.rope = cfg.rope
-        rope_table(self.rope, self.device)  # built and copied before any CUDA-graph capture
-
-    def lora_slices(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
-        return lora_slices(self.cfg)
+    lora_slices_of = staticmethod(lora_slices)
 
     def cache_pools(self) -> dict[str, PagedPool]:
         """One paged K/V pool: per layer a k and a v row of (Hkv, D) per position."""
         c = self.cfg
         return {"kv": PagedPool({"k": (c.num_kv_heads, c.head_dim), "v": (c.num_kv_heads, c.head_dim)}, self.dtype,
                                 c.num_layers)}
-
-    def _norm(self, x, name, residual=None):
-        y, new_residual, _ = rmsnorm_fwd(x, self.w(name), self.cfg.rms_norm_eps, residual)
-        return y, new_residual
 
     def forward(self, batch: ForwardBatch, caches) -> torch.Tensor:
         """-> FP32 logits (R, V) of ``batch.logit_rows``.
@@ -103,9 +89,4 @@ class Qwen3Server(ServerBase):
             tap("mlp.swiglu", a, i)
             x = self.linear(a, p + "down.", batch.adapter_ids)
             tap("mlp.down", x, i)
-        rows = batch.logit_rows
-        h = self._norm(x[rows], "norm.weight", residual[rows])[0]
-        tap("norm", h, rows="logits")
-        logits = lm_head_logits_fwd(h, self.lm_head_weight)
-        tap("lm_head.logits", logits, rows="logits")
-        return logits
+        return self._logits(x, residual, batch)

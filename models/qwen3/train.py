@@ -16,7 +16,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ...common.attention import attention
 from ...common.layers import AdapterRows, Fp8Linear, Linear, Weight
-from ...common.lm_head import lm_head_logits
 from ...common.rmsnorm import rmsnorm, rmsnorm_residual
 from ...common.rope import rope
 from ...common.swiglu import swiglu_gate_up
@@ -85,10 +84,11 @@ class Qwen3Trainer(TrainerBase):
     ``layers.{i}.qkv.weight``, ...); ``lm_head`` is absent when tied.  With
     ``fp8`` the four projections of each block are FP32 masters read through
     their FP8 quantization; embeddings, norms and the LM head stay in dtype.
-    LoRA, ``forward_weights`` and ``logprobs``: ``models/base.py``."""
+    LoRA, ``lm_head_weight``, ``logits``, ``forward_weights`` and ``logprobs``: ``models/base.py``."""
 
     model_name = NAME
     lora_targets = tuple(LORA_TARGETS)
+    lora_slices_of = staticmethod(lora_slices)
 
     def __init__(self, cfg: Qwen3Config, *, device=None, dtype=torch.bfloat16, activation_checkpointing=False,
                  fp8: bool = False):
@@ -98,13 +98,6 @@ class Qwen3Trainer(TrainerBase):
         self.layers = nn.ModuleList(Qwen3Block(cfg, i, **kw, fp8=fp8) for i in range(cfg.num_layers))
         self.norm = Weight(cfg.hidden_size, **kw)
         self.lm_head = None if cfg.tie_word_embeddings else Weight(cfg.vocab_size, cfg.hidden_size, **kw)
-
-    def lora_slices(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
-        return lora_slices(self.cfg)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def hidden(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None):
         """Final normed hidden states of ``rows``.
@@ -122,10 +115,3 @@ class Qwen3Trainer(TrainerBase):
         h = rmsnorm_residual(x[rows], residual[rows], self.norm.weight, self.cfg.rms_norm_eps)[0]
         self.tap("norm", h, rows="logits")
         return h
-
-    def logits(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None):
-        """FP32 next-token logits (R, V) of ``rows``; differentiable."""
-        logits = lm_head_logits(self.hidden(tokens, positions, cu_seqlens, rows, max_seqlen, adapters),
-                                self.lm_head_weight)
-        self.tap("lm_head.logits", logits, rows="logits")
-        return logits

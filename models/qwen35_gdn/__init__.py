@@ -17,24 +17,17 @@ from .train import NAME, Qwen35GdnTrainer
 from .weights import from_hf, lora_from_hf, lora_to_hf, to_hf
 
 
+def _a_log(p: torch.Tensor) -> torch.Tensor:
+    return torch.linspace(1.0, 16.0, p.numel(), device=p.device).log()
+
+
 def init_weights(trainer: Qwen35GdnTrainer, seed: int = 0) -> None:
-    """A seeded random model: matrices normal(0, 0.02) (the conv taps 0.3, so
-    the mixer's signal survives four taps), zero-centred norm weights 0 (the
-    norm reads 1 + w), the gated norm 1, dt_bias 1, A_log = log of 1..16
-    spread over the heads, as transformers' init does in distribution."""
-    device = trainer.device
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(trainer.named_parameters()):
-            if name.endswith("gdn.A_log.weight"):
-                p.copy_(torch.linspace(1.0, 16.0, p.numel(), device=device).log())
-            elif name.endswith(("gdn.dt_bias.weight", "gdn.norm.weight")):
-                p.fill_(1.0)
-            elif p.dim() == 1:
-                p.zero_()
-            else:
-                std = 0.3 if name.endswith("gdn.conv.weight") else 0.02
-                p.copy_(torch.empty(p.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=g))
+    """A seeded random model (``loading.init_weights``): matrices normal(0, 0.02)
+    (the conv taps 0.3, so the mixer's signal survives four taps), zero-centred
+    norm weights 0 (the norm reads 1 + w), the gated norm 1, dt_bias 1, A_log =
+    log of 1..16 spread over the heads, as transformers' init does in distribution."""
+    loading.init_weights(trainer, seed, vector=0.0, std={"gdn.conv.weight": 0.3},
+                         fill={"gdn.A_log.weight": _a_log, "gdn.dt_bias.weight": 1.0, "gdn.norm.weight": 1.0})
 
 
 def _vendor_server():

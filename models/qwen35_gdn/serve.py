@@ -21,12 +21,11 @@ from ...common.attention import paged_attention_fwd
 from ...common.engine.model_api import ForwardBatch
 from ...common.gdn import conv1d_fwd, conv1d_state_fields, gdn_fwd, gdn_state_fields
 from ...common.kv_cache import PagedPool, StatePool, write_kv_fwd
-from ...common.lm_head import lm_head_logits_fwd
 from ...common.matmul import matmul_fwd
 from ...common.moe import experts_fwd, softmax_topk_fwd
 from ...common.moe.router import sigmoid_fp32
 from ...common.rmsnorm import rmsnorm_fwd
-from ...common.rope import rope_fwd, rope_table
+from ...common.rope import rope_fwd
 from ...common.swiglu import swiglu_fwd
 from ...common.tree import tree_reduce_fwd
 from ..base import ServerBase
@@ -36,15 +35,15 @@ from .weights import lora_slices
 
 
 class Qwen35GdnServer(ServerBase):
+    """``ServerBase``: the weight dict, the RoPE table, LoRA branches, ``linear``,
+    ``_norm`` (zero-centred here: ``norm_weight``), the final norm and LM head."""
+
+    lora_slices_of = staticmethod(lora_slices)
+
     def __init__(self, cfg: Qwen35GdnConfig, weights: dict[str, torch.Tensor], lora_scale: float | None = None,
                  lora_adapters: tuple[tuple[str, float], ...] = ()):
         super().__init__(cfg, weights, lora_scale, lora_adapters)
-        self.rope = cfg.rope
-        rope_table(self.rope, self.device)  # built and copied before any CUDA-graph capture
         self._slot = {i: n for n, i in enumerate(cfg.gdn_layers)} | {i: n for n, i in enumerate(cfg.attn_layers)}
-
-    def lora_slices(self):
-        return lora_slices(self.cfg)
 
     def cache_pools(self) -> dict:
         c = self.cfg
@@ -58,14 +57,12 @@ class Qwen35GdnServer(ServerBase):
             pools["gdn"] = StatePool(fields, len(c.gdn_layers))
         return pools
 
-    def _norm(self, x, name, residual=None):
-        y, new_residual, _ = rmsnorm_fwd(x, zc(self.w(name)), self.cfg.rms_norm_eps, residual)
-        return y, new_residual
+    def norm_weight(self, name: str) -> torch.Tensor:
+        return zc(self.w(name))
 
-    def _gdn(self, h, p, layer, batch, starts):
-        c, T = self.cfg, h.shape[0]
+    def _gdn(self, h, L, layer, batch, starts):
+        c, T, p = self.cfg, h.shape[0], f"layers.{L}."
         Hk, Hv, K, V = c.gdn_k_heads, c.gdn_v_heads, c.gdn_k_dim, c.gdn_v_dim
-        L = int(p.split(".")[1])
         proj = self.linear(h, p + "gdn.in_proj.", batch.adapter_ids)
         self.tap("gdn.in_proj", proj, L)
         qkv, z, b, a = proj.split([c.conv_dim, c.gdn_value_dim, Hv, Hv], dim=-1)
@@ -78,18 +75,17 @@ class Qwen35GdnServer(ServerBase):
         o = gdn_fwd(q, k, v.reshape(T, Hv, V), g, beta, batch.cu_seqlens_q, start_positions=starts, cache=layer,
                     slots=batch.state_slots).to(h.dtype)
         self.tap("gdn.core", o, L)
-        self.tap_state("gdn.state", layer["state"], batch.state_slots, starts + batch.cu_seqlens_q.diff(), L)
+        self.tap_state("gdn.state", layer["state"], batch.state_slots, starts, batch.cu_seqlens_q, L)
         o = rmsnorm_fwd(o.reshape(T * Hv, V), self.w(p + "gdn.norm.weight"), c.rms_norm_eps,
                         z=z.reshape(T * Hv, V).contiguous())[0]
         y = self.linear(o.reshape(T, Hv * V), p + "gdn.out.", batch.adapter_ids)
         self.tap("gdn.out", y, L)
         return y
 
-    def _attn(self, h, p, layer, batch):
-        c, T = self.cfg, h.shape[0]
+    def _attn(self, h, L, layer, batch):
+        c, T, p = self.cfg, h.shape[0], f"layers.{L}."
         Hq, Hkv, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         kv = batch.pools["kv"]
-        L = int(p.split(".")[1])
         qkv = self.linear(h, p + "attn.qkv.", batch.adapter_ids)
         self.tap("attn.qkv", qkv, L)
         qg, k, v = qkv.split([2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
@@ -111,11 +107,10 @@ class Qwen35GdnServer(ServerBase):
         self.tap("attn.o_proj", y, L)
         return y
 
-    def _moe(self, h, p, batch):
-        c, Is = self.cfg, self.cfg.shared_intermediate_size
-        L = int(p.split(".")[1])
+    def _moe(self, h, L, batch):
+        c, Is, p = self.cfg, self.cfg.shared_intermediate_size, f"layers.{L}."
         w, ids = softmax_topk_fwd(matmul_fwd(h, self.w(p + "moe.gate.weight")), c.experts_per_token)
-        self.tap("moe.router.ids", ids.to(torch.int32), L)
+        self.tap("moe.router.ids", ids, L)
         self.tap("moe.router.weights", w, L)
         routed = experts_fwd(h, ids, w, self.w(p + "moe.gate_up.weight"), self.w(p + "moe.down.weight"))
         self.tap("moe.routed", routed, L)
@@ -142,17 +137,13 @@ class Qwen35GdnServer(ServerBase):
                 h, residual = self._norm(x, p + "attn_norm.weight", residual)
             self.tap("attn_norm", h, i)
             if kind == "linear_attention":
-                x = self._gdn(h, p, caches["gdn"][self._slot[i]], batch, starts)
+                x = self._gdn(h, i, caches["gdn"][self._slot[i]], batch, starts)
             else:
-                x = self._attn(h, p, caches["kv"][self._slot[i]], batch)
+                x = self._attn(h, i, caches["kv"][self._slot[i]], batch)
             h, residual = self._norm(x, p + "mlp_norm.weight", residual)
             self.tap("mlp_norm", h, i)
-            x, ids, w = self._moe(h, p, batch)
+            x, ids, w = self._moe(h, i, batch)
             ids_all.append(ids.to(torch.int32))
             w_all.append(w.float())
-        rows = batch.logit_rows
-        h = self._norm(x[rows], "norm.weight", residual[rows])[0]
-        self.tap("norm", h, rows="logits")
-        logits = lm_head_logits_fwd(h, self.lm_head_weight)
-        self.tap("lm_head.logits", logits, rows="logits")
+        logits = self._logits(x, residual, batch)
         return logits, {"routed_experts": torch.stack(ids_all, 1), "routed_weights": torch.stack(w_all, 1)}

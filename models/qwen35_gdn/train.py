@@ -17,7 +17,6 @@ from torch.utils.checkpoint import checkpoint
 from ...common.attention import attention
 from ...common.gdn import conv1d, gdn, l2norm_fwd
 from ...common.layers import AdapterRows, Linear, Weight
-from ...common.lm_head import lm_head_logits
 from ...common.matmul import matmul
 from ...common.moe import moe_combine, moe_experts, router_replay, softmax_topk
 from ...common.moe.router import sigmoid_fp32
@@ -155,7 +154,7 @@ class MoE(nn.Module):
             ids_r = torch.where(have[:, None], ids_r.long(), ids)
             w_r = torch.where(have[:, None], w_r.to(w.dtype), w.detach())
             w, ids = router_replay(logits, ids_r, w_r, mode=mode, scoring="softmax")
-        self.tap("moe.router.ids", ids.to(torch.int32), L)
+        self.tap("moe.router.ids", ids, L)
         self.tap("moe.router.weights", w, L)
         routed = moe_experts(h, ids, w, self.gate_up.weight, self.down.weight)
         self.tap("moe.routed", routed, L)
@@ -163,7 +162,7 @@ class MoE(nn.Module):
         sg = sigmoid_fp32(matmul(h, self.shared_gate.weight).float())  # (T, 1)
         y = moe_combine([routed, shared.float() * sg], h.dtype)
         self.tap("moe.out", y, L)
-        return y, (ids, w)
+        return y
 
 
 class Block(nn.Module):
@@ -195,8 +194,7 @@ class Block(nn.Module):
             x = self.attn(h, positions, cu_seqlens, max_seqlen, adapters)
         h, residual = rmsnorm_residual(x, residual, zc(self.mlp_norm.weight), eps)
         self.tap("mlp_norm", h, L)
-        y, routing = self.moe(h, adapters, replay)
-        return y, residual, routing
+        return self.moe(h, adapters, replay), residual
 
 
 class Qwen35GdnTrainer(TrainerBase):
@@ -206,6 +204,7 @@ class Qwen35GdnTrainer(TrainerBase):
 
     model_name = NAME
     lora_targets = tuple(LORA_TARGETS)
+    lora_slices_of = staticmethod(lora_slices)
 
     def __init__(self, cfg: Qwen35GdnConfig, *, device=None, dtype=torch.bfloat16, activation_checkpointing=False,
                  fp8: bool = False):
@@ -217,36 +216,19 @@ class Qwen35GdnTrainer(TrainerBase):
         self.layers = nn.ModuleList(Block(cfg, i, **kw) for i in range(cfg.num_layers))
         self.norm = Weight(cfg.hidden_size, **kw)
         self.lm_head = None if cfg.tie_word_embeddings else Weight(cfg.vocab_size, cfg.hidden_size, **kw)
-        self.routing: list | None = None  # the last forward's (ids, weights) per layer
-
-    def lora_slices(self):
-        return lora_slices(self.cfg)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def hidden(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None,
                replay=None):
         """Final normed hidden states (R, H) of ``rows``.  ``replay``: per layer
         (ids (T, k), weights (T, k), rows that have them (T,), mode) to route by instead of the router."""
-        x, residual, routing = self.embed.weight[tokens], None, []
+        x, residual = self.embed.weight[tokens], None
         for i, layer in enumerate(self.layers):
             rep = None if replay is None else replay[i]
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x, residual, r = checkpoint(layer, x, residual, positions, cu_seqlens, max_seqlen, adapters, rep,
-                                            use_reentrant=False)
+                x, residual = checkpoint(layer, x, residual, positions, cu_seqlens, max_seqlen, adapters, rep,
+                                         use_reentrant=False)
             else:
-                x, residual, r = layer(x, residual, positions, cu_seqlens, max_seqlen, adapters, rep)
-            routing.append(r)
-        self.routing = routing
+                x, residual = layer(x, residual, positions, cu_seqlens, max_seqlen, adapters, rep)
         h = rmsnorm_residual(x[rows], residual[rows], zc(self.norm.weight), self.cfg.rms_norm_eps)[0]
         self.tap("norm", h, rows="logits")
         return h
-
-    def logits(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None,
-               replay=None):
-        logits = lm_head_logits(self.hidden(tokens, positions, cu_seqlens, rows, max_seqlen, adapters, replay),
-                                self.lm_head_weight)
-        self.tap("lm_head.logits", logits, rows="logits")
-        return logits

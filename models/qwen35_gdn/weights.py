@@ -18,12 +18,12 @@ Ours, per layer i (fused where one GEMM reads several HF projections):
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 
 from ...weights import CheckpointError, Fuse, NameMap, OneOf, Stack
 
-ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 log = logging.getLogger("alignzoo.models")
 
@@ -61,9 +61,10 @@ def lora_slices(cfg) -> dict[str, tuple[tuple[str, int, int], ...]]:
     }
 
 
-def lora_to_hf(name: str, prefix: str = "model.") -> str:
+def lora_to_hf(name: str) -> str:
+    """Our adapter name ``layers.{i}.<projection>`` -> its HF module (as ``Qwen3_5MoeForCausalLM`` names it)."""
     _, i, proj = name.split(".")
-    return f"{prefix}layers.{i}.{LORA_TARGETS[proj]}"
+    return f"model.layers.{i}.{LORA_TARGETS[proj]}"
 
 
 def lora_from_hf(module: str) -> str | None:
@@ -174,7 +175,7 @@ def from_hf(source, cfg, dtype: torch.dtype = torch.bfloat16, device="cpu") -> d
     with open_source(source) as src:
         names = list(src.keys())
         prefix = checkpoint_prefix(names)
-        skipped = [n for n in names if n.startswith(("model.visual.", "mtp.", "model.mtp."))]
+        skipped = [n for n in names if any(re.search(r, n) for r in NOT_LANGUAGE)]
         if skipped:
             log.info("qwen35_gdn: left out %d tensors beside the language model (%s...)", len(skipped), skipped[0])
         return name_map(cfg, prefix).from_hf(src, expected(cfg, dtype), device=device)
