@@ -28,12 +28,16 @@ after every step, so a run cut short keeps what it measured.
   kernels  each primitive against its vendor op at Qwen3-8B shapes
            (bench_primitives: rows bitwise checked before timing), one process
            per op.
+  trainer  the trainer's forward + backward of chosen-token log-probs against
+           transformers (sdpa, eager, bf16) and transformers + Liger on the
+           same weights and tokens (bench_trainer), one process per shape
+           (--trainer-shapes), each side's tok/s and peak memory.
 
 Ratios are speeds, aligned : vendor (vendor ms / aligned ms; aligned tok/s /
 vendor tok/s): >= 1 means aligned is as fast or faster.  Targets: matmul
 >= 0.95 (issue 7), the other kernels >= 0.9 (issue 2), engine decode >= 0.97,
 prefill >= 0.9, batch-1 decode step >= 0.85 of the bandwidth bound (weights
-and KV read per step / copy bandwidth).
+and KV read per step / copy bandwidth), trainer >= 1.0 of transformers.
 """
 from __future__ import annotations
 
@@ -55,11 +59,11 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import bench_primitives as bp  # noqa: E402
 
-STEPS = ("env", "warm", "engine", "vendor", "kernels")
+STEPS = ("env", "warm", "engine", "vendor", "kernels", "trainer")
 OPS = ("matmul", "rmsnorm", "rope", "swiglu", "lm_head", "sampling")
 KERNEL_TARGETS = {"matmul": 0.95}
 KERNEL_TARGET = 0.9
-DECODE_TARGET, PREFILL_TARGET, BANDWIDTH_TARGET = 0.97, 0.9, 0.85
+DECODE_TARGET, PREFILL_TARGET, BANDWIDTH_TARGET, TRAINER_TARGET = 0.97, 0.9, 0.85, 1.0
 SAMPLING_MAX_M = 1024  # bench_sampling times M <= 1024 only
 COPY_BYTES = 2 << 30
 
@@ -136,7 +140,7 @@ def render(results: dict) -> str:
     L += ["Ratios are speeds, aligned : vendor (vendor time / aligned time; aligned tok/s / vendor tok/s): "
           "≥ 1.00 means aligned is as fast or faster. No speed is shown for a configuration whose bits were not "
           "checked exact: 'not exact' where the check failed, 'not checked' where it did not finish.", ""]
-    L += _render_engine(results) + _render_kernels(results)
+    L += _render_engine(results) + _render_kernels(results) + _render_trainer(results)
     return "\n".join(L).rstrip() + "\n"
 
 
@@ -195,6 +199,19 @@ def _render_engine(results: dict) -> list[str]:
               f"| vendor | {_ms(bb['vendor_step_ms'])} | "
               + ("—" if bb["vendor_ratio"] is None else f"{bb['vendor_ratio']:.2f}x") + " |", ""]
     return L
+
+
+def _render_trainer(results: dict) -> list[str]:
+    rows = results.get("trainer", {}).get("rows")
+    if not rows:
+        return []
+    from bench_trainer import render as trainer_table
+
+    return ["## Trainer: forward + backward of chosen-token log-probs", "",
+            "Packed aligned trainer against transformers' `Qwen3ForCausalLM` (sdpa, eager, bf16) on the same "
+            "weights and tokens, and the same with Liger's kernels (`benchmarks/bench_trainer.py` says what each "
+            f"side computes). Target: aligned >= {TRAINER_TARGET:.2f}x hf, peak memory no higher.", "",
+            trainer_table(rows), ""]
 
 
 def _kernel_cell(r: dict | None) -> str:
@@ -365,6 +382,23 @@ def step_kernels(args, emit, op: str) -> None:
         emit("kernels", r, append=True)
 
 
+def step_trainer(args, emit, shape: str) -> None:
+    from bench_trainer import measure
+
+    config, seqs, length = parse_trainer_shape(shape)
+    measure(config, _device(args), seqs, length, emit=lambda row: emit("trainer.rows", row, append=True))
+
+
+def parse_trainer_shape(shape: str) -> tuple[str, int, int]:
+    """"qwen3-0.6b:8x2048" -> ("qwen3-0.6b", 8, 2048)."""
+    try:
+        config, dims = shape.split(":")
+        seqs, length = (int(v) for v in dims.split("x"))
+    except ValueError:
+        raise ValueError(f"--trainer-shapes: {shape!r} is not PRESET:SEQSxLEN (e.g. qwen3-0.6b:8x2048)") from None
+    return config, seqs, length
+
+
 def warm_tasks(args) -> list[dict]:
     """Compile jobs, longest first: the check, each engine batch (prefill and
     eager decode), the decode-graph buckets not among them, then one job per
@@ -437,6 +471,8 @@ def run_child(args) -> int:
             step_engine(args, emit, "aligned" if args.step == "engine" else "vendor")
         elif args.step == "kernels":
             step_kernels(args, emit, args.op)
+        elif args.step == "trainer":
+            step_trainer(args, emit, args.task)
         elif args.step == "warm-task":
             step_warm_task(args, json.loads(args.task))
         else:
@@ -604,6 +640,12 @@ class Suite:
                           if self.left() >= 10 else f"{op} skipped (budget)" for op in a.ops]
                     return "; ".join(st)
                 self.step(name, kernels)
+            elif name == "trainer":
+                def trainer():
+                    st = [f"{sh} {self.run('trainer-' + sh.replace(':', '-'), ['--step', 'trainer', '--task', sh], a.trainer_s)}"
+                          if self.left() >= 10 else f"{sh} skipped (budget)" for sh in a.trainer_shapes]
+                    return "; ".join(st)
+                self.step(name, trainer)
         print(f"done in {time.monotonic() - self.t0:.0f}s: {os.path.join(a.out, 'PERFORMANCE.md')}"
               + (f" and {a.doc}" if a.doc else ""), flush=True)
         return 0
@@ -653,6 +695,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="alignment check: longest sequence (default prompt + new)")
     g.add_argument("--check-batch", type=int, default=3, help="alignment check: sequences")
     g.add_argument("--cuda-graphs", choices=("on", "off"), default=None, help="decode graphs (default on; cpu: off)")
+    g = ap.add_argument_group("trainer")
+    g.add_argument("--trainer-shapes", default=None,
+                   help="PRESET:SEQSxLEN,... (default qwen3-0.6b:8x2048,qwen3-8b:2x2048; cpu: tiny:2x64)")
     g = ap.add_argument_group("time limits (seconds; each also capped by what is left of --budget-s)")
     g.add_argument("--warm-s", type=float, default=200)
     g.add_argument("--warm-jobs", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
@@ -660,12 +705,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--engine-s", type=float, default=150)
     g.add_argument("--vendor-s", type=float, default=100)
     g.add_argument("--op-s", type=float, default=90, help="per kernel op")
+    g.add_argument("--trainer-s", type=float, default=150, help="per trainer shape")
     for hidden in ("--step", "--rows", "--op", "--task"):  # a child process's own arguments
         ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cpu = args.device == "cpu"
     for name, gpu, smoke in (("config", "qwen3-8b", "tiny"), ("batches", "1,8,64,256", "1,2"), ("prompt", 512, 16),
-                             ("new", 256, 8), ("cuda_graphs", "on", "off")):
+                             ("new", 256, 8), ("cuda_graphs", "on", "off"),
+                             ("trainer_shapes", "qwen3-0.6b:8x2048,qwen3-8b:2x2048", "tiny:2x64")):
         if getattr(args, name) is None:
             setattr(args, name, smoke if cpu else gpu)
     if args.check_length is None:
@@ -674,6 +721,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.doc = "" if cpu else str(ROOT / "docs" / "PERFORMANCE.md")
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.ops = [o for o in args.ops.split(",") if o]
+    args.trainer_shapes = [t for t in args.trainer_shapes.split(",") if t]
+    for t in args.trainer_shapes:
+        try:
+            parse_trainer_shape(t)
+        except ValueError as e:
+            ap.error(str(e))
     skip = set(args.skip.split(","))
     args.steps = [s for s in args.steps.split(",") if s and s not in skip]
     bad = [s for s in args.steps if s not in STEPS]

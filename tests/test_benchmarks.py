@@ -161,3 +161,24 @@ def test_matmul_rows_cover_the_mid_m_values_and_warm_them():
         assert bp.matmul_ms() == (384,)
     finally:
         bp.MS = old
+
+
+def test_trainer_step_smoke_on_cpu(tmp_path):
+    """run_suite's trainer step (benchmarks/bench_trainer.py) end to end on the
+    tiny preset: the aligned trainer and transformers' Qwen3 on our weights
+    (their log-probs agree to bf16 rounding: the same model), each side's row
+    on the page; a side whose package is missing is a row that says why."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "run_suite.py"
+    run = subprocess.run([sys.executable, str(script), "--device", "cpu", "--steps", "trainer", "--out", str(tmp_path),
+                          "--trainer-shapes", "tiny:2x40"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["trainer"]["rows"]
+    by = {r["side"]: r for r in rows}
+    assert set(by) == {"aligned", "hf", "hf+liger"} and by["aligned"]["tokens"] == 80
+    assert 0 < by["hf"]["max_abs_logprob_vs_aligned"] < 0.05
+    page = (tmp_path / "PERFORMANCE.md").read_text()
+    assert "## Trainer" in page and "| tiny | 2 | 80 | aligned |" in page and "| tiny | 2 | 80 | hf | " in page
+    with pytest.raises(SystemExit):
+        run_suite.parse_args(["--device", "cpu", "--trainer-shapes", "tiny:2by40"])
