@@ -305,3 +305,21 @@ def test_bad_input(device, case):
         lm_head_logprobs(*args, **knobs)
     with pytest.raises(exc, match=match):
         lm_head_fwd(*args, **knobs)
+
+
+@pytest.mark.gpu
+def test_logits_backward_split_keeps_fp32_accuracy_and_repeats():
+    """The trainer's logits backward on CUDA with bf16 weights: g = hi + lo in
+    bf16, two tensor-core GEMMs with fp32 output.  The fp32 products are as
+    accurate as an fp32 mm (a bf16 g alone is ~2^-9 off and fails the bound),
+    and the same bits every run."""
+    from alignzoo.common.lm_head.op import _logits_bwd_mm
+
+    g0 = torch.Generator(device="cuda").manual_seed(3)
+    g = torch.randn(333, 2051, device="cuda", generator=g0) * 1e-3
+    w = torch.randn(2051, 96, device="cuda", generator=g0).bfloat16()
+    ref = g.double() @ w.double()
+    got = _logits_bwd_mm(g, w)
+    assert got.dtype == torch.float32 and rel_err(got, ref) < 1e-5
+    assert rel_err(torch.mm(g.bfloat16(), w).float(), ref) > 1e-4  # what the lo part buys
+    assert bitwise_equal(got, _logits_bwd_mm(g, w))

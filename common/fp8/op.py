@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
-from ..matmul import matmul_fwd
+from ..matmul.op import backward_mm
 from .cpu import fp8_gemm_cpu
 from .quant import BLOCK, FP8_DTYPE, cdiv, dequantize_weight, quantize_act, quantize_weight
 
@@ -40,16 +40,15 @@ def fp8_matmul_bwd(x: torch.Tensor, w_codes: torch.Tensor, w_scale_inv: torch.Te
     Wd = dequant(W) rounded to x.dtype.
 
     x: (M, K), dy: (M, N) -> dX = dY · Wd (M, K) and dW = dYᵀ · X (N, K), both
-    in x.dtype, each one ``matmul_fwd`` (fixed-order fp32 sums, one rounding;
-    deterministic run to run, dX rows batch-invariant).
+    in x.dtype, each one ``backward_mm`` (deterministic run to run).
     """
     dy = dy.to(x.dtype)
     dx = dw = None
     if need_dx:
         w_deq = dequantize_weight(w_codes, w_scale_inv, x.dtype)  # (N, K)
-        dx = matmul_fwd(dy, w_deq.t())  # (M, N) · (K, N)ᵀ
+        dx = backward_mm(dy, w_deq)  # (M, N) · (N, K)
     if need_dw:
-        dw = matmul_fwd(dy.t(), x.t())  # (N, M) · (K, M)ᵀ: sum over tokens 0..M-1
+        dw = backward_mm(dy.t(), x)  # (N, M) · (M, K): sum over tokens 0..M-1
     return dx, dw
 
 

@@ -78,8 +78,7 @@ def lm_head_logits_fwd(h, weight, *, return_lse=False, block_m=None, vocab_chunk
 class _LMHeadLogits(torch.autograd.Function):
     """Differentiable logits for a trainer that scores under sampling
     transforms (``sampling_logprobs`` needs the full row).  The backward only
-    has to be deterministic run to run, so it uses one fp32 ``torch.mm`` per
-    gradient at fixed shapes."""
+    has to be deterministic run to run (``_logits_bwd_mm``)."""
 
     @staticmethod
     def forward(ctx, h, weight):
@@ -90,9 +89,22 @@ class _LMHeadLogits(torch.autograd.Function):
     def backward(ctx, g):
         h, weight = ctx.saved_tensors
         g = g.float()
-        dh = torch.mm(g, weight.float()).to(h.dtype) if ctx.needs_input_grad[0] else None
-        dw = torch.mm(g.t(), h.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        dh = _logits_bwd_mm(g, weight).to(h.dtype) if ctx.needs_input_grad[0] else None
+        dw = _logits_bwd_mm(g.t(), h).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dh, dw
+
+
+def _logits_bwd_mm(g: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 g · b (b: the bf16 weight or hidden states, or fp32) -> fp32, one fixed torch.mm
+    per part (deterministic run to run).  On CUDA with a bf16 b, g is split into bf16
+    hi + lo (g - hi is exact in fp32, and lo keeps its top 8 bits more: g to ~2^-17) and
+    each part runs on the tensor cores with fp32 output: fp32 accuracy, where an fp32 mm
+    of the (T, V) gradient runs on CUDA cores at ~1/15 the rate (28% of a qwen3-0.6b step)."""
+    if not (g.is_cuda and b.dtype == torch.bfloat16):
+        return torch.mm(g, b.float())
+    hi = g.to(b.dtype)
+    lo = (g - hi.float()).to(b.dtype)
+    return torch.mm(hi, b, out_dtype=torch.float32) + torch.mm(lo, b, out_dtype=torch.float32)
 
 
 def lm_head_logits(h, weight, *, return_lse=False, block_m=None, vocab_chunk=None):

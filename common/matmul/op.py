@@ -25,14 +25,24 @@ def matmul_fwd(x: torch.Tensor, w: torch.Tensor, **launch) -> torch.Tensor:
     return matmul_fwd_cpu(x, w, **launch)
 
 
+def backward_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a · b for a backward pass, which needs determinism run to run, not batch
+    invariance: on CUDA cuBLAS (one algorithm per shape, no atomics: the same
+    bits every run, at tensor-core speed; our strided kernel ran the backward
+    GEMMs at half the forward's rate), on the CPU ``matmul_fwd`` (fixed order)."""
+    if a.is_cuda:
+        return torch.mm(a, b)
+    return matmul_fwd(a, b.t())
+
+
 def matmul_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, *, need_dx: bool = True,
                need_dw: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """dX = dY · W (reduction over N), dW = dYᵀ · X (reduction over the M tokens),
-    each in one fixed order and deterministic run to run.  A gradient not
-    needed (a frozen base weight under LoRA) is not formed: dW costs as much
-    as the forward."""
-    dx = matmul_fwd(dy, w.t()) if need_dx else None  # (M, N) · (K, N)ᵀ, rows batch-invariant
-    dw = matmul_fwd(dy.t(), x.t()).to(w.dtype) if need_dw else None  # (N, M) · (K, M)ᵀ
+    each deterministic run to run (``backward_mm``).  A gradient not needed
+    (a frozen base weight under LoRA) is not formed: dW costs as much as the
+    forward."""
+    dx = backward_mm(dy, w) if need_dx else None  # (M, N) · (N, K)
+    dw = backward_mm(dy.t(), x).to(w.dtype) if need_dw else None  # (N, M) · (M, K)
     return dx, dw
 
 
