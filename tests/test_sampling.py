@@ -593,6 +593,66 @@ def test_replay_equals_sampler_bitwise(device, name, t, k, p, m, ties):
     _assert_same_support(lp_all, ref, device)
 
 
+def _no_sort(*a, **k):
+    raise AssertionError("an uncut row was sorted")
+
+
+def test_uncut_rows_replay_without_a_sort_in_any_batch(device, monkeypatch):
+    """Rows without a cut (top-k, top-p, min-p off) take log Z from a fixed-order
+    sum in id order: the replay forms no sort, a row's bits do not depend on the
+    batch (alone, reversed, among rows with cuts), and they are the sampler's."""
+    from alignzoo.common.sampling import kernel, op
+
+    B, V = 9, 2 * op.UNCUT_CHUNK + 77  # three chunks, the last ragged
+    c = _uniform_case(B, V, device, seed=4, spread=3.0)
+    c["temperature"] = torch.linspace(0.5, 1.5, B, device=device)
+    c["logits"][2, ::5] = float("-inf")  # banned tokens
+    c["logits"][3, :100] = -0.0
+    tokens = torch.randint(0, V, (B,), device=device)
+    tokens[2] = 5  # a banned one: -inf
+    with monkeypatch.context() as mp:
+        for mod, name in ((op, "sorted_head"), (kernel, "sorted_values_triton"), (kernel, "sorted_head_triton")):
+            mp.setattr(mod, name, _no_sort)
+        lp = sampling_logprobs(c["logits"], tokens, **_params(c))
+        alone = torch.cat([sampling_logprobs(c["logits"][i:i + 1], tokens[i:i + 1],
+                                             **{n: x[i:i + 1] for n, x in _params(c).items()}) for i in range(B)])
+        rev = sampling_logprobs(c["logits"].flip(0), tokens.flip(0), **{n: x.flip(0) for n, x in _params(c).items()})
+    assert bitwise_equal(lp, alone) and bitwise_equal(lp, rev.flip(0))
+    assert lp[2] == float("-inf") and bool(torch.isfinite(lp[torch.arange(B) != 2]).all())
+    ref = sampling_logprobs_ref(c["logits"].cpu(), tokens.cpu(), *[x.cpu() for x in _params(c).values()])
+    fin = torch.isfinite(ref)
+    assert rel_err(lp.cpu()[fin], ref[fin]) < 1e-5
+    # among rows with cuts, interleaved: the same bits; the sampler reports them for its draws
+    cut = _uniform_case(B, V, device, k=40, p=0.9, m=0.01, seed=5, spread=3.0)
+    mixed = {n: torch.stack([c[n], cut[n]], 1).flatten(0, 1) for n in c}
+    tok2 = torch.stack([tokens, tokens], 1).flatten()
+    got = sampling_logprobs(mixed["logits"], tok2, **_params(mixed))
+    assert bitwise_equal(got[0::2], lp)
+    assert bitwise_equal(got[1::2], sampling_logprobs(cut["logits"], tokens, **_params(cut)))
+    drawn, lps = sample_fwd(*_rows(mixed))
+    assert bitwise_equal(sampling_logprobs(mixed["logits"], drawn, **_params(mixed)), lps)
+    lp_all = transformed_logprobs_fwd(mixed["logits"], *_params(mixed).values())
+    assert bitwise_equal(lp_all.gather(1, drawn[:, None]).squeeze(1), lps)
+
+
+def test_uncut_rows_sum_in_their_fixed_order(device):
+    """Z_id is the chunks' pairwise trees added left to right: adding the same
+    exp terms in another order (here one left-to-right pass) gives other bits."""
+    from alignzoo.common.sampling import op
+
+    c = _uniform_case(64, 3 * op.UNCUT_CHUNK + 5, device, seed=6, spread=4.0)
+    tokens = torch.zeros(64, dtype=torch.int64, device=device)
+    lp, v0, logz, _ = op.uncut_logprobs(c["logits"], c["temperature"], tokens)
+    assert bitwise_equal(v0, c["logits"].amax(1))
+    e = torch.exp(c["logits"].cpu() - v0.cpu()[:, None])
+    naive = torch.log(torch.cumsum(e, 1)[:, -1])
+    if device.type == "cpu":
+        tree = op.pairwise_tree(op.pad_to(e, 1, 4 * op.UNCUT_CHUNK, 0.0).view(64, 4, -1))
+        assert bitwise_equal(logz, torch.log(((tree[:, 0] + tree[:, 1]) + tree[:, 2]) + tree[:, 3]))
+        assert not bitwise_equal(logz, naive)
+    assert rel_err(logz.cpu(), naive) < 1e-6
+
+
 def test_replay_equals_sampler_all_four_at_qwen_vocab(device):
     c = random_case(4, QWEN_VOCAB, device, seed=5)
     tokens, lps = sample_fwd(*_rows(c))

@@ -19,6 +19,7 @@ import torch
 from ..kv_cache import CacheManager
 from ..matmul import graph_launches
 from ..sampling import head_width, params_to_tensors, sample_fwd, sampling_logprobs_fwd
+from ..sampling.op import uncut_rows
 from .model_api import ForwardBatch, ServeModel, batch_tensors, field_spec, first_rows, from_tensors, static_decode_batch
 from .scheduler import Chunk
 
@@ -338,11 +339,12 @@ class ModelRunner:
         targets = [s.token_ids(p + 1, p + 2)[0] for s, p, _ in (wanted[r] for r in forced)]
         params = params_to_tensors([wanted[r][0].sampling for r in forced], [0] * len(forced))
         head = head_width(params["temperature"], params["top_k"], logits.shape[1])  # host tensors: no sync
+        uncut = uncut_rows(params["temperature"], params["top_k"], params["top_p"], params["min_p"], logits.shape[1])
         params = {k: params[k].to(self.device, non_blocking=True) for k in ("temperature", "top_k", "top_p", "min_p")}
         lg = logits if len(forced) == R else logits[self._to_device(forced, torch.int64)]
         at, given = self._to_device(forced, torch.int64), self._to_device(targets, torch.int64)
         tok_all[at] = given
-        lp_all[at] = sampling_logprobs_fwd(lg, given, **params, head=head)[0]
+        lp_all[at] = sampling_logprobs_fwd(lg, given, **params, head=head, uncut=uncut)[0]
         return tok_all, lp_all
 
     def _to_device(self, data, dtype: torch.dtype) -> torch.Tensor:

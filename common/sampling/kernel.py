@@ -26,6 +26,8 @@ rows read, then runs the support kernel:
     _support_kernel     sorted keys, or values and ids (and partials) -> Triton, one program per row
                         token, lp, v0, log Z, last key
     _replay_bwd_kernel  d lp / d logits (the trainer's backward)         Triton, element-wise
+    _uncut_kernel       a row without a cut (``op.uncut_rows``) -> lp,   Triton, one program per row
+                        v0, log Z_id: no sort (``op`` docstring)
 
 Why the sorts are torch's: a 151936-wide per-row sort is a multi-pass radix
 sort that Triton does not express well.  The keys of a row are distinct
@@ -680,3 +682,50 @@ def replay_bwd_triton(logits, tau, tokens, v0, logz, last_key, coef):
         _replay_bwd_kernel[grid](logits, tau, tokens, v0, logz, last_key, coef, dl, V,
                                  BLOCK=ELEM_BLOCK, num_warps=4, enable_fp_fusion=False)
     return dl
+
+
+@triton.jit
+def _uncut_kernel(p_logits, p_temp, p_tok, p_lp, p_v0, p_logz, V, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+    """One row without a cut: v0 = max s (exact), Z_id = the chunks' pairwise trees (reshape/split:
+    the pairs are logical, whatever the layout) added left to right, lp = fl(fl(s_tok - v0) - log Z_id)."""
+    i_b = tl.program_id(0)
+    o_row = i_b.to(tl.int64) * V
+    b_tau = tl.load(p_temp + i_b)
+    b_tau = tl.where(b_tau == 0.0, 1.0, b_tau)
+    b_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for c in range(0, tl.cdiv(V, BLOCK)):
+        o_v = c * BLOCK + tl.arange(0, BLOCK)
+        b_l = tl.load(p_logits + o_row + o_v, mask=o_v < V, other=float("-inf"))
+        b_max = tl.maximum(b_max, _scaled_bits(b_l, b_tau).to(tl.float32, bitcast=True))
+    v0 = tl.max(b_max, axis=0)
+    acc = tl.zeros((1,), tl.float32)
+    for c in range(0, tl.cdiv(V, BLOCK)):
+        o_v = c * BLOCK + tl.arange(0, BLOCK)
+        m_v = o_v < V
+        b_l = tl.load(p_logits + o_row + o_v, mask=m_v, other=0.0)
+        b_s = _scaled_bits(b_l, b_tau).to(tl.float32, bitcast=True)
+        b_x = tl.where(m_v, tl.exp(b_s - v0), 0.0)
+        for i in tl.static_range(LOG2_BLOCK):
+            b_a, b_c = tl.split(tl.reshape(b_x, (BLOCK >> (i + 1), 2)))
+            b_x = b_a + b_c
+        acc = acc + b_x
+    logz = tl.log(acc)
+    b_tok = tl.load(p_tok + i_b)
+    s_tok = _scaled_bits(tl.load(p_logits + o_row + b_tok), b_tau).to(tl.float32, bitcast=True)
+    o1 = tl.arange(0, 1)
+    tl.store(p_lp + i_b + o1, (s_tok - v0) - logz)
+    tl.store(p_v0 + i_b + o1, tl.zeros((1,), tl.float32) + v0)
+    tl.store(p_logz + i_b + o1, logz)
+
+
+def uncut_logprobs_triton(logits, temperature, tokens):
+    """``op.uncut_logprobs`` on CUDA rows: -> (lp, v0, logz, last_key), (B,) each."""
+    from .op import INT64_MAX, UNCUT_CHUNK
+
+    B, V = logits.shape
+    logits, temperature, tokens = logits.contiguous(), temperature.contiguous(), tokens.to(torch.int64).contiguous()
+    lp, v0, logz = (torch.empty(B, dtype=torch.float32, device=logits.device) for _ in range(3))
+    if B:
+        _uncut_kernel[(B,)](logits, temperature, tokens, lp, v0, logz, V, BLOCK=UNCUT_CHUNK,
+                            LOG2_BLOCK=UNCUT_CHUNK.bit_length() - 1, num_warps=8, enable_fp_fusion=False)
+    return lp, v0, logz, torch.full((B,), INT64_MAX, dtype=torch.int64, device=logits.device)

@@ -38,6 +38,18 @@ The per-row program (each row reads only its own logits and parameters):
    step); token = sorted position first i < n with S[i] > fl(u * Z)
    (inverse CDF over the support in sorted order).
 
+Rows without a cut (not greedy; top-k, top-p and min-p off: ``uncut_rows``)
+keep every token, so their log-prob needs no sorted order: it is
+lp = fl(fl(s_tok - v0) - log Z_id) with v0 the row's largest s (exact in any
+order) and Z_id = sum of exp(s[j] - v0) over token ids in a fixed order:
+chunks of ``UNCUT_CHUNK`` ids, each by the pairwise tree (x[2m] + x[2m+1],
+level by level), the chunk sums added left to right (``uncut_logprobs``; the
+CUDA kernel builds the same tree with reshape/split).  The sampler still
+draws by step 8 (its sorted walk), then reports this lp for such a row; the
+replay of such a row forms no sort at all (a full sort of a 151936-wide row
+was a third of a trainer step).  Every token is in the support: last_key is
+INT64_MAX.
+
 Why this order: it is vLLM's (temperature, top-k, top-p on the renormalised
 top-k set, min-p as a ratio to the max), each step a function of the
 distribution the previous one left, so a reader can replay it by hand.
@@ -57,8 +69,10 @@ from __future__ import annotations
 import torch
 
 from .._validate import check_same_device, check_tensor
+from .._host import cdiv
+from ..tree.cpu import pad_to, pairwise_tree
 from .cpu import support_cpu
-from .rules import chosen_logprob, key_ids, key_values, order_keys, uniform01
+from .rules import chosen_logprob, key_ids, key_values, order_keys, token_keys, uniform01
 
 # Rows per launch by default: bounds the (rows, V) int64 key buffers of the
 # CPU path and of CUDA's full sort (keys, sorted keys, sort indices; the value
@@ -72,6 +86,8 @@ _ROW_ELEMS = 1 << 26
 # (next_power_of_2(kernel.key_row_stride(head + 1)) lanes; a 262144-wide one
 # did not compile).
 _HEAD_MAX = 1024
+UNCUT_CHUNK = 4096  # token ids per chunk of an uncut row's Z_id (part of its order)
+INT64_MAX = 2**63 - 1
 
 
 def partial_head(head: int, V: int) -> bool:
@@ -167,6 +183,40 @@ def _rows(logits, temperature, top_k, top_p, min_p, seed, step, tokens, row_chun
     return tuple(torch.cat(t) for t in zip(*outs))
 
 
+def uncut_rows(temperature, top_k, top_p, min_p, V: int) -> torch.Tensor:
+    """(B,) bool: rows whose support is the whole vocabulary (not greedy, top-k/top-p/min-p off)."""
+    return (temperature != 0) & ((top_k <= 0) | (top_k >= V)) & (top_p >= 1.0) & (min_p <= 0.0)
+
+
+def uncut_logprobs(logits, temperature, tokens):
+    """The replay of rows without a cut (module docstring): -> (lp, v0, logz, last_key), (B,) each,
+    no sort.  A greedy row's temperature counts as 1 (its result is not one to use)."""
+    if logits.is_cuda:
+        from .kernel import uncut_logprobs_triton
+
+        return uncut_logprobs_triton(logits, temperature, tokens)
+    B, V = logits.shape
+    rc = _row_chunk(None, V)
+    if B > rc:  # rows in blocks (bits unchanged): bounds the (rows, V) temporaries
+        outs = [uncut_logprobs(logits[r: r + rc], temperature[r: r + rc], tokens[r: r + rc]) for r in range(0, B, rc)]
+        return tuple(torch.cat(t) for t in zip(*outs))
+    tau = torch.where(temperature == 0, torch.ones_like(temperature), temperature)
+    s = logits / tau[:, None]
+    s = torch.where(s == 0, torch.zeros_like(s), s)  # -0.0 -> +0.0, as the keys fold it
+    v0 = s.amax(1) if V else torch.full((B,), float("-inf"))
+    e = pad_to(torch.exp(s - v0[:, None]), 1, cdiv(V, UNCUT_CHUNK) * UNCUT_CHUNK, 0.0)
+    parts = pairwise_tree(e.view(B, -1, UNCUT_CHUNK))  # (B, chunks)
+    z = parts[:, 0]
+    for c in range(1, parts.shape[1]):
+        z = z + parts[:, c]
+    logz = torch.log(z)
+    tok = tokens.to(torch.int64)
+    last = torch.full((B,), INT64_MAX, dtype=torch.int64)
+    lp = chosen_logprob(token_keys(s.gather(1, tok[:, None])[:, 0], tok), v0, logz, last,
+                        torch.zeros(B, dtype=torch.bool))
+    return lp, v0, logz, last
+
+
 def sample_fwd(logits, temperature, top_k, top_p, min_p, seed, step, *, row_chunk: int | None = None,
                head: int | None = None):
     """The server's launcher (no validation): -> (tokens (B,) int64, logprobs (B,) fp32).
@@ -176,17 +226,37 @@ def sample_fwd(logits, temperature, top_k, top_p, min_p, seed, step, *, row_chun
     sorted positions the rows read).  None computes it from the device
     tensors, one device-to-host read that waits for the logits' producer."""
     tokens, lp, *_ = _rows(logits, temperature, top_k, top_p, min_p, seed, step, None, row_chunk, head)
-    return tokens, lp
+    uncut = uncut_rows(temperature, top_k, top_p, min_p, logits.shape[1])  # on the device: no host read
+    return tokens, torch.where(uncut, uncut_logprobs(logits, temperature, tokens)[0], lp)
 
 
 def sampling_logprobs_fwd(logits, tokens, temperature, top_k, top_p, min_p, *, row_chunk: int | None = None,
-                          head: int | None = None):
+                          head: int | None = None, uncut: torch.Tensor | None = None):
     """The replay launcher (no validation): -> (logprobs, v0, logz, last_key), all (T,).
 
     logprobs has the sampler's bits for the same logits row and parameters;
-    the other three are what the backward needs.  ``head``: as ``sample_fwd``'s."""
-    _, lp, v0, logz, last_key = _rows(logits, temperature, top_k, top_p, min_p, None, None, tokens, row_chunk, head)
-    return lp, v0, logz, last_key
+    the other three are what the backward needs.  ``head``: as ``sample_fwd``'s
+    (for the rows with a cut).  ``uncut``: ``uncut_rows`` of the parameters as
+    a host tensor; None computes it (one host read when they are on a device).
+    Uncut rows take ``uncut_logprobs`` and no sort; the others the per-row program."""
+    if uncut is None:
+        uncut = uncut_rows(temperature, top_k, top_p, min_p, logits.shape[1]).cpu()
+    n_uncut = int(uncut.sum())
+    if n_uncut == 0:
+        _, lp, v0, logz, last = _rows(logits, temperature, top_k, top_p, min_p, None, None, tokens, row_chunk, head)
+        return lp, v0, logz, last
+    if n_uncut == logits.shape[0]:
+        return uncut_logprobs(logits, temperature, tokens)
+    dev = logits.device
+    iu, ic = (torch.nonzero(m).squeeze(1).to(dev) for m in (uncut, ~uncut))
+    outs = [uncut_logprobs(logits[iu], temperature[iu], tokens[iu]),
+            _rows(logits[ic], temperature[ic], top_k[ic], top_p[ic], min_p[ic], None, None, tokens[ic], row_chunk)[1:]]
+    res = []
+    for a, b in zip(*outs):
+        t = torch.empty(logits.shape[0], dtype=a.dtype, device=dev)
+        t[iu], t[ic] = a, b
+        res.append(t)
+    return tuple(res)
 
 
 def transformed_logprobs_fwd(logits, temperature, top_k, top_p, min_p, *, row_chunk: int | None = None):
@@ -195,7 +265,7 @@ def transformed_logprobs_fwd(logits, temperature, top_k, top_p, min_p, *, row_ch
     entry [r, j] has the bits ``sampling_logprobs`` gives token j of row r."""
     R, V = logits.shape
     zeros = torch.zeros(R, dtype=torch.int64, device=logits.device)
-    _, _, v0, logz, last_key = _rows(logits, temperature, top_k, top_p, min_p, None, None, zeros, row_chunk)
+    _, v0, logz, last_key = sampling_logprobs_fwd(logits, zeros, temperature, top_k, top_p, min_p, row_chunk=row_chunk)
     greedy = temperature == 0
     if logits.is_cuda:
         from .kernel import order_keys_triton

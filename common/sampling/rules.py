@@ -32,11 +32,15 @@ _TWO32 = 1 << 32
 
 def order_keys(s: torch.Tensor) -> torch.Tensor:
     """s: (B, V) fp32 scaled logits (finite or -inf) -> (B, V) int64 keys."""
+    return token_keys(s, torch.arange(s.shape[-1], device=s.device, dtype=torch.int64))
+
+
+def token_keys(s: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The keys of scaled logits ``s`` at token ids ``ids`` (broadcast): ``order_keys`` of one token each."""
     bits = s.view(torch.int32)
     bits = torch.where(s == 0, torch.zeros_like(bits), bits)  # -0.0 -> +0.0: one key per value
     ordv = torch.where(bits >= 0, bits, bits ^ _SIGN_FLIP).to(torch.int64)
-    ids = torch.arange(s.shape[-1], device=s.device, dtype=torch.int64)
-    return (-ordv) * _TWO32 + ids
+    return (-ordv) * _TWO32 + ids.to(torch.int64)
 
 
 def key_values(keys: torch.Tensor) -> torch.Tensor:
