@@ -111,7 +111,7 @@ def step_weights(pair, scale=1e-2, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(pair.trainer.named_parameters()):
-            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * scale)
+            p.add_(torch.randn(p.shape, generator=g).to(p.device, p.dtype) * scale)
     pair.sync()
 
 
@@ -534,3 +534,30 @@ def test_sigterm_shuts_down_cleanly(served):
     text = log_path.read_text()
     assert "at http://127.0.0.1:" in text and "alignzoo serve: stopped" in text and "Traceback" not in text
     assert not client.health()
+
+
+@pytest.mark.gpu
+def test_update_from_distributed_over_nccl_on_two_gpus(tmp_path):
+    """The NCCL path of /update_weights_from_distributed: the server on cuda:1, the
+    trainer's pair on cuda:0 (NCCL refuses two ranks on one GPU), a full payload
+    then a delta, each served with the trainer's bits."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices (NCCL refuses two ranks on one GPU)")
+    torch.cuda.set_device(0)
+    proc, client = start_server("qwen3", "--config", "tiny", "--device", "cuda:1", log_path=tmp_path / "server.log")
+    try:
+        pair = alignzoo.load_pair("qwen3", config="tiny", device="cuda:0")
+        assert client.weights_checksum() == trainer_checksum(pair)
+        client.init_weights_update_group("127.0.0.1", free_port(), backend="nccl", timeout_s=120)
+        try:
+            pub = client.publisher(pair.trainer.forward_weights)
+            v = client.get_weight_version()
+            for i, seed in enumerate((8, 9), 1):  # the first payload is full, the second a delta
+                step_weights(pair, seed=seed)
+                assert client.update_weights_from_distributed(pub.publish())["weight_version"] == v + i
+                assert_serves_trainer(client, pair, v + i)
+        finally:
+            client.destroy_weights_update_group()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
