@@ -174,17 +174,18 @@ def profile_aligned(step, device: torch.device, path: str, title: str) -> None:
         step()
         _sync(device)
     wall = time.perf_counter() - t0
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key.replace("cuda", "device"), 0) or
-                  getattr(e, key, 0), reverse=True)
+    from torch.autograd import DeviceType
 
     def dev_us(e) -> float:
         return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0)
 
-    total = sum(dev_us(e) for e in rows) if device.type == "cuda" else None
+    cuda = device.type == "cuda"
+    rows = sorted(prof.key_averages(), key=dev_us if cuda else (lambda e: e.self_cpu_time_total), reverse=True)
+    # kernel rows only: an op's Triton kernels count in its own row too
+    total = sum(dev_us(e) for e in rows if e.device_type == DeviceType.CUDA) if cuda else None
     lines = [f"# {title}", "", f"One aligned forward + backward under torch.profiler: wall {wall * 1e3:.1f} ms"
-             + (f", GPU busy {total / 1e3:.1f} ms (sum of kernel self times)" if total else ""), "",
-             "| op / kernel | calls | GPU self ms | share | CPU self ms |", "|---|---:|---:|---:|---:|"]
+             + (f", GPU busy {total / 1e3:.1f} ms (the kernels' self times)" if total else ""), "",
+             "| op / kernel | calls | GPU self ms | share of GPU busy | CPU self ms |", "|---|---:|---:|---:|---:|"]
     for e in rows[:40]:
         d = dev_us(e)
         lines.append(f"| `{e.key[:90]}` | {e.count} | {d / 1e3:.2f} | "

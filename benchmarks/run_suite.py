@@ -585,6 +585,11 @@ class Suite:
                 print("".join(f.readlines()[-15:]), end="", flush=True)
         return status
 
+    def each(self, children: list[tuple[str, str, list[str]]], cap: float) -> str:
+        """One child per (label, name, arguments), each at most ``cap`` seconds, while budget is left."""
+        return "; ".join(f"{label} {self.run(name, extra, cap)}" if self.left() >= 10 else f"{label} skipped (budget)"
+                         for label, name, extra in children)
+
     def step(self, name: str, fn) -> None:
         t = time.monotonic()
         if self.left() < 10:
@@ -635,17 +640,11 @@ class Suite:
             elif name in ("engine", "vendor"):
                 self.step(name, lambda n=name: self.run(n, ["--step", n], a.engine_s if n == "engine" else a.vendor_s))
             elif name == "kernels":
-                def kernels():
-                    st = [f"{op} {self.run('kernels-' + op, ['--step', 'kernels', '--op', op], a.op_s)}"
-                          if self.left() >= 10 else f"{op} skipped (budget)" for op in a.ops]
-                    return "; ".join(st)
-                self.step(name, kernels)
+                self.step(name, lambda: self.each([(op, "kernels-" + op, ["--step", "kernels", "--op", op])
+                                                   for op in a.ops], a.op_s))
             elif name == "trainer":
-                def trainer():
-                    st = [f"{sh} {self.run('trainer-' + sh.replace(':', '-'), ['--step', 'trainer', '--task', sh], a.trainer_s)}"
-                          if self.left() >= 10 else f"{sh} skipped (budget)" for sh in a.trainer_shapes]
-                    return "; ".join(st)
-                self.step(name, trainer)
+                self.step(name, lambda: self.each([(sh, "trainer-" + sh.replace(":", "-"), ["--step", "trainer", "--task", sh])
+                                                   for sh in a.trainer_shapes], a.trainer_s))
         print(f"done in {time.monotonic() - self.t0:.0f}s: {os.path.join(a.out, 'PERFORMANCE.md')}"
               + (f" and {a.doc}" if a.doc else ""), flush=True)
         return 0

@@ -28,8 +28,8 @@ def matmul_fwd(x: torch.Tensor, w: torch.Tensor, **launch) -> torch.Tensor:
 def backward_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a · b for a backward pass, which needs determinism run to run, not batch
     invariance: on CUDA cuBLAS (one algorithm per shape, no atomics: the same
-    bits every run, at tensor-core speed; our strided kernel ran the backward
-    GEMMs at half the forward's rate), on the CPU ``matmul_fwd`` (fixed order)."""
+    bits every run, at tensor-core speed; our fixed-order kernel on these
+    transposed operands runs at half its forward rate), on the CPU ``matmul_fwd`` (fixed order)."""
     if a.is_cuda:
         return torch.mm(a, b)
     return matmul_fwd(a, b.t())

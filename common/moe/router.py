@@ -47,7 +47,7 @@ import torch
 
 from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
 from ..sampling.rules import key_ids, order_keys
-from ..tree.cpu import pairwise_tree
+from ..tree.cpu import left_to_right, pairwise_tree
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 REPLAY_MODES = ("frozen", "straight-through")
@@ -97,10 +97,7 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
 def slot_sum(w: torch.Tensor) -> torch.Tensor:
     """(T, k, ...) -> (T, ...): ((w0 + w1) + w2) + ..., left to right over the slots (dim 1),
     element-wise in w's dtype (the router's (T, k) weights, the experts' (T, k, H) contributions)."""
-    acc = w[:, 0]
-    for j in range(1, w.shape[1]):
-        acc = acc + w[:, j]
-    return acc
+    return left_to_right(w)
 
 
 def softmax_fp32(x: torch.Tensor) -> torch.Tensor:

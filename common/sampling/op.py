@@ -46,9 +46,9 @@ chunks of ``UNCUT_CHUNK`` ids, each by the pairwise tree (x[2m] + x[2m+1],
 level by level), the chunk sums added left to right (``uncut_logprobs``; the
 CUDA kernel builds the same tree with reshape/split).  The sampler still
 draws by step 8 (its sorted walk), then reports this lp for such a row; the
-replay of such a row forms no sort at all (a full sort of a 151936-wide row
-was a third of a trainer step).  Every token is in the support: last_key is
-INT64_MAX.
+replay of such a row forms no sort at all (a full sort of 151936-wide rows
+costs a third of a qwen3-0.6b trainer step on the H200).  Every token is
+in the support: last_key is INT64_MAX.
 
 Why this order: it is vLLM's (temperature, top-k, top-p on the renormalised
 top-k set, min-p as a ratio to the max), each step a function of the
@@ -70,7 +70,7 @@ import torch
 
 from .._validate import check_same_device, check_tensor
 from .._host import cdiv
-from ..tree.cpu import pad_to, pairwise_tree
+from ..tree.cpu import left_to_right, pad_to, pairwise_tree
 from .cpu import support_cpu
 from .rules import chosen_logprob, key_ids, key_values, order_keys, token_keys, uniform01
 
@@ -205,11 +205,7 @@ def uncut_logprobs(logits, temperature, tokens):
     s = torch.where(s == 0, torch.zeros_like(s), s)  # -0.0 -> +0.0, as the keys fold it
     v0 = s.amax(1) if V else torch.full((B,), float("-inf"))
     e = pad_to(torch.exp(s - v0[:, None]), 1, cdiv(V, UNCUT_CHUNK) * UNCUT_CHUNK, 0.0)
-    parts = pairwise_tree(e.view(B, -1, UNCUT_CHUNK))  # (B, chunks)
-    z = parts[:, 0]
-    for c in range(1, parts.shape[1]):
-        z = z + parts[:, c]
-    logz = torch.log(z)
+    logz = torch.log(left_to_right(pairwise_tree(e.view(B, -1, UNCUT_CHUNK))))  # chunk trees, then in order
     tok = tokens.to(torch.int64)
     last = torch.full((B,), INT64_MAX, dtype=torch.int64)
     lp = chosen_logprob(token_keys(s.gather(1, tok[:, None])[:, 0], tok), v0, logz, last,
@@ -227,6 +223,8 @@ def sample_fwd(logits, temperature, top_k, top_p, min_p, seed, step, *, row_chun
     tensors, one device-to-host read that waits for the logits' producer."""
     tokens, lp, *_ = _rows(logits, temperature, top_k, top_p, min_p, seed, step, None, row_chunk, head)
     uncut = uncut_rows(temperature, top_k, top_p, min_p, logits.shape[1])  # on the device: no host read
+    if not uncut.is_cuda and not bool(uncut.any()):  # host values: a batch of cut rows skips the pass
+        return tokens, lp
     return tokens, torch.where(uncut, uncut_logprobs(logits, temperature, tokens)[0], lp)
 
 
@@ -235,10 +233,11 @@ def sampling_logprobs_fwd(logits, tokens, temperature, top_k, top_p, min_p, *, r
     """The replay launcher (no validation): -> (logprobs, v0, logz, last_key), all (T,).
 
     logprobs has the sampler's bits for the same logits row and parameters;
-    the other three are what the backward needs.  ``head``: as ``sample_fwd``'s
-    (for the rows with a cut).  ``uncut``: ``uncut_rows`` of the parameters as
-    a host tensor; None computes it (one host read when they are on a device).
-    Uncut rows take ``uncut_logprobs`` and no sort; the others the per-row program."""
+    the other three are what the backward needs.  ``head``: as ``sample_fwd``'s,
+    used when no row is uncut (a mix recomputes it for its cut rows: one host
+    read).  ``uncut``: ``uncut_rows`` of the parameters as a host tensor; None
+    computes it (one host read when they are on a device).  Uncut rows take
+    ``uncut_logprobs`` and no sort; the others the per-row program."""
     if uncut is None:
         uncut = uncut_rows(temperature, top_k, top_p, min_p, logits.shape[1]).cpu()
     n_uncut = int(uncut.sum())

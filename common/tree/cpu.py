@@ -55,6 +55,14 @@ def pairwise_tree(
     return x.select(dim, 0)
 
 
+def left_to_right(x: torch.Tensor) -> torch.Tensor:
+    """(N, k, ...) -> (N, ...): ((x0 + x1) + x2) + ... over dim 1, element-wise in x's dtype."""
+    acc = x[:, 0]
+    for j in range(1, x.shape[1]):
+        acc = acc + x[:, j]
+    return acc
+
+
 def tree_reduce_cpu(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """parts: (N, ...) in logical order -> (...) in out_dtype."""
     level = [p.double() for p in parts.unbind(0)]
