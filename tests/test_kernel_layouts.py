@@ -62,7 +62,7 @@ def _reduce_operand_layouts(ttgir: str) -> list[tuple[str, str, str]]:
 _ATT = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "lse": "*fp32"}
 _STRIDES = {n: "i32" for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_kp", "stride_vt",
                                "stride_vh", "stride_vp", "stride_ot", "stride_oh", "stride_lt", "stride_bt")}
-_FWD, _DEC, _BWD = attn.fwd_config(HEAD_DIM), attn.decode_config(HEAD_DIM), attn.bwd_config(HEAD_DIM)
+_FWD, _DEC, _BWD = attn.fwd_config(HEAD_DIM), attn.decode_config(HEAD_DIM), attn.bwd_config(HEAD_DIM)["dq"]
 _HPT, _NHC, _TPT = attn._tiling(G, _FWD["block_m"])
 _BHPT, _BNHC, _BTPT = attn._tiling(G, _BWD["block_m"])
 _ATT_C = {"D": HEAD_DIM, "BLOCK_D": HEAD_DIM, "G": G, "N_HC": _NHC, "WINDOW": 0, "PRECISION": None,
@@ -109,7 +109,7 @@ KERNELS = {
          "cu": "*i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kt": "i32", "stride_kh": "i32",
          "stride_vt": "i32", "stride_vh": "i32", "stride_lt": "i32", "qk_scale": "fp32", "scale": "fp32",
          "n_m_tiles": "i32"},
-        {**_ATT_C, "N_HC": _BNHC, "HPT": _BHPT, "TPT": _BTPT, "BLOCK_M": _BWD["block_m"]},
+        {**_ATT_C, "N_HC": _BNHC, "HPT": _BHPT, "TPT": _BTPT, "BLOCK_M": _BWD["block_m"], "BLOCK_N": _BWD["block_n"]},
         _BWD["num_warps"], _BWD["num_stages"], ("n_m_tiles",)),
     # dz: g0 = first group of the vocabulary chunk, chunk = _DZ_BYTES // (T * 256 * 2) groups.
     # n_cols = chunk * 256 also follows T but is always a multiple of 256 (aligned, never 1).

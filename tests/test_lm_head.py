@@ -310,16 +310,23 @@ def test_bad_input(device, case):
 @pytest.mark.gpu
 def test_logits_backward_split_keeps_fp32_accuracy_and_repeats():
     """The trainer's logits backward on CUDA with bf16 weights: g = hi + lo in
-    bf16, two tensor-core GEMMs with fp32 output.  The fp32 products are as
-    accurate as an fp32 mm (a bf16 g alone is ~2^-9 off and fails the bound),
-    and the same bits every run."""
-    from alignzoo.common.lm_head.op import _logits_bwd_mm
+    bf16 (one fused pass, the bits of torch's two roundings), two tensor-core
+    GEMMs with fp32 output.  The fp32 products are as accurate as an fp32 mm
+    (a bf16 g alone is ~2^-9 off and fails the bound), and the same bits every run."""
+    from alignzoo.common.lm_head.op import _logits_bwd_mm, _split_parts
 
     g0 = torch.Generator(device="cuda").manual_seed(3)
     g = torch.randn(333, 2051, device="cuda", generator=g0) * 1e-3
+    g[0, :4] = torch.tensor([0.0, -0.0, 1e-3 + 2**-30, -3.0e38])  # zeros, a lo part, near the top
     w = torch.randn(2051, 96, device="cuda", generator=g0).bfloat16()
+    hi, lo = _split_parts(g, True)
+    assert bitwise_equal(hi, g.bfloat16()) and bitwise_equal(lo, (g - g.bfloat16().float()).bfloat16())
+    g[0, 3] = 0.0
     ref = g.double() @ w.double()
-    got = _logits_bwd_mm(g, w)
+    parts = _split_parts(g, True)
+    got = _logits_bwd_mm(parts, w)
     assert got.dtype == torch.float32 and rel_err(got, ref) < 1e-5
     assert rel_err(torch.mm(g.bfloat16(), w).float(), ref) > 1e-4  # what the lo part buys
-    assert bitwise_equal(got, _logits_bwd_mm(g, w))
+    assert bitwise_equal(got, _logits_bwd_mm(_split_parts(g, True), w))
+    ref_t = g.double().t() @ w.double()[:333]  # the dW side takes the transposed parts
+    assert rel_err(_logits_bwd_mm([p.t() for p in parts], w[:333]), ref_t) < 1e-5

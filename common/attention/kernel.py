@@ -124,13 +124,17 @@ each of shared memory per stage.
 
 Backward (packed only), deterministic run to run, no atomics:
 - ``_bwd_preprocess_kernel``: delta = sum_d(o * do) in fp32 (``tl.sum``).
-- ``_attn_bwd_dq_kernel``: tiles as the forward; p = exp2(s - lse2) recomputed
-  from the saved (merged) lse; dq = sum over KV blocks in increasing order of
+- ``_attn_bwd_dq_kernel``: tiles of query rows as the forward's (own
+  ``block_m``); p = exp2(s - lse2) recomputed from the saved (merged) lse;
+  dq = sum over KV blocks of ``block_n`` positions in increasing order of
   tl.dot(ds.to(bf16), k).
-- ``_attn_bwd_dkdv_kernel``: one program per (KV block, sequence, kv head);
-  dk, dv accumulate over the query tiles that see the block, head chunks
-  outer, tiles in increasing order; the GQA group's heads are summed inside
-  each tile's ``tl.dot`` (rows = tokens x heads).
+- ``_attn_bwd_dkdv_kernel``: one program per (KV block of ``block_n``,
+  sequence, kv head); dk, dv accumulate over the query tiles that see the
+  block, head chunks outer, tiles in increasing order; the GQA group's heads
+  are summed inside each tile's ``tl.dot`` (rows = tokens x heads).
+Both skip the visibility mask where a whole block (tile) is visible to every
+row, so only the diagonal pays for it (no window: a window masks all).
+The tile shapes (``bwd_config``) are free: nothing else has to match them.
 fp32 inputs use ``input_precision="ieee"`` for every dot (not tf32).
 """
 from __future__ import annotations
@@ -184,11 +188,13 @@ def decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
 
 
 def bwd_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """{"dq": ..., "dkdv": ...}: each kernel's (block_m query rows, block_n KV positions, num_warps,
+    num_stages).  Backward bits need only be deterministic run to run, so these are free to tune."""
     if dtype == torch.float32:
-        return {**bwd_config(head_dim), "num_stages": 1}
-    # backward bits need only be deterministic; 8 warps: no spills at D = 128 (sm_90 compile),
-    # D = 256 still spills ~400 B/thread in dK/dV (a target for the H200 tuning)
-    return {"block_m": 64, "num_warps": 8, "num_stages": 2}
+        return {name: {**cfg, "num_stages": 1} for name, cfg in bwd_config(head_dim).items()}
+    # 8 warps: no spills at D = 128 (sm_90 compile), D = 256 still spills ~400 B/thread in dK/dV
+    base = {"block_m": 64, "block_n": BLOCK_N, "num_warps": 8, "num_stages": 2}
+    return {"dq": dict(base), "dkdv": dict(base)}
 
 
 @triton.jit
@@ -537,6 +543,34 @@ def _bwd_preprocess_kernel(o, do, delta, n_rows, D: tl.constexpr, BLOCK_D: tl.co
 
 
 @triton.jit
+def _bwd_rows(i_kvh, i_c, tok0, L, HPT: tl.constexpr, TPT: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A tile's rows: (token, query head, valid); row r = token tok0 + r // HPT, head r % HPT of the chunk."""
+    o_r = tl.arange(0, BLOCK_M)
+    r_tok = tok0 + o_r // HPT
+    r_hh = i_c * HPT + o_r % HPT
+    r_ok = (o_r < TPT * HPT) & (r_tok < L) & (r_hh < G)
+    return r_tok, i_kvh * G + r_hh, r_ok
+
+
+@triton.jit
+def _bwd_dq_block(b_q, b_do, b_lse2, b_delta, b_dq, k, v, bos, L, j, i_kvh, r_pos, r_lo, r_ok, o_d, m_d,
+                  stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+                  MASKED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    o_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_kv = (o_n < L)[:, None] & m_d[None, :]
+    b_k = tl.load(k + (bos + o_n).to(tl.int64)[:, None] * stride_kt + i_kvh * stride_kh + o_d[None, :], mask=m_kv, other=0.0)
+    b_v = tl.load(v + (bos + o_n).to(tl.int64)[:, None] * stride_vt + i_kvh * stride_vh + o_d[None, :], mask=m_kv, other=0.0)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale
+    b_p = tl.exp2(b_s - b_lse2[:, None])
+    if MASKED:
+        m_vis = (o_n[None, :] <= r_pos[:, None]) & (o_n[None, :] >= r_lo[:, None]) & r_ok[:, None]
+        b_p = tl.where(m_vis, b_p, 0.0)
+    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    return tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=PRECISION)
+
+
+@triton.jit
 def _attn_bwd_dq_kernel(
     q, k, v, do, lse, delta, dq, cu,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_lt,
@@ -557,21 +591,45 @@ def _attn_bwd_dq_kernel(
     tok0 = i_m * TPT
     if tok0 >= L:
         return
-    o_r = tl.arange(0, BLOCK_M)
-    r_tok = tok0 + o_r // HPT
-    r_hh = i_c * HPT + o_r % HPT
-    r_ok = (o_r < TPT * HPT) & (r_tok < L) & (r_hh < G)
-    r_head = i_kvh * G + r_hh
-    r_pos = r_tok
+    r_pos, r_head, r_ok = _bwd_rows(i_kvh, i_c, tok0, L, HPT, TPT, G, BLOCK_M)
     if WINDOW > 0:
         r_lo = tl.maximum(r_pos - WINDOW + 1, 0)
         j_lo = tl.maximum(tok0 - WINDOW + 1, 0) // BLOCK_N
+        j_mask = j_lo  # the window's lower edge: every block is masked
     else:
         r_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
         j_lo = 0
+        j_mask = (tok0 + 1) // BLOCK_N  # blocks below see every row of the tile
     j_hi = (tl.minimum(tok0 + TPT, L) - 1) // BLOCK_N
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
+    m_q = r_ok[:, None] & m_d[None, :]
+    o_q = (bos + r_pos).to(tl.int64)[:, None] * stride_qt + r_head[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(q + o_q, mask=m_q, other=0.0)
+    b_do = tl.load(do + o_q, mask=m_q, other=0.0)
+    o_l = (bos + r_pos).to(tl.int64) * stride_lt + r_head
+    b_lse2 = tl.load(lse + o_l, mask=r_ok, other=0.0) * 1.4426950408889634
+    b_delta = tl.load(delta + o_l, mask=r_ok, other=0.0)
+    b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # unmasked blocks: a padded row loads q = do = lse = delta = 0, so its ds is 0 without the mask
+    for j in range(j_lo, j_mask):
+        b_dq = _bwd_dq_block(b_q, b_do, b_lse2, b_delta, b_dq, k, v, bos, L, j, i_kvh, r_pos, r_lo, r_ok, o_d, m_d,
+                             stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+                             MASKED=False, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
+    for j in range(j_mask, j_hi + 1):
+        b_dq = _bwd_dq_block(b_q, b_do, b_lse2, b_delta, b_dq, k, v, bos, L, j, i_kvh, r_pos, r_lo, r_ok, o_d, m_d,
+                             stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+                             MASKED=True, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
+    b_dq = b_dq * scale
+    tl.store(dq + o_q, b_dq.to(dq.dtype.element_ty), mask=m_q)
+
+
+@triton.jit
+def _bwd_dkdv_tile(b_k, b_v, b_dk, b_dv, q, do, lse, delta, bos, L, i_m, i_kvh, i_c, o_n, m_n, o_d, m_d,
+                   stride_qt, stride_qh, stride_lt, qk_scale,
+                   G: tl.constexpr, HPT: tl.constexpr, TPT: tl.constexpr, WINDOW: tl.constexpr,
+                   MASKED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+    r_tok, r_head, r_ok = _bwd_rows(i_kvh, i_c, i_m * TPT, L, HPT, TPT, G, BLOCK_M)
     m_q = r_ok[:, None] & m_d[None, :]
     o_q = (bos + r_tok).to(tl.int64)[:, None] * stride_qt + r_head[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(q + o_q, mask=m_q, other=0.0)
@@ -579,20 +637,20 @@ def _attn_bwd_dq_kernel(
     o_l = (bos + r_tok).to(tl.int64) * stride_lt + r_head
     b_lse2 = tl.load(lse + o_l, mask=r_ok, other=0.0) * 1.4426950408889634
     b_delta = tl.load(delta + o_l, mask=r_ok, other=0.0)
-    b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for j in range(j_lo, j_hi + 1):
-        o_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_kv = (o_n < L)[:, None] & m_d[None, :]
-        b_k = tl.load(k + (bos + o_n).to(tl.int64)[:, None] * stride_kt + i_kvh * stride_kh + o_d[None, :], mask=m_kv, other=0.0)
-        b_v = tl.load(v + (bos + o_n).to(tl.int64)[:, None] * stride_vt + i_kvh * stride_vh + o_d[None, :], mask=m_kv, other=0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale
-        m_vis = (o_n[None, :] <= r_pos[:, None]) & (o_n[None, :] >= r_lo[:, None]) & r_ok[:, None]
-        b_p = tl.where(m_vis, tl.exp2(b_s - b_lse2[:, None]), 0.0)
-        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
-        b_ds = b_p * (b_dp - b_delta[:, None])
-        b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq, input_precision=PRECISION)
-    b_dq = b_dq * scale
-    tl.store(dq + o_q, b_dq.to(dq.dtype.element_ty), mask=m_q)
+    b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION) * qk_scale  # (BN, BM)
+    b_pT = tl.exp2(b_sT - b_lse2[None, :])
+    if MASKED:
+        if WINDOW > 0:
+            r_lo = tl.maximum(r_tok - WINDOW + 1, 0)
+        else:
+            r_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
+        m_vis = (o_n[:, None] <= r_tok[None, :]) & (o_n[:, None] >= r_lo[None, :]) & r_ok[None, :] & m_n[:, None]
+        b_pT = tl.where(m_vis, b_pT, 0.0)
+    b_dv = tl.dot(b_pT.to(b_do.dtype), b_do, b_dv, input_precision=PRECISION)
+    b_dpT = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)
+    b_dsT = b_pT * (b_dpT - b_delta[None, :])
+    b_dk = tl.dot(b_dsT.to(b_q.dtype), b_q, b_dk, input_precision=PRECISION)
+    return b_dk, b_dv
 
 
 @triton.jit
@@ -624,37 +682,26 @@ def _attn_bwd_dkdv_kernel(
     b_v = tl.load(v + o_v, mask=m_kv, other=0.0)
     b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    # query tokens that can see this block: [64 j, t_hi]
+    # query tokens that can see this block: [BLOCK_N * i_j, t_hi]
     t_hi = L - 1
     if WINDOW > 0:
         t_hi = tl.minimum(t_hi, i_j * BLOCK_N + BLOCK_N - 1 + WINDOW - 1)
+        m_mask = t_hi // TPT + 1  # the window's upper edge: every tile is masked
+    else:
+        m_mask = (i_j * BLOCK_N + BLOCK_N - 1 + TPT - 1) // TPT  # tiles from here see every position of the block
     m_lo = (i_j * BLOCK_N) // TPT
     m_hi = t_hi // TPT
-    o_r = tl.arange(0, BLOCK_M)
+    m_mask = tl.minimum(m_mask, m_hi + 1)
     for i_c in range(N_HC):
-        for i_m in range(m_lo, m_hi + 1):
-            r_tok = i_m * TPT + o_r // HPT
-            r_hh = i_c * HPT + o_r % HPT
-            r_ok = (o_r < TPT * HPT) & (r_tok < L) & (r_hh < G)
-            r_head = i_kvh * G + r_hh
-            if WINDOW > 0:
-                r_lo = tl.maximum(r_tok - WINDOW + 1, 0)
-            else:
-                r_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
-            m_q = r_ok[:, None] & m_d[None, :]
-            o_q = (bos + r_tok).to(tl.int64)[:, None] * stride_qt + r_head[:, None] * stride_qh + o_d[None, :]
-            b_q = tl.load(q + o_q, mask=m_q, other=0.0)
-            b_do = tl.load(do + o_q, mask=m_q, other=0.0)
-            o_l = (bos + r_tok).to(tl.int64) * stride_lt + r_head
-            b_lse2 = tl.load(lse + o_l, mask=r_ok, other=0.0) * 1.4426950408889634
-            b_delta = tl.load(delta + o_l, mask=r_ok, other=0.0)
-            b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION) * qk_scale  # (BN, BM)
-            m_vis = (o_n[:, None] <= r_tok[None, :]) & (o_n[:, None] >= r_lo[None, :]) & r_ok[None, :] & m_n[:, None]
-            b_pT = tl.where(m_vis, tl.exp2(b_sT - b_lse2[None, :]), 0.0)
-            b_dv = tl.dot(b_pT.to(b_do.dtype), b_do, b_dv, input_precision=PRECISION)
-            b_dpT = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)
-            b_dsT = b_pT * (b_dpT - b_delta[None, :])
-            b_dk = tl.dot(b_dsT.to(b_q.dtype), b_q, b_dk, input_precision=PRECISION)
+        for i_m in range(m_lo, m_mask):
+            b_dk, b_dv = _bwd_dkdv_tile(b_k, b_v, b_dk, b_dv, q, do, lse, delta, bos, L, i_m, i_kvh, i_c, o_n, m_n,
+                                        o_d, m_d, stride_qt, stride_qh, stride_lt, qk_scale, G=G, HPT=HPT, TPT=TPT,
+                                        WINDOW=WINDOW, MASKED=True, PRECISION=PRECISION, BLOCK_M=BLOCK_M)
+        # a padded row (past L, or a head past G) loads zeros and adds nothing without the mask
+        for i_m in range(m_mask, m_hi + 1):
+            b_dk, b_dv = _bwd_dkdv_tile(b_k, b_v, b_dk, b_dv, q, do, lse, delta, bos, L, i_m, i_kvh, i_c, o_n, m_n,
+                                        o_d, m_d, stride_qt, stride_qh, stride_lt, qk_scale, G=G, HPT=HPT, TPT=TPT,
+                                        WINDOW=WINDOW, MASKED=False, PRECISION=PRECISION, BLOCK_M=BLOCK_M)
     b_dk = b_dk * scale
     tl.store(dk + o_k, b_dk.to(dk.dtype.element_ty), mask=m_kv)
     tl.store(dv + o_v, b_dv.to(dv.dtype.element_ty), mask=m_kv)
@@ -794,33 +841,32 @@ def paged_attention_fwd_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, bloc
     return _fwd_launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, window, scale, True, cfg, mask_all)
 
 
-def attention_bwd_triton(q, k, v, o, lse, do, cu_seqlens, max_seqlen, window, scale, *,
-                       block_m=None, num_warps=None, num_stages=None):
+def attention_bwd_triton(q, k, v, o, lse, do, cu_seqlens, max_seqlen, window, scale, *, dq_cfg=None, dkdv_cfg=None):
+    """(dq, dk, dv); ``dq_cfg`` / ``dkdv_cfg`` override keys of ``bwd_config``'s (tuning runs)."""
     T, hq, d = q.shape
     hkv = k.shape[1]
     G = hq // hkv
     B = cu_seqlens.shape[0] - 1
-    cfg = _config(d, q.dtype, bwd_config, block_m, num_warps, num_stages)
-    block_m, num_warps, num_stages = cfg["block_m"], cfg["num_warps"], cfg["num_stages"]
-    hpt, n_hc, tpt = _tiling(G, block_m)
+    cfgs = bwd_config(d, q.dtype)
+    dq_cfg, dkdv_cfg = {**cfgs["dq"], **(dq_cfg or {})}, {**cfgs["dkdv"], **(dkdv_cfg or {})}
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if T == 0 or B == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     block_d = max(16, next_power_of_2(d))
-    prec = _precision(q.dtype)
     delta = torch.empty(T, hq, dtype=torch.float32, device=q.device)
     _bwd_preprocess_kernel[(cdiv(T * hq, 64),)](o, do, delta, T * hq, D=d, BLOCK_D=block_d, BLOCK_R=64)
-    n_m = cdiv(max_seqlen, tpt)
-    common = dict(D=d, BLOCK_D=block_d, G=G, HPT=hpt, N_HC=n_hc, TPT=tpt, WINDOW=window, PRECISION=prec,
-                  BLOCK_M=block_m, BLOCK_N=BLOCK_N, num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False)
-    _attn_bwd_dq_kernel[(n_m, B, hkv * n_hc)](
-        q, k, v, do, lse, delta, dq, cu_seqlens,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), lse.stride(0),
-        scale * _LOG2E, scale, n_m, **common,
-    )
-    _attn_bwd_dkdv_kernel[(cdiv(max_seqlen, BLOCK_N), B, hkv)](
-        q, k, v, do, lse, delta, dk, dv, cu_seqlens,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), lse.stride(0),
-        scale * _LOG2E, scale, **common,
-    )
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), lse.stride(0))
+
+    def consts(cfg):
+        hpt, n_hc, tpt = _tiling(G, cfg["block_m"])
+        return dict(D=d, BLOCK_D=block_d, G=G, HPT=hpt, N_HC=n_hc, TPT=tpt, WINDOW=window,
+                    PRECISION=_precision(q.dtype), BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False)
+
+    c = consts(dq_cfg)
+    n_m = cdiv(max_seqlen, c["TPT"])
+    _attn_bwd_dq_kernel[(n_m, B, hkv * c["N_HC"])](
+        q, k, v, do, lse, delta, dq, cu_seqlens, *strides, scale * _LOG2E, scale, n_m, **c)
+    _attn_bwd_dkdv_kernel[(cdiv(max_seqlen, dkdv_cfg["block_n"]), B, hkv)](
+        q, k, v, do, lse, delta, dk, dv, cu_seqlens, *strides, scale * _LOG2E, scale, **consts(dkdv_cfg))
     return dq, dk, dv

@@ -299,6 +299,28 @@ def lm_head_logits_triton(h, w, *, return_lse=False, block_m=None):
     return (logits, lse) if return_lse else logits
 
 
+_SPLIT_BLOCK = 4096
+
+
+@triton.jit
+def _split_hi_lo_kernel(g, hi, lo, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    x = tl.load(g + o, mask=m, other=0.0)
+    b_hi = x.to(tl.bfloat16)  # round to nearest even, as torch's .to(bfloat16)
+    tl.store(hi + o, b_hi, mask=m)
+    tl.store(lo + o, (x - b_hi.to(tl.float32)).to(tl.bfloat16), mask=m)
+
+
+def split_hi_lo_triton(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 g (contiguous) -> bf16 (hi, lo) = (g.bf16, (g - hi).bf16) in one pass: g read once."""
+    hi, lo = torch.empty_like(g, dtype=torch.bfloat16), torch.empty_like(g, dtype=torch.bfloat16)
+    n = g.numel()
+    if n:
+        _split_hi_lo_kernel[(cdiv(n, _SPLIT_BLOCK),)](g, hi, lo, n, BLOCK=_SPLIT_BLOCK, num_warps=8)
+    return hi, lo
+
+
 def _gemm(a, a_strides, b, b_strides, c, c_strides, M, N, L, accumulate):
     ieee = a.dtype == torch.float32
     BM, BN = (64, 64) if ieee else (64, 128)

@@ -88,22 +88,30 @@ class _LMHeadLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         h, weight = ctx.saved_tensors
-        g = g.float()
-        dh = _logits_bwd_mm(g, weight).to(h.dtype) if ctx.needs_input_grad[0] else None
-        dw = _logits_bwd_mm(g.t(), h).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        parts = _split_parts(g.float(), h.dtype == weight.dtype == torch.bfloat16)
+        dh = _logits_bwd_mm(parts, weight).to(h.dtype) if ctx.needs_input_grad[0] else None
+        dw = _logits_bwd_mm([p.t() for p in parts], h).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dh, dw
 
 
-def _logits_bwd_mm(g: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """fp32 g · b (b: the bf16 weight or hidden states, or fp32) -> fp32, one fixed torch.mm
-    per part (deterministic run to run).  On CUDA with a bf16 b, g is split into bf16
-    hi + lo (g - hi is exact in fp32, and lo keeps its top 8 bits more: g to ~2^-17) and
-    each part runs on the tensor cores with fp32 output: fp32 accuracy, where an fp32 mm
-    of the (T, V) gradient runs on CUDA cores at ~1/15 the rate (28% of a qwen3-0.6b step)."""
-    if not (g.is_cuda and b.dtype == torch.bfloat16):
-        return torch.mm(g, b.float())
-    hi = g.to(b.dtype)
-    lo = (g - hi.float()).to(b.dtype)
+def _split_parts(g: torch.Tensor, bf16: bool) -> list[torch.Tensor]:
+    """fp32 g as the parts ``_logits_bwd_mm`` multiplies: [g] itself, or, on CUDA with bf16 operands, bf16
+    hi + lo (g - hi is exact in fp32, and lo keeps its top 8 bits more: g to ~2^-17), split in one
+    pass (``split_hi_lo_triton``) and shared by dh and dW."""
+    if not (g.is_cuda and bf16):
+        return [g]
+    from .kernel import split_hi_lo_triton
+
+    return list(split_hi_lo_triton(g.contiguous()))
+
+
+def _logits_bwd_mm(parts: list[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
+    """sum of part · b -> fp32, one fixed torch.mm per part (deterministic run to run).  bf16 parts
+    run on the tensor cores with fp32 output: fp32 accuracy, where an fp32 mm of the (T, V)
+    gradient runs on CUDA cores at ~1/15 the rate (28% of a qwen3-0.6b step)."""
+    if len(parts) == 1:
+        return torch.mm(parts[0], b.float())
+    hi, lo = parts
     return torch.mm(hi, b, out_dtype=torch.float32) + torch.mm(lo, b, out_dtype=torch.float32)
 
 
