@@ -192,7 +192,10 @@ def bwd_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     num_stages).  Backward bits need only be deterministic run to run, so these are free to tune."""
     if dtype == torch.float32:
         return {name: {**cfg, "num_stages": 1} for name, cfg in bwd_config(head_dim).items()}
-    # 8 warps: no spills at D = 128 (sm_90 compile), D = 256 still spills ~400 B/thread in dK/dV
+    if head_dim <= 128:  # the H200 sweep's fastest at D = 128 (bench_attention_bwd_tiles.py, both trainer shapes)
+        return {"dq": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+                "dkdv": {"block_m": 32, "block_n": 64, "num_warps": 4, "num_stages": 3}}
+    # 8 warps: D = 256 still spills ~400 B/thread in dK/dV (sm_90 compile)
     base = {"block_m": 64, "block_n": BLOCK_N, "num_warps": 8, "num_stages": 2}
     return {"dq": dict(base), "dkdv": dict(base)}
 
