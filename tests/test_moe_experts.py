@@ -44,22 +44,27 @@ def test_gpu_rows_do_not_depend_on_the_batch(skew):
     _alone_vs_batches(torch.device("cuda"), 4096, 2048, 512, 256, 8, (1, 2, 7, 64, 300, 1000), skew)
 
 
-@pytest.mark.gpu
-def test_gpu_experts_replay_from_a_cuda_graph():
-    x, ids, w, w_gu, w_d = make_experts(64, 2048, 512, 64, 8, device="cuda")
+def _replays_from_a_cuda_graph(fn, x, ids, w, *weights):
+    """16 tokens captured once, replayed on three other slices: the bits of the eager full batch."""
     sx, sids, sw = x[:16].clone(), ids[:16].clone(), w[:16].clone()
-    experts_fwd(sx, sids, sw, w_gu, w_d)
+    fn(sx, sids, sw, *weights)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = experts_fwd(sx, sids, sw, w_gu, w_d)
-    full = experts_fwd(x, ids, w, w_gu, w_d)
+        out = fn(sx, sids, sw, *weights)
+    full = fn(x, ids, w, *weights)
     for lo in (0, 16, 48):
         sx.copy_(x[lo:lo + 16])
         sids.copy_(ids[lo:lo + 16])
         sw.copy_(w[lo:lo + 16])
         graph.replay()
         assert bitwise_equal(out, full[lo:lo + 16])
+    return full
+
+
+@pytest.mark.gpu
+def test_gpu_experts_replay_from_a_cuda_graph():
+    _replays_from_a_cuda_graph(experts_fwd, *make_experts(64, 2048, 512, 64, 8, device="cuda"))
 
 
 def test_accuracy_and_gradients_against_float64(device):
@@ -177,3 +182,143 @@ def test_the_backward_clamps_where_the_forward_does():
     (ref,) = torch.autograd.grad((g * torch.sigmoid(g) * u * da).sum(), gu)
     got = _swiglu_bwd(gu.detach().float(), da.float(), 7.3, torch.bfloat16)
     assert got[0, 0] != 0 and rel_err(got, ref) < 1e-6
+
+
+# ------------------------------------------------------------------ FP8 experts (GLM-5)
+def _fp8_experts(T, H, I, E, k, *, device, dtype=torch.bfloat16, skew=False, seed=0):
+    from alignzoo.common.moe.op import quantize_experts_fp8
+
+    x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device=device, dtype=dtype, skew=skew, seed=seed)
+    return x, ids, w, w_gu, w_d, quantize_experts_fp8(w_gu, w_d)
+
+
+def _fp8_alone_vs_batches(device, T, H, I, E, k, sizes, skew, limit=None):
+    from alignzoo.common.moe.op import experts_fp8_fwd
+
+    x, ids, w, _, _, q = _fp8_experts(T, H, I, E, k, device=device, skew=skew)
+    full = experts_fp8_fwd(x, ids, w, *q, limit)
+    g = torch.Generator().manual_seed(1)
+    for n in sizes:
+        idx = torch.randperm(T, generator=g)[:n].to(device)
+        assert bitwise_equal(experts_fp8_fwd(x[idx], ids[idx], w[idx], *q, limit), full[idx]), (n, skew)
+    return x, ids, w, q, full
+
+
+def test_fp8_expert_layout_is_each_checkpoint_matrix_quantized_alone():
+    """gate, up and down of every expert as ``quantize_weight_fp8`` makes them (an FP8 checkpoint's
+    gate_proj / up_proj / down_proj ``weight`` and ``weight_scale_inv``), at I = 40: one 128-row block
+    each, so a fused quantization would have mixed gate and up rows."""
+    from alignzoo.common.fp8.op import dequantize_weight_fp8, quantize_weight_fp8
+    from alignzoo.common.moe.op import dequantize_experts_fp8
+
+    _, _, _, w_gu, w_d, (gc, gs, dc, ds) = _fp8_experts(5, 200, 40, 3, 2, device="cpu")
+    assert gs.shape == (3, 2, 2) and ds.shape == (3, 2, 1)
+    for e in range(3):
+        for rows, (c, s) in ((slice(0, 40), (gc[e, :40], gs[e, :1])), (slice(40, 80), (gc[e, 40:], gs[e, 1:]))):
+            want_c, want_s = quantize_weight_fp8(w_gu[e, rows])
+            assert bitwise_equal(c.view(torch.uint8), want_c.view(torch.uint8)) and bitwise_equal(s, want_s)
+        want_c, want_s = quantize_weight_fp8(w_d[e])
+        assert bitwise_equal(dc[e].view(torch.uint8), want_c.view(torch.uint8)) and bitwise_equal(ds[e], want_s)
+    gu, d = dequantize_experts_fp8(gc, gs, dc, ds)
+    assert bitwise_equal(gu[1, 40:], dequantize_weight_fp8(gc[1, 40:], gs[1, 1:]))
+    assert bitwise_equal(d[2], dequantize_weight_fp8(dc[2], ds[2]))
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
+@pytest.mark.parametrize("limit", [None, 1.0], ids=["plain", "clamp"])
+def test_fp8_cpu_rows_do_not_depend_on_the_batch(skew, limit):
+    _fp8_alone_vs_batches(torch.device("cpu"), 300, 200, 136, 9, 3, (1, 2, 17, 64, 299), skew, limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
+def test_fp8_gpu_rows_do_not_depend_on_the_batch(skew):
+    """GLM-5's expert shapes (hidden 6144, width 2048, top-8), 16 of its 256 experts."""
+    _fp8_alone_vs_batches(torch.device("cuda"), 2048, 6144, 2048, 16, 8, (1, 2, 7, 64, 300, 1000), skew)
+
+
+@pytest.mark.gpu
+def test_fp8_gpu_experts_replay_from_a_cuda_graph_and_match_float64():
+    from alignzoo.common.moe.naive import experts_fp8_ref
+    from alignzoo.common.moe.op import experts_fp8_fwd
+
+    x, ids, w, _, _, q = _fp8_experts(64, 6144, 2048, 16, 8, device="cuda")
+    full = _replays_from_a_cuda_graph(experts_fp8_fwd, x, ids, w, *q)
+    assert rel_err(full, experts_fp8_ref(x, ids, w, *q)) < 2e-3
+
+
+def test_fp8_accuracy_against_float64(device):
+    """Against float64 at the FP8 path's own quantization points (exactly dequantized codes and
+    activation groups): fp32 accumulation only.  Against the unquantized bf16 experts: what FP8
+    costs (e4m3 keeps 3 mantissa bits)."""
+    from alignzoo.common.moe.naive import experts_fp8_ref
+    from alignzoo.common.moe.op import experts_fp8_fwd
+
+    for limit in (None, 1.0):
+        x, ids, w, w_gu, w_d, q = _fp8_experts(120, 200, 136, 6, 3, device=device, seed=4)
+        got = experts_fp8_fwd(x, ids, w, *q, limit)
+        assert rel_err(got, experts_fp8_ref(x, ids, w, *q, limit)) < 2e-3, limit
+        assert rel_err(got, experts_ref(x, ids, w, w_gu, w_d, limit)) < 8e-2, limit
+
+
+def test_fp8_gradients_are_straight_through_to_the_masters(device):
+    """The backward is the float64 gradient of the experts at the dequantized weights (the
+    quantizers as identity), to x, the routing weights and both masters; frozen masters get none."""
+    from alignzoo.common.moe.op import dequantize_experts_fp8, moe_experts_fp8
+
+    x, ids, w, w_gu, w_d, q = _fp8_experts(50, 200, 136, 6, 3, device=device, dtype=torch.float32, seed=5)
+    for limit in (None, 1.5):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        mgu, md = w_gu.clone().requires_grad_(), w_d.clone().requires_grad_()
+        out = moe_experts_fp8(xs, ids, ws, *q, master_gate_up=mgu, master_down=md, limit=limit)
+        dy = torch.randn_like(out)
+        grads = torch.autograd.grad((out * dy).sum(), (xs, ws, mgu, md))
+        gu_deq, d_deq = dequantize_experts_fp8(*q)
+        xr, wr, gur, dr = (t.detach().double().requires_grad_() for t in (xs, ws, gu_deq, d_deq))
+        ref = experts_ref(xr, ids, wr, gur, dr, limit)
+        refs = torch.autograd.grad((ref * dy.double()).sum(), (xr, wr, gur, dr))
+        for name, a, b in zip(("x", "weights", "master_gate_up", "master_down"), grads, refs):
+            assert rel_err(a, b) < 1e-4, (name, limit, rel_err(a, b))
+    xs = x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(moe_experts_fp8(xs, ids, w, *q).sum(), (xs,))  # frozen experts: x still gets one
+    assert dx.abs().sum() > 0
+
+
+def test_fp8_bad_inputs():
+    from alignzoo.common.moe.op import moe_experts_fp8
+
+    x, ids, w, w_gu, _, (gc, gs, dc, ds) = _fp8_experts(10, 200, 40, 3, 2, device="cpu")
+    with pytest.raises(ValueError, match=r"gu_scale \(3, 1, 2\) \(want \(3, 2, 2\)"):
+        moe_experts_fp8(x, ids, w, gc, gs[:, :1].contiguous(), dc, ds)
+    with pytest.raises(ValueError, match="master_gate_up has shape"):
+        moe_experts_fp8(x, ids, w, gc, gs, dc, ds, master_gate_up=w_gu[:, :40])
+    with pytest.raises(TypeError, match="gu_codes"):
+        moe_experts_fp8(x, ids, w, w_gu, gs, dc, ds)
+    with pytest.raises(ValueError, match=r"expert ids must be in \[0, 3\)"):
+        moe_experts_fp8(x, ids + 3, w, gc, gs, dc, ds)
+
+
+_INTERPRETED_FP8 = """
+import torch
+from alignzoo.common.ladder import rel_err
+from alignzoo.common.moe.checks import make_experts
+from alignzoo.common.moe.cpu import experts_fwd_fp8_cpu
+from alignzoo.common.moe.kernel import experts_fwd_fp8_triton
+from alignzoo.common.moe.op import quantize_experts_fp8
+
+# fp32 activations (the interpreter's bf16 casts are not the GPU's round-to-nearest-even, and a flipped bf16 of
+# the SwiGLU output moves its FP8 group); the interpreter's block dot is numpy's, so against the CPU path's exactly
+# rounded block dots the kernels agree to fp32 accumulation: the test sees the tile map, the gate / up blocks'
+# scales, the activation groups and the scatter.
+for T, H, I, E, k, skew, lim in ((37, 200, 136, 5, 3, False, None), (70, 72, 40, 7, 2, True, 1.0),
+                                 (1, 130, 24, 5, 3, False, None)):
+    x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device="cpu", skew=skew, seed=1, dtype=torch.float32)
+    q = quantize_experts_fp8(w_gu, w_d)
+    e = rel_err(experts_fwd_fp8_triton(x, ids, w, *q, lim), experts_fwd_fp8_cpu(x, ids, w, *q, lim))
+    assert e < 1e-6, (T, H, I, e)
+print("ok")
+"""
+
+
+def test_fp8_triton_kernels_keep_the_structure_interpreted():
+    run_interpreted(_INTERPRETED_FP8, expect="ok")

@@ -2,8 +2,16 @@
 the batch, routed experts whose token arithmetic does not depend on how many
 tokens each expert got (Triton grouped kernels on CUDA, element-wise dots on
 the CPU), the combine of routed and shared parts, and router replay."""
-from .naive import experts_ref
-from .op import experts_fwd, moe_combine, moe_experts
+from .naive import experts_fp8_ref, experts_ref
+from .op import (
+    dequantize_experts_fp8,
+    experts_fp8_fwd,
+    experts_fwd,
+    moe_combine,
+    moe_experts,
+    moe_experts_fp8,
+    quantize_experts_fp8,
+)
 from .router import (
     EXPERT_SHAPES,
     ExpertShape,
@@ -24,6 +32,9 @@ from .router_naive import hash_route_ref, router_weights_ref, sigmoid_topk_ref, 
 __all__ = [
     "EXPERT_SHAPES",
     "ExpertShape",
+    "dequantize_experts_fp8",
+    "experts_fp8_fwd",
+    "experts_fp8_ref",
     "experts_fwd",
     "experts_ref",
     "hash_route",
@@ -31,6 +42,8 @@ __all__ = [
     "hash_route_ref",
     "moe_combine",
     "moe_experts",
+    "moe_experts_fp8",
+    "quantize_experts_fp8",
     "router_replay",
     "router_weights",
     "router_weights_fwd",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..ladder import RungResult, accuracy, rung1_repeat, rung2_rows
-from .naive import experts_ref
-from .op import experts_fwd
+from .naive import experts_fp8_ref, experts_ref
+from .op import experts_fp8_fwd, experts_fwd, quantize_experts_fp8
 from .router import hash_route_fwd, sigmoid_topk_fwd, softmax_topk_fwd, sqrtsoftplus_topk_fwd
 from .router_naive import sigmoid_topk_ref, softmax_topk_ref, sqrtsoftplus_topk_ref
 
@@ -80,4 +80,21 @@ def ladder(device: torch.device) -> list[RungResult]:
             out.append(r)
         out.append(accuracy("moe", fn(x, ids, w, w_gu, w_d), experts_ref(x, ids, w, w_gu, w_d), 8e-3,
                             f"experts bf16, {name}, vs float64"))
+        out += _fp8_rows(x, ids, w, w_gu, w_d, name)
+    return out
+
+
+def _fp8_rows(x, ids, w, w_gu, w_d, name: str) -> list[RungResult]:
+    """FP8 experts (GLM-5's format) on the same tokens: rungs 1-2, and float64 at their own
+    quantization points."""
+    q = quantize_experts_fp8(w_gu, w_d)
+    fn = lambda x, ids, w, gc, gs, dc, ds, limit=None: experts_fp8_fwd(x, ids, w, gc, gs, dc, ds, limit)  # noqa: E731
+    shared = dict(zip(("gc", "gs", "dc", "ds"), q))
+    out = [rung1_repeat("moe", fn, x, ids, w, *q),
+           rung2_rows("moe", fn, (x, ids, w), shared=shared, batch_sizes=(1, 2, 3, 7, 64)),
+           rung2_rows("moe", fn, (x, ids, w), shared={**shared, "limit": LIMIT})]
+    for r, what in zip(out, ("experts fp8", "experts fp8", "experts fp8, SwiGLU clamp")):
+        r.check = f"{what}, {name}: {r.check}"
+    out.append(accuracy("moe", fn(x, ids, w, *q), experts_fp8_ref(x, ids, w, *q), 2e-3,
+                        f"experts fp8, {name}, vs float64 at the fp8 quantization points"))
     return out

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..fp8.cpu import fp8_gemm_cpu
+from ..fp8.quant import BLOCK, cdiv, quantize_act
 from ..matmul.cpu import fixed_order_dot
 from ..swiglu.cpu import clamp_gate_up, limit_in, silu
 from .router import slot_sum  # (T, k, H) fp32 contributions -> (T, H), added in slot order
@@ -54,3 +56,35 @@ def experts_fwd_cpu(x, ids, weights, w_gate_up, w_down, limit=None, keep: bool =
         c[sel] = fixed_order_dot(ae, w_down[e]) * w[sel, None]
     y = slot_sum(c.view(T, k, H))
     return (y, a.view(T, k, I), c.view(T, k, H)) if keep else y
+
+
+def experts_fwd_fp8_cpu(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None):
+    """FP8 experts (``op.quantize_experts_fp8``'s layout) -> (T, H) fp32 routed sum (unrounded).
+
+    The rounding points above with each dot an FP8 block-scaled GEMM (``fp8/cpu.py``: exact
+    128-wide block dots, fl32(acc + fl32(p * fl32(sx * sw))) in block order, no rounding at
+    the end): x is quantized per token in 1x128 groups (``quantize_act``), gate and up run
+    as their own weights (their own 128-row blocks, as the checkpoint stores them), and a =
+    bf16(SwiGLU) is quantized per row the same way before the down projection.  Every step
+    is row-local, so a row's bits cannot depend on the batch."""
+    T, k = ids.shape
+    H, I = x.shape[1], d_codes.shape[2]
+    nbi = cdiv(I, BLOCK)
+    flat = ids.reshape(-1)
+    rows = torch.arange(T * k)
+    xq, xs = quantize_act(x)
+    a = torch.empty(T * k, I, dtype=x.dtype)
+    experts = torch.unique(flat).tolist()
+    for e in experts:  # CPU path: host loops are fine here
+        sel = rows[flat == e]
+        tq, ts = xq[sel // k], xs[sel // k]
+        g = fp8_gemm_cpu(tq, ts, gu_codes[e, :I], gu_scale[e, :nbi], torch.float32)
+        u = fp8_gemm_cpu(tq, ts, gu_codes[e, I:], gu_scale[e, nbi:], torch.float32)
+        a[sel] = swiglu_f32(torch.cat([g, u], 1), limit, x.dtype)
+    aq, as_ = quantize_act(a)
+    c = torch.empty(T * k, H, dtype=torch.float32)
+    w = weights.reshape(-1).float()
+    for e in experts:
+        sel = rows[flat == e]
+        c[sel] = fp8_gemm_cpu(aq[sel], as_[sel], d_codes[e], d_scale[e], torch.float32) * w[sel, None]
+    return slot_sum(c.view(T, k, H))

@@ -28,10 +28,39 @@ import triton.language as tl
 
 from .._host import cdiv
 from ..swiglu.cpu import limit_in
+from ..fp8.quant import BLOCK as FP8_BLOCK
+from ..fp8.quant import quantize_act
 from .cpu import slot_sum
 
 BLOCK_M = 64  # wgmma's smallest M: a tile never lowers to mma.sync
 BLOCK_K = 64  # the K chain's step: fixed, so every launch sums K the same way
+
+
+@triton.jit
+def _tile_rows(p_r0, p_r1, i_t, BLOCK_M: tl.constexpr):
+    """Tile i_t's sorted rows [r0, r1) as (offsets, mask) over BLOCK_M."""
+    r0, r1 = tl.load(p_r0 + i_t), tl.load(p_r1 + i_t)
+    o_r = r0 + tl.arange(0, BLOCK_M)
+    return o_r, o_r < r1
+
+
+@triton.jit
+def _swiglu_store(b_g, b_u, p_a, o_r, m_r, o_n, m_n, I, LIMIT, HAS_LIMIT: tl.constexpr):
+    """a = SiLU(g)·u in fp32 (clamped first with a limit), rounded once into the sorted rows of a."""
+    if HAS_LIMIT:
+        b_g = tl.minimum(b_g, LIMIT)
+        b_u = tl.minimum(tl.maximum(b_u, -LIMIT), LIMIT)
+    b_a = b_g / (1.0 + tl.exp(-b_g)) * b_u
+    tl.store(p_a + o_r[:, None].to(tl.int64) * I + o_n[None, :], b_a.to(p_a.dtype.element_ty),
+             mask=m_r[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _weighted_scatter(b_c, p_wt, p_dst, p_c, o_r, m_r, o_n, m_n, H):
+    """c[(token, slot)] = fp32 down product · routing weight, scattered back from the sorted rows."""
+    b_wt = tl.load(p_wt + o_r, mask=m_r, other=0.0)
+    dst = tl.load(p_dst + o_r, mask=m_r, other=0).to(tl.int64)
+    tl.store(p_c + dst[:, None] * H + o_n[None, :], b_c * b_wt[:, None], mask=m_r[:, None] & m_n[None, :])
 
 
 @triton.jit
@@ -41,9 +70,7 @@ def _gate_up_kernel(p_x, p_w, p_tok, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS_LIM
     e = tl.load(p_te + i_t)
     if e < 0:
         return
-    r0, r1 = tl.load(p_r0 + i_t), tl.load(p_r1 + i_t)
-    o_r = r0 + tl.arange(0, BLOCK_M)
-    m_r = o_r < r1
+    o_r, m_r = _tile_rows(p_r0, p_r1, i_t, BLOCK_M)
     tok = tl.load(p_tok + o_r, mask=m_r, other=0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
@@ -59,12 +86,7 @@ def _gate_up_kernel(p_x, p_w, p_tok, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS_LIM
         b_wu = tl.load(p_we + (o_n[None, :] + I).to(tl.int64) * H + o_k[:, None], mask=m_w, other=0.0)
         b_g = tl.dot(b_x, b_wg, b_g, input_precision=PRECISION)
         b_u = tl.dot(b_x, b_wu, b_u, input_precision=PRECISION)
-    if HAS_LIMIT:
-        b_g = tl.minimum(b_g, LIMIT)
-        b_u = tl.minimum(tl.maximum(b_u, -LIMIT), LIMIT)
-    b_a = b_g / (1.0 + tl.exp(-b_g)) * b_u
-    tl.store(p_a + o_r[:, None].to(tl.int64) * I + o_n[None, :], b_a.to(p_a.dtype.element_ty),
-             mask=m_r[:, None] & m_n[None, :])
+    _swiglu_store(b_g, b_u, p_a, o_r, m_r, o_n, m_n, I, LIMIT, HAS_LIMIT)
 
 
 @triton.jit
@@ -74,9 +96,7 @@ def _down_kernel(p_a, p_w, p_wt, p_dst, p_te, p_r0, p_r1, p_c, H, I,
     e = tl.load(p_te + i_t)
     if e < 0:
         return
-    r0, r1 = tl.load(p_r0 + i_t), tl.load(p_r1 + i_t)
-    o_r = r0 + tl.arange(0, BLOCK_M)
-    m_r = o_r < r1
+    o_r, m_r = _tile_rows(p_r0, p_r1, i_t, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
     p_we = p_w + e.to(tl.int64) * H * I
@@ -87,9 +107,66 @@ def _down_kernel(p_a, p_w, p_wt, p_dst, p_te, p_r0, p_r1, p_c, H, I,
         b_a = tl.load(p_a + o_r[:, None].to(tl.int64) * I + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
         b_w = tl.load(p_we + o_n[None, :].to(tl.int64) * I + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)
         b_c = tl.dot(b_a, b_w, b_c, input_precision=PRECISION)
-    b_wt = tl.load(p_wt + o_r, mask=m_r, other=0.0)
-    dst = tl.load(p_dst + o_r, mask=m_r, other=0).to(tl.int64)
-    tl.store(p_c + dst[:, None] * H + o_n[None, :], b_c * b_wt[:, None], mask=m_r[:, None] & m_n[None, :])
+    _weighted_scatter(b_c, p_wt, p_dst, p_c, o_r, m_r, o_n, m_n, H)
+
+
+@triton.jit
+def _fp8_block(acc, p_rows, p_cols, o_kk, m_rows, m_cols, K, sx, p_sw):
+    """acc + fl32(dot(x codes, W codes of one 128-wide K block) * fl32(sx * sw)), as fp8/kernel.py."""
+    m_k = o_kk < K
+    b_x = tl.load(p_rows + o_kk[None, :], mask=m_rows[:, None] & m_k[None, :], other=0.0)  # (BM, BK) e4m3
+    b_w = tl.load(p_cols + o_kk[:, None], mask=m_k[:, None] & m_cols[None, :], other=0.0)  # (BK, BN), K-major
+    b_p = tl.dot(b_x, b_w, out_dtype=tl.float32)  # fresh accumulator each block
+    b_sw = tl.load(p_sw, mask=m_cols, other=0.0)
+    return acc + b_p * (sx[:, None] * b_sw[None, :])
+
+
+@triton.jit
+def _gate_up_fp8_kernel(p_xq, p_xs, p_w, p_ws, p_tok, p_te, p_r0, p_r1, p_a, H, I, KB, NBI, LIMIT,
+                        HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(p_te + i_t)
+    if e < 0:
+        return
+    o_r, m_r = _tile_rows(p_r0, p_r1, i_t, BLOCK_M)
+    tok = tl.load(p_tok + o_r, mask=m_r, other=0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < I
+    p_rows = p_xq + tok[:, None] * H
+    p_g = p_w + e.to(tl.int64) * (2 * I) * H + o_n[None, :].to(tl.int64) * H
+    p_u = p_g + I.to(tl.int64) * H
+    p_sg = p_ws + e.to(tl.int64) * (2 * NBI) * KB + (o_n // BLOCK_K) * KB  # gate's block rows, then up's
+    p_su = p_sg + NBI * KB
+    b_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i_kb in range(0, KB):
+        o_kk = i_kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        b_sx = tl.load(p_xs + tok * KB + i_kb, mask=m_r, other=0.0)
+        b_g = _fp8_block(b_g, p_rows, p_g, o_kk, m_r, m_n, H, b_sx, p_sg + i_kb)
+        b_u = _fp8_block(b_u, p_rows, p_u, o_kk, m_r, m_n, H, b_sx, p_su + i_kb)
+    _swiglu_store(b_g, b_u, p_a, o_r, m_r, o_n, m_n, I, LIMIT, HAS_LIMIT)
+
+
+@triton.jit
+def _down_fp8_kernel(p_aq, p_as, p_w, p_ws, p_wt, p_dst, p_te, p_r0, p_r1, p_c, H, I, KB, NBH,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(p_te + i_t)
+    if e < 0:
+        return
+    o_r, m_r = _tile_rows(p_r0, p_r1, i_t, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < H
+    p_rows = p_aq + o_r[:, None].to(tl.int64) * I
+    p_cols = p_w + e.to(tl.int64) * H * I + o_n[None, :].to(tl.int64) * I
+    p_sw = p_ws + e.to(tl.int64) * NBH * KB + (o_n // BLOCK_K) * KB
+    b_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i_kb in range(0, KB):
+        o_kk = i_kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        b_sx = tl.load(p_as + o_r * KB + i_kb, mask=m_r, other=0.0)
+        b_c = _fp8_block(b_c, p_rows, p_cols, o_kk, m_r, m_n, I, b_sx, p_sw + i_kb)
+    _weighted_scatter(b_c, p_wt, p_dst, p_c, o_r, m_r, o_n, m_n, H)
 
 
 def tile_map(ids: torch.Tensor, E: int, block_m: int = BLOCK_M):
@@ -155,4 +232,36 @@ def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, block_
         a, w_down, wt, order.to(torch.int32), t_e, t_r0, t_r1, c, H, I,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, PRECISION=prec, num_warps=num_warps,
         num_stages=num_stages, enable_fp_fusion=False)
+    return slot_sum(c.view(T, k, H))
+
+
+def experts_fwd_fp8_triton(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None, *,
+                           block_m: int = BLOCK_M, block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
+    """``cpu.experts_fwd_fp8_cpu``'s rounding points on CUDA (each 128-wide block dot on the fp8
+    tensor cores, as ``fp8/kernel.py``: not the CPU's exactly rounded block dot, so the devices'
+    bits differ) -> (T, H) fp32 routed sum.  The same tile map and launch knobs as the bf16 path."""
+    T, k = ids.shape
+    E, I2, H = gu_codes.shape
+    I = I2 // 2
+    if T * k == 0:
+        return torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    xq, xs = quantize_act(x.contiguous())
+    gu_codes, gu_scale, d_codes, d_scale = (t.contiguous() for t in (gu_codes, gu_scale, d_codes, d_scale))
+    order, t_e, t_r0, t_r1 = row_tile_map(ids) if T * k < E else tile_map(ids, E, block_m)
+    tok = (order // k).to(torch.int32)
+    a = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
+    lim = 0.0 if limit is None else limit_in(x.dtype, limit)
+    n_tiles = t_e.shape[0]
+    kb_h, kb_i = cdiv(H, FP8_BLOCK), cdiv(I, FP8_BLOCK)
+    _gate_up_fp8_kernel[(n_tiles, cdiv(I, block_n))](
+        xq, xs, gu_codes, gu_scale, tok, t_e, t_r0, t_r1, a, H, I, kb_h, kb_i, lim, HAS_LIMIT=limit is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=False)
+    aq, as_ = quantize_act(a)  # rows in sorted order: row-local, so the order is free
+    c = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
+    wt = weights.reshape(-1).float()[order].contiguous()
+    _down_fp8_kernel[(n_tiles, cdiv(H, block_n))](
+        aq, as_, d_codes, d_scale, wt, order.to(torch.int32), t_e, t_r0, t_r1, c, H, I, kb_i, cdiv(H, FP8_BLOCK),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=False)
     return slot_sum(c.view(T, k, H))

@@ -21,3 +21,34 @@ def experts_ref(x, ids, weights, w_gate_up, w_down, limit=None) -> torch.Tensor:
         a = g * torch.sigmoid(g) * u
         out = out.index_add(0, t, (a @ w_down[e].double().T) * w[t, j, None])
     return out
+
+
+def experts_fp8_ref(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None) -> torch.Tensor:
+    """The FP8 experts' math in float64 at the FP8 path's own quantization points: x and the
+    bf16-rounded SwiGLU output quantized per token in 1x128 groups (``quantize_act``, exact
+    codes), the weights dequantized exactly; no other rounding.  -> (T, H) float64."""
+    from ..fp8.quant import BLOCK, cdiv, quantize_act
+
+    T, k = ids.shape
+    I = d_codes.shape[2]
+    nbi = cdiv(I, BLOCK)
+
+    def deq(codes, scale):  # (N, K) codes, (NB, KB) scales -> float64, exact
+        return codes.double() * scale.double().repeat_interleave(BLOCK, 0)[:codes.shape[0]].repeat_interleave(
+            BLOCK, 1)[:, :codes.shape[1]]
+
+    def act(v):  # quantize per row, dequantize exactly
+        q, s = quantize_act(v)
+        return q.double() * s.double().repeat_interleave(BLOCK, 1)[:, :v.shape[1]]
+
+    xd, w = act(x), weights.double()
+    out = torch.zeros(T, x.shape[1], dtype=torch.float64, device=x.device)
+    for e in torch.unique(ids).tolist():
+        t, j = (ids == e).nonzero(as_tuple=True)
+        g = xd[t] @ deq(gu_codes[e, :I], gu_scale[e, :nbi]).T
+        u = xd[t] @ deq(gu_codes[e, I:], gu_scale[e, nbi:]).T
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        a = act((g * torch.sigmoid(g) * u).to(x.dtype))
+        out = out.index_add(0, t, (a @ deq(d_codes[e], d_scale[e]).T) * w[t, j, None])
+    return out

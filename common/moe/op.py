@@ -7,7 +7,9 @@ docstring, and neither lets a token's arithmetic depend on how many tokens its
 experts got.  ``moe_experts`` is its differentiable form for the trainer: the
 backward is the gradient of that forward (through the one bf16 rounding of the
 SwiGLU output as the identity), w.r.t. the activations, the routing weights and
-both expert weight stacks.  ``moe_combine`` adds the routed sum and the shared
+both expert weight stacks.  ``experts_fp8_fwd`` / ``moe_experts_fp8`` are the
+same for FP8 experts (GLM-5: e4m3 codes in 128x128 blocks, ``quantize_experts_fp8``),
+with a straight-through backward to the FP32 masters.  ``moe_combine`` adds the routed sum and the shared
 expert(s) by the FP64 tree in logical order and rounds once.
 
 Shapes: T tokens, H hidden, E experts, I expert width, k slots.
@@ -19,7 +21,8 @@ import torch
 from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
 from ..swiglu.cpu import clamp_gate_up, limit_in
 from ..tree import tree_reduce
-from .cpu import experts_fwd_cpu, swiglu_f32
+from ..fp8.quant import BLOCK, FP8_DTYPE, cdiv, dequantize_weight, quantize_weight
+from .cpu import experts_fwd_cpu, experts_fwd_fp8_cpu, swiglu_f32
 
 
 def experts_fwd(x, ids, weights, w_gate_up, w_down, limit=None) -> torch.Tensor:
@@ -29,6 +32,15 @@ def experts_fwd(x, ids, weights, w_gate_up, w_down, limit=None) -> torch.Tensor:
 
         return experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit)
     return experts_fwd_cpu(x, ids, weights, w_gate_up, w_down, limit)
+
+
+def experts_fp8_fwd(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None) -> torch.Tensor:
+    """FP8 experts (``quantize_experts_fp8``'s layout) -> (T, H) fp32 routed sum (unrounded); no checks."""
+    if x.is_cuda:
+        from .kernel import experts_fwd_fp8_triton
+
+        return experts_fwd_fp8_triton(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit)
+    return experts_fwd_fp8_cpu(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit)
 
 
 def _swiglu_bwd(gu: torch.Tensor, da: torch.Tensor, limit: float | None, dtype: torch.dtype) -> torch.Tensor:
@@ -49,6 +61,35 @@ def _swiglu_bwd(gu: torch.Tensor, da: torch.Tensor, limit: float | None, dtype: 
     return torch.cat([dg, du], dim=1)
 
 
+def _experts_bwd(x, ids, weights, w_gate_up, w_down, dy, limit):
+    """(dx, dweights, dW_gate_up, dW_down) fp32 of the routed sum at (bf16/fp32) expert weights;
+    the forward's SwiGLU rows recomputed in fp32 and rounded as the forward rounds them."""
+    T, k = ids.shape
+    dy = dy.float()
+    dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    dw = torch.zeros(T * k, dtype=torch.float32, device=x.device)
+    dgu_w = torch.zeros(w_gate_up.shape, dtype=torch.float32, device=x.device)
+    dd_w = torch.zeros(w_down.shape, dtype=torch.float32, device=x.device)
+    flat, wflat = ids.reshape(-1), weights.reshape(-1).float()
+    rows = torch.arange(T * k, device=x.device)
+    for e in torch.unique(flat).tolist():  # the trainer's backward runs eager: a host read is fine
+        sel = rows[flat == e]
+        tok = sel // k
+        xe = x[tok].float()
+        wgu, wd = w_gate_up[e].float(), w_down[e].float()
+        gu = xe @ wgu.T
+        a = swiglu_f32(gu, limit, x.dtype).float()  # the forward's bf16 SwiGLU rows
+        down = a @ wd.T  # (R, H)
+        g = dy[tok]
+        dw[sel] = (g * down).sum(1)
+        d_down = g * wflat[sel, None]
+        dd_w[e] += d_down.T @ a
+        dgu = _swiglu_bwd(gu, d_down @ wd, limit, x.dtype)
+        dgu_w[e] += dgu.T @ xe
+        dx.index_add_(0, tok, dgu @ wgu)
+    return dx, dw.view(T, k), dgu_w, dd_w
+
+
 class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ids, weights, w_gate_up, w_down, limit):
@@ -59,31 +100,21 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, ids, weights, w_gate_up, w_down = ctx.saved_tensors
-        T, k = ids.shape
-        dy = dy.float()
-        dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        dw = torch.zeros(T * k, dtype=torch.float32, device=x.device)
-        dgu_w = torch.zeros(w_gate_up.shape, dtype=torch.float32, device=x.device)
-        dd_w = torch.zeros(w_down.shape, dtype=torch.float32, device=x.device)
-        flat, wflat = ids.reshape(-1), weights.reshape(-1).float()
-        rows = torch.arange(T * k, device=x.device)
-        for e in torch.unique(flat).tolist():  # the trainer's backward runs eager: a host read is fine
-            sel = rows[flat == e]
-            tok = sel // k
-            xe = x[tok].float()
-            wgu, wd = w_gate_up[e].float(), w_down[e].float()
-            gu = xe @ wgu.T
-            a = swiglu_f32(gu, ctx.limit, x.dtype).float()  # the forward's bf16 SwiGLU rows
-            down = a @ wd.T  # (R, H)
-            g = dy[tok]
-            dw[sel] = (g * down).sum(1)
-            d_down = g * wflat[sel, None]
-            dd_w[e] += d_down.T @ a
-            dgu = _swiglu_bwd(gu, d_down @ wd, ctx.limit, x.dtype)
-            dgu_w[e] += dgu.T @ xe
-            dx.index_add_(0, tok, dgu @ wgu)
-        return (dx.to(x.dtype), None, dw.view(T, k).to(weights.dtype), dgu_w.to(w_gate_up.dtype),
-                dd_w.to(w_down.dtype), None)
+        dx, dw, dgu_w, dd_w = _experts_bwd(x, ids, weights, w_gate_up, w_down, dy, ctx.limit)
+        return dx.to(x.dtype), None, dw.to(weights.dtype), dgu_w.to(w_gate_up.dtype), dd_w.to(w_down.dtype), None
+
+
+def _check_tokens(x, ids, weights) -> None:
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor("ids", ids, dtypes=(torch.int32, torch.int64), ndim=2)
+    check_tensor("weights", weights, dtypes=FLOAT_DTYPES, ndim=2)
+
+
+def _check_routing(ids, weights, T: int, E: int) -> None:
+    if ids.shape[0] != T or weights.shape != ids.shape:
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be (T={T}, k)")
+    if ids.numel() and bool(((ids < 0) | (ids >= E)).any()):
+        raise ValueError(f"expert ids must be in [0, {E}); got min {int(ids.min())}, max {int(ids.max())}")
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
@@ -96,9 +127,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     w_gate_up: (E, 2I, H) [gate | up] rows; w_down: (E, H, I); ``limit``:
     DeepSeek-V4's SwiGLU clamp -> (T, H) fp32.  Differentiable w.r.t. x,
     weights, w_gate_up and w_down."""
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
-    check_tensor("ids", ids, dtypes=(torch.int32, torch.int64), ndim=2)
-    check_tensor("weights", weights, dtypes=FLOAT_DTYPES, ndim=2)
+    _check_tokens(x, ids, weights)
     check_tensor("w_gate_up", w_gate_up, dtypes=(x.dtype,), ndim=3)
     check_tensor("w_down", w_down, dtypes=(x.dtype,), ndim=3)
     check_same_device(x=x, ids=ids, weights=weights, w_gate_up=w_gate_up, w_down=w_down)
@@ -107,11 +136,98 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     if H2 != H or I2 % 2 or tuple(w_down.shape) != (E, H, I2 // 2):
         raise ValueError(f"expert shapes do not fit: x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)} "
                          f"(want (E, 2I, {H})), w_down {tuple(w_down.shape)} (want (E, {H}, I))")
-    if ids.shape[0] != T or weights.shape != ids.shape:
-        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be (T={T}, k)")
-    if ids.numel() and bool(((ids < 0) | (ids >= E)).any()):
-        raise ValueError(f"expert ids must be in [0, {E}); got min {int(ids.min())}, max {int(ids.max())}")
+    _check_routing(ids, weights, T, E)
     return _Experts.apply(x, ids, weights, w_gate_up, w_down, limit)
+
+
+def quantize_experts_fp8(w_gate_up: torch.Tensor, w_down: torch.Tensor):
+    """Expert stacks -> FP8 e4m3 in 128x128 blocks with FP32 scales, as FP8 MoE checkpoints
+    (GLM-5, DeepSeek-V3) store each expert's gate_proj, up_proj and down_proj:
+
+    w_gate_up (E, 2I, H) [gate | up] -> gu_codes (E, 2I, H) e4m3fn and gu_scale
+    (E, 2 * ceil(I/128), ceil(H/128)) fp32: gate's block rows, then up's (each quantized as
+    its own matrix, so a block never mixes gate and up rows);
+    w_down (E, H, I) -> d_codes (E, H, I), d_scale (E, ceil(H/128), ceil(I/128)).
+    The bits of ``quantize_weight_fp8`` on each matrix, on every device."""
+    check_tensor("w_gate_up", w_gate_up, dtypes=FLOAT_DTYPES, ndim=3, contiguous=False)
+    check_tensor("w_down", w_down, dtypes=FLOAT_DTYPES, ndim=3, contiguous=False)
+    I = w_gate_up.shape[1] // 2
+    gu = [quantize_weight(m.detach()) for e in range(w_gate_up.shape[0]) for m in (w_gate_up[e, :I], w_gate_up[e, I:])]
+    d = [quantize_weight(w_down[e].detach()) for e in range(w_down.shape[0])]
+    gu_codes = torch.stack([torch.cat([gu[2 * e][0], gu[2 * e + 1][0]]) for e in range(w_gate_up.shape[0])])
+    gu_scale = torch.stack([torch.cat([gu[2 * e][1], gu[2 * e + 1][1]]) for e in range(w_gate_up.shape[0])])
+    return gu_codes, gu_scale, torch.stack([c for c, _ in d]), torch.stack([s for _, s in d])
+
+
+def dequantize_experts_fp8(gu_codes, gu_scale, d_codes, d_scale, dtype=torch.float32):
+    """``quantize_experts_fp8``'s layout -> (w_gate_up (E, 2I, H), w_down (E, H, I)) in dtype,
+    each element dtype(fl32(code * scale))."""
+    I = gu_codes.shape[1] // 2
+    nbi = cdiv(I, BLOCK)
+    gu = torch.stack([torch.cat([dequantize_weight(gu_codes[e, :I], gu_scale[e, :nbi], dtype),
+                                 dequantize_weight(gu_codes[e, I:], gu_scale[e, nbi:], dtype)])
+                      for e in range(gu_codes.shape[0])])
+    d = torch.stack([dequantize_weight(d_codes[e], d_scale[e], dtype) for e in range(d_codes.shape[0])])
+    return gu, d
+
+
+class _ExpertsFp8(torch.autograd.Function):
+    """Straight-through, as ``fp8_linear``: the quantizers count as the identity, so the
+    backward is ``_experts_bwd`` at the dequantized weights rounded to x.dtype; the weight
+    gradients go to the masters (their dtype), never to the codes."""
+
+    @staticmethod
+    def forward(ctx, x, ids, weights, master_gu, master_d, gu_codes, gu_scale, d_codes, d_scale, limit):
+        ctx.save_for_backward(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale)
+        ctx.limit = limit
+        ctx.master_dtypes = (None if master_gu is None else master_gu.dtype, None if master_d is None else master_d.dtype)
+        return experts_fp8_fwd(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, ids, weights, gu_codes, gu_scale, d_codes, d_scale = ctx.saved_tensors
+        w_gu, w_d = dequantize_experts_fp8(gu_codes, gu_scale, d_codes, d_scale, x.dtype)
+        dx, dw, dgu_w, dd_w = _experts_bwd(x, ids, weights, w_gu, w_d, dy, ctx.limit)
+        gu_dt, d_dt = ctx.master_dtypes
+        return (dx.to(x.dtype), None, dw.to(weights.dtype), None if gu_dt is None else dgu_w.to(gu_dt),
+                None if d_dt is None else dd_w.to(d_dt), None, None, None, None, None)
+
+
+def moe_experts_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gu_codes: torch.Tensor,
+                    gu_scale: torch.Tensor, d_codes: torch.Tensor, d_scale: torch.Tensor, *,
+                    master_gate_up: torch.Tensor | None = None, master_down: torch.Tensor | None = None,
+                    limit: float | None = None) -> torch.Tensor:
+    """``moe_experts`` on FP8 experts (GLM-5): the routed sum in fp32.
+
+    gu_codes / gu_scale / d_codes / d_scale: ``quantize_experts_fp8``'s layout (the codes the
+    server reads: quantize the masters once per optimizer step).  ``master_gate_up`` (E, 2I, H)
+    and ``master_down`` (E, H, I): the weights those codes quantize, which get the
+    straight-through gradients (their values are never read); None: frozen.  Differentiable
+    w.r.t. x and weights too.  x is quantized per token in 1x128 groups, the SwiGLU output per
+    row likewise; rounding points in ``cpu.experts_fwd_fp8_cpu``."""
+    _check_tokens(x, ids, weights)
+    for name, t in (("gu_codes", gu_codes), ("d_codes", d_codes)):
+        check_tensor(name, t, dtypes=(FP8_DTYPE,), ndim=3)
+    for name, t in (("gu_scale", gu_scale), ("d_scale", d_scale)):
+        check_tensor(name, t, dtypes=(torch.float32,), ndim=3)
+    check_same_device(x=x, ids=ids, weights=weights, gu_codes=gu_codes, gu_scale=gu_scale, d_codes=d_codes,
+                      d_scale=d_scale)
+    T, H = x.shape
+    E, I2, H2 = gu_codes.shape
+    I = I2 // 2
+    if H2 != H or I2 % 2 or tuple(d_codes.shape) != (E, H, I):
+        raise ValueError(f"expert shapes do not fit: x {tuple(x.shape)}, gu_codes {tuple(gu_codes.shape)} "
+                         f"(want (E, 2I, {H})), d_codes {tuple(d_codes.shape)} (want (E, {H}, I))")
+    want_gu, want_d = (E, 2 * cdiv(I, BLOCK), cdiv(H, BLOCK)), (E, cdiv(H, BLOCK), cdiv(I, BLOCK))
+    if tuple(gu_scale.shape) != want_gu or tuple(d_scale.shape) != want_d:
+        raise ValueError(f"expert scales: gu_scale {tuple(gu_scale.shape)} (want {want_gu}: gate's 128-row blocks, "
+                         f"then up's), d_scale {tuple(d_scale.shape)} (want {want_d})")
+    for name, m, want in (("master_gate_up", master_gate_up, (E, I2, H)), ("master_down", master_down, (E, H, I))):
+        if m is not None and tuple(m.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(m.shape)}; its codes need {want}")
+    _check_routing(ids, weights, T, E)
+    return _ExpertsFp8.apply(x, ids, weights, master_gate_up, master_down, gu_codes, gu_scale, d_codes, d_scale,
+                             limit)
 
 
 def moe_combine(parts, dtype: torch.dtype) -> torch.Tensor:
