@@ -322,3 +322,132 @@ print("ok")
 
 def test_fp8_triton_kernels_keep_the_structure_interpreted():
     run_interpreted(_INTERPRETED_FP8, expect="ok")
+
+
+# ------------------------------------------------------------------ MXFP4 experts (DeepSeek-V4)
+def _mx_experts(T, H, I, E, k, *, device, dtype=torch.bfloat16, skew=False, seed=0):
+    from alignzoo.common.moe.op import quantize_experts_mxfp4
+
+    x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device=device, dtype=dtype, skew=skew, seed=seed)
+    return x, ids, w, w_gu, w_d, quantize_experts_mxfp4(w_gu, w_d)
+
+
+def test_mxfp4_codes_decode_as_the_ocp_table_and_round_to_nearest_even():
+    """E2M1 per the OCP MX spec (transformers' FP4_VALUES), low nibble first, E8M0 = 2^(s - 127);
+    the encoder picks the nearest code, ties to the even one, saturates at 6, keeps zeros exact."""
+    from alignzoo.common.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    codes = torch.arange(256, dtype=torch.uint8).view(8, 32)  # every byte: every (low, high) pair
+    scales = torch.tensor([[127, 128], [1, 254], [120, 127], [130, 100]] * 2, dtype=torch.uint8)
+    got = dequantize_mxfp4(codes, scales)
+    lut = torch.tensor(table, dtype=torch.float64)
+    want = torch.stack([lut[(codes & 15).long()], lut[(codes >> 4).long()]], -1).flatten(-2)
+    want = torch.ldexp(want, scales.long().repeat_interleave(32, 1) - 127).float()
+    assert bitwise_equal(got, want)
+    # group max 6 * 2^3 -> scale 2^3; the midpoints 0.25, 0.75, ..., 5 (times 8) go to the even code
+    row = torch.tensor([48.0, 2.0, 6.0, 10.0, 14.0, 20.0, 28.0, 40.0, -2.0, -6.0, 0.0, -0.0, 100.0, 1.0] + [0.0] * 18)
+    c, s = quantize_mxfp4(row[None].clone())
+    assert int(s) == 127 + 4  # amax 100: floor(log2 100) - 2 = 4
+    c, s = quantize_mxfp4(row[None, :12].repeat(1, 3)[:, :32].clone())
+    assert int(s) == 127 + 3
+    assert dequantize_mxfp4(c, s)[0, :12].tolist() == [48.0, 0.0, 8.0, 8.0, 16.0, 16.0, 32.0, 32.0, -0.0, -8.0, 0.0,
+                                                        0.0]
+    w = torch.randn(6, 64) * 3
+    cw, sw = quantize_mxfp4(w)
+    assert torch.equal(quantize_mxfp4(dequantize_mxfp4(cw, sw))[0], cw)  # decoded values encode to themselves
+    err = (dequantize_mxfp4(cw, sw) - w).abs()
+    # the OCP exponent puts amax / scale in [4, 8): above 6 it saturates, so the error reaches 2 scales
+    bound = 2 * sw.float().sub(127).exp2().repeat_interleave(32, 1)
+    assert bool((err <= bound).all())
+
+
+def test_mxfp4_experts_are_the_bf16_experts_at_the_decoded_weights(device):
+    """The contract: bit for bit ``experts_fwd`` on the exactly decoded weights, and so batch-invariant."""
+    from alignzoo.common.moe.op import dequantize_experts_mxfp4, experts_mxfp4_fwd
+
+    for skew, limit in ((False, None), (True, 1.0)):
+        x, ids, w, _, _, q = _mx_experts(150, 96, 64, 7, 3, device=device, skew=skew, seed=2)
+        gu, d = dequantize_experts_mxfp4(*q, dtype=x.dtype)
+        got = experts_mxfp4_fwd(x, ids, w, *q, limit)
+        assert bitwise_equal(got, experts_fwd(x, ids, w, gu, d, limit)), (skew, limit)
+        for n in (1, 5, 64):
+            assert bitwise_equal(experts_mxfp4_fwd(x[:n], ids[:n], w[:n], *q, limit), got[:n])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
+def test_mxfp4_gpu_at_deepseek_v4_shapes(skew):
+    """DeepSeek-V4-Flash's expert shapes (hidden 4096, width 2048, top-6), 16 of its 256 experts:
+    packed == bf16 at the decoded weights, rows alone == in batches, a CUDA graph replays it."""
+    from alignzoo.common.moe.op import dequantize_experts_mxfp4, experts_mxfp4_fwd
+
+    x, ids, w, _, _, q = _mx_experts(1024, 4096, 2048, 16, 6, device="cuda", skew=skew)
+    gu, d = dequantize_experts_mxfp4(*q, dtype=x.dtype)
+    full = experts_mxfp4_fwd(x, ids, w, *q, 10.0)
+    assert bitwise_equal(full, experts_fwd(x, ids, w, gu, d, 10.0))
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 2, 7, 64, 300):
+        idx = torch.randperm(1024, generator=g)[:n].cuda()
+        assert bitwise_equal(experts_mxfp4_fwd(x[idx], ids[idx], w[idx], *q, 10.0), full[idx])
+    _replays_from_a_cuda_graph(experts_mxfp4_fwd, x[:64], ids[:64], w[:64], *q)
+
+
+def test_mxfp4_gradients(device):
+    """Frozen experts: gradients to x and the routing weights only, the float64 gradient at the decoded
+    weights; with masters, the straight-through weight gradients too."""
+    from alignzoo.common.moe.op import dequantize_experts_mxfp4, moe_experts_mxfp4
+
+    x, ids, w, w_gu, w_d, q = _mx_experts(50, 96, 64, 6, 3, device=device, dtype=torch.float32, seed=5)
+    gu_deq, d_deq = dequantize_experts_mxfp4(*q)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    mgu, md = w_gu.clone().requires_grad_(), w_d.clone().requires_grad_()
+    out = moe_experts_mxfp4(xs, ids, ws, *q, master_gate_up=mgu, master_down=md, limit=1.5)
+    dy = torch.randn_like(out)
+    grads = torch.autograd.grad((out * dy).sum(), (xs, ws, mgu, md))
+    xr, wr, gur, dr = (t.detach().double().requires_grad_() for t in (xs, ws, gu_deq, d_deq))
+    ref = experts_ref(xr, ids, wr, gur, dr, 1.5)
+    assert rel_err(out, ref) < 1e-5
+    refs = torch.autograd.grad((ref * dy.double()).sum(), (xr, wr, gur, dr))
+    for name, a, b in zip(("x", "weights", "master_gate_up", "master_down"), grads, refs):
+        assert rel_err(a, b) < 1e-4, (name, rel_err(a, b))
+    frozen = moe_experts_mxfp4(xs, ids, ws, *q)
+    assert frozen.requires_grad and len(torch.autograd.grad(frozen.sum(), (xs, ws))) == 2
+
+
+def test_mxfp4_bad_inputs():
+    from alignzoo.common.moe.op import moe_experts_mxfp4, quantize_experts_mxfp4
+
+    x, ids, w, w_gu, w_d, (gc, gs, dc, ds) = _mx_experts(10, 96, 64, 3, 2, device="cpu")
+    with pytest.raises(ValueError, match=r"K % 32 == 0"):
+        quantize_experts_mxfp4(w_gu[:, :, :40], w_d)
+    with pytest.raises(ValueError, match=r"gu_scales \(3, 128, 2\) \(want \(3, 128, 3\)\)"):
+        moe_experts_mxfp4(x, ids, w, gc, gs[:, :, :2].contiguous(), dc, ds)
+    with pytest.raises(ValueError, match="expert shapes do not fit"):
+        moe_experts_mxfp4(x, ids, w, gc[:, :, :40].contiguous(), gs, dc, ds)
+    with pytest.raises(TypeError, match="gu_codes"):
+        moe_experts_mxfp4(x, ids, w, gc.view(torch.int8), gs, dc, ds)
+    if hasattr(torch, "float8_e8m0fnu"):  # E8M0 bytes as checkpoints type them are accepted
+        out = moe_experts_mxfp4(x, ids, w, gc, gs.view(torch.float8_e8m0fnu), dc, ds.view(torch.float8_e8m0fnu))
+        assert bitwise_equal(out, moe_experts_mxfp4(x, ids, w, gc, gs, dc, ds))
+
+
+_INTERPRETED_MX = """
+import torch
+from alignzoo.common.moe.checks import make_experts
+from alignzoo.common.moe.kernel import experts_fwd_mxfp4_triton, experts_fwd_triton
+from alignzoo.common.moe.op import dequantize_experts_mxfp4, quantize_experts_mxfp4
+
+# The packed kernels decode each tile in registers; under the interpreter both paths' dots are numpy's, so the
+# packed run must equal the bf16 kernels' run at the decoded weights bit for bit (fp32 activations: exact inputs).
+for T, H, I, E, k, skew in ((37, 96, 64, 5, 3, False), (70, 160, 96, 7, 2, True), (1, 64, 32, 5, 3, False)):
+    x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device="cpu", skew=skew, seed=1, dtype=torch.float32)
+    q = quantize_experts_mxfp4(w_gu, w_d)
+    gu, d = dequantize_experts_mxfp4(*q)
+    assert torch.equal(experts_fwd_mxfp4_triton(x, ids, w, *q), experts_fwd_triton(x, ids, w, gu, d)), (T, H, I)
+print("ok")
+"""
+
+
+def test_mxfp4_triton_kernels_decode_in_registers_interpreted():
+    run_interpreted(_INTERPRETED_MX, expect="ok")

@@ -1,16 +1,21 @@
 """Mixture of experts: routers whose selections and weights do not depend on
 the batch, routed experts whose token arithmetic does not depend on how many
 tokens each expert got (Triton grouped kernels on CUDA, element-wise dots on
-the CPU), the combine of routed and shared parts, and router replay."""
+the CPU) in bf16, FP8 (GLM-5) and MXFP4 (DeepSeek-V4, computed packed), the
+combine of routed and shared parts, and router replay."""
 from .naive import experts_fp8_ref, experts_ref
 from .op import (
     dequantize_experts_fp8,
+    dequantize_experts_mxfp4,
     experts_fp8_fwd,
     experts_fwd,
+    experts_mxfp4_fwd,
     moe_combine,
     moe_experts,
     moe_experts_fp8,
+    moe_experts_mxfp4,
     quantize_experts_fp8,
+    quantize_experts_mxfp4,
 )
 from .router import (
     EXPERT_SHAPES,
@@ -33,9 +38,11 @@ __all__ = [
     "EXPERT_SHAPES",
     "ExpertShape",
     "dequantize_experts_fp8",
+    "dequantize_experts_mxfp4",
     "experts_fp8_fwd",
     "experts_fp8_ref",
     "experts_fwd",
+    "experts_mxfp4_fwd",
     "experts_ref",
     "hash_route",
     "hash_route_fwd",
@@ -43,7 +50,9 @@ __all__ = [
     "moe_combine",
     "moe_experts",
     "moe_experts_fp8",
+    "moe_experts_mxfp4",
     "quantize_experts_fp8",
+    "quantize_experts_mxfp4",
     "router_replay",
     "router_weights",
     "router_weights_fwd",

@@ -7,7 +7,14 @@ import torch
 
 from ..ladder import RungResult, accuracy, rung1_repeat, rung2_rows
 from .naive import experts_fp8_ref, experts_ref
-from .op import experts_fp8_fwd, experts_fwd, quantize_experts_fp8
+from .op import (
+    dequantize_experts_mxfp4,
+    experts_fp8_fwd,
+    experts_fwd,
+    experts_mxfp4_fwd,
+    quantize_experts_fp8,
+    quantize_experts_mxfp4,
+)
 from .router import hash_route_fwd, sigmoid_topk_fwd, softmax_topk_fwd, sqrtsoftplus_topk_fwd
 from .router_naive import sigmoid_topk_ref, softmax_topk_ref, sqrtsoftplus_topk_ref
 
@@ -81,6 +88,41 @@ def ladder(device: torch.device) -> list[RungResult]:
         out.append(accuracy("moe", fn(x, ids, w, w_gu, w_d), experts_ref(x, ids, w, w_gu, w_d), 8e-3,
                             f"experts bf16, {name}, vs float64"))
         out += _fp8_rows(x, ids, w, w_gu, w_d, name)
+        # MXFP4 groups K by 32: the CPU shapes' H = 72 and I = 40 do not divide
+        mx = (x, ids, w, w_gu, w_d) if device.type != "cpu" else make_experts(70, 96, 64, E, k, device=device, skew=skew)
+        out += _mxfp4_rows(*mx, name)
+    return out
+
+
+def _mxfp4_rows(x, ids, w, w_gu, w_d, name: str) -> list[RungResult]:
+    """MXFP4 experts (DeepSeek-V4's format): rungs 1-2, the bits of the bf16 experts at the decoded
+    weights, and float64 at those weights."""
+    q = quantize_experts_mxfp4(w_gu, w_d)
+    fn = lambda x, ids, w, gc, gs, dc, ds, limit=None: experts_mxfp4_fwd(x, ids, w, gc, gs, dc, ds, limit)  # noqa: E731
+    shared = dict(zip(("gc", "gs", "dc", "ds"), q))
+    out = [rung1_repeat("moe", fn, x, ids, w, *q),
+           rung2_rows("moe", fn, (x, ids, w), shared=shared, batch_sizes=(1, 2, 3, 7, 64)),
+           rung2_rows("moe", fn, (x, ids, w), shared={**shared, "limit": LIMIT})]
+    for r, what in zip(out, ("experts mxfp4", "experts mxfp4", "experts mxfp4, SwiGLU clamp")):
+        r.check = f"{what}, {name}: {r.check}"
+    got = fn(x, ids, w, *q)
+    gu, d = dequantize_experts_mxfp4(*q, dtype=x.dtype)
+    same = accuracy("moe", got, experts_fwd(x, ids, w, gu, d), 0.0,
+                    f"experts mxfp4, {name}: the bf16 experts' bits at the decoded weights")
+    out += [same, accuracy("moe", got, experts_ref(x, ids, w, gu, d), 8e-3,
+                           f"experts mxfp4, {name}, vs float64 at the decoded weights")]
+    return out
+
+
+def _format_rungs(label: str, fwd, x, ids, w, q, name: str) -> list[RungResult]:
+    """Rungs 1-2 (plain and clamped) of a quantized experts forward ``fwd(x, ids, w, *q, limit)``."""
+    fn = lambda x, ids, w, gc, gs, dc, ds, limit=None: fwd(x, ids, w, gc, gs, dc, ds, limit)  # noqa: E731
+    shared = dict(zip(("gc", "gs", "dc", "ds"), q))
+    out = [rung1_repeat("moe", fn, x, ids, w, *q),
+           rung2_rows("moe", fn, (x, ids, w), shared=shared, batch_sizes=(1, 2, 3, 7, 64)),
+           rung2_rows("moe", fn, (x, ids, w), shared={**shared, "limit": LIMIT})]
+    for r, what in zip(out, (label, label, f"{label}, SwiGLU clamp")):
+        r.check = f"{what}, {name}: {r.check}"
     return out
 
 
@@ -88,13 +130,18 @@ def _fp8_rows(x, ids, w, w_gu, w_d, name: str) -> list[RungResult]:
     """FP8 experts (GLM-5's format) on the same tokens: rungs 1-2, and float64 at their own
     quantization points."""
     q = quantize_experts_fp8(w_gu, w_d)
-    fn = lambda x, ids, w, gc, gs, dc, ds, limit=None: experts_fp8_fwd(x, ids, w, gc, gs, dc, ds, limit)  # noqa: E731
-    shared = dict(zip(("gc", "gs", "dc", "ds"), q))
-    out = [rung1_repeat("moe", fn, x, ids, w, *q),
-           rung2_rows("moe", fn, (x, ids, w), shared=shared, batch_sizes=(1, 2, 3, 7, 64)),
-           rung2_rows("moe", fn, (x, ids, w), shared={**shared, "limit": LIMIT})]
-    for r, what in zip(out, ("experts fp8", "experts fp8", "experts fp8, SwiGLU clamp")):
-        r.check = f"{what}, {name}: {r.check}"
-    out.append(accuracy("moe", fn(x, ids, w, *q), experts_fp8_ref(x, ids, w, *q), 2e-3,
-                        f"experts fp8, {name}, vs float64 at the fp8 quantization points"))
-    return out
+    return _format_rungs("experts fp8", experts_fp8_fwd, x, ids, w, q, name) + [
+        accuracy("moe", experts_fp8_fwd(x, ids, w, *q), experts_fp8_ref(x, ids, w, *q), 2e-3,
+                 f"experts fp8, {name}, vs float64 at the fp8 quantization points")]
+
+
+def _mxfp4_rows(x, ids, w, w_gu, w_d, name: str) -> list[RungResult]:
+    """MXFP4 experts (DeepSeek-V4's format): rungs 1-2, the bits of the bf16 experts at the decoded
+    weights, and float64 at those weights."""
+    q = quantize_experts_mxfp4(w_gu, w_d)
+    got = experts_mxfp4_fwd(x, ids, w, *q)
+    gu, d = dequantize_experts_mxfp4(*q, dtype=x.dtype)
+    return _format_rungs("experts mxfp4", experts_mxfp4_fwd, x, ids, w, q, name) + [
+        accuracy("moe", got, experts_fwd(x, ids, w, gu, d), 0.0,
+                 f"experts mxfp4, {name}: the bf16 experts' bits at the decoded weights"),
+        accuracy("moe", got, experts_ref(x, ids, w, gu, d), 8e-3, f"experts mxfp4, {name}, vs float64 at the decoded weights")]

@@ -41,8 +41,22 @@ def experts_fwd_cpu(x, ids, weights, w_gate_up, w_down, limit=None, keep: bool =
     (unrounded: the caller rounds it, alone or with a shared expert).
 
     ``keep``: also return (a (T, k, I), c (T, k, H) fp32) for the backward."""
+    return _experts_rows(x, ids, weights, w_gate_up.__getitem__, w_down.__getitem__, w_down.shape[2], limit, keep)
+
+
+def experts_fwd_mxfp4_cpu(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None):
+    """MXFP4 experts (``mxfp4.py``'s layout) -> (T, H) fp32: the bf16 path's arithmetic at the
+    exactly decoded weights (in x.dtype), each expert decoded when a token uses it."""
+    from .mxfp4 import dequantize_mxfp4
+
+    return _experts_rows(x, ids, weights, lambda e: dequantize_mxfp4(gu_codes[e], gu_scales[e], x.dtype),
+                         lambda e: dequantize_mxfp4(d_codes[e], d_scales[e], x.dtype), d_codes.shape[2] * 2, limit)
+
+
+def _experts_rows(x, ids, weights, gu_of, d_of, I: int, limit, keep: bool = False):
+    """The rounding points above, expert e's weights from ``gu_of(e)`` (2I, H) and ``d_of(e)`` (H, I)."""
     T, k = ids.shape
-    H, I = x.shape[1], w_down.shape[2]
+    H = x.shape[1]
     flat = ids.reshape(-1)
     a = torch.empty(T * k, I, dtype=x.dtype)
     c = torch.empty(T * k, H, dtype=torch.float32)
@@ -51,9 +65,9 @@ def experts_fwd_cpu(x, ids, weights, w_gate_up, w_down, limit=None, keep: bool =
     for e in torch.unique(flat).tolist():  # CPU path: host loops are fine here
         sel = rows[flat == e]
         xe = x[sel // k]
-        ae = swiglu_f32(fixed_order_dot(xe, w_gate_up[e]), limit, x.dtype)
+        ae = swiglu_f32(fixed_order_dot(xe, gu_of(e)), limit, x.dtype)
         a[sel] = ae
-        c[sel] = fixed_order_dot(ae, w_down[e]) * w[sel, None]
+        c[sel] = fixed_order_dot(ae, d_of(e)) * w[sel, None]
     y = slot_sum(c.view(T, k, H))
     return (y, a.view(T, k, I), c.view(T, k, H)) if keep else y
 

@@ -64,8 +64,40 @@ def _weighted_scatter(b_c, p_wt, p_dst, p_c, o_r, m_r, o_n, m_n, H):
 
 
 @triton.jit
-def _gate_up_kernel(p_x, p_w, p_tok, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS_LIMIT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _e2m1(c):
+    """uint8 nibbles -> fp32 E2M1 values, exact: 2|v| = m if e == 0 else (2 + m) << (e - 1)."""
+    c = c.to(tl.int32)
+    e, m = (c >> 1) & 3, c & 1
+    v = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0)).to(tl.float32) * 0.5
+    return tl.where((c >> 3) == 1, -v, v)
+
+
+@triton.jit
+def _w_tile(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, MX: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """(BLOCK_K, BLOCK_N) tile of Wᵀ for weight rows ``rows`` (int64) of an (N, K) stack, columns k0..:
+    as stored (bf16 / fp32), or with MX decoded from MXFP4 codes and E8M0 scales in registers
+    (``mxfp4.py``: exact in ``dtype``, so the dot is the bf16 path's at the decoded weights)."""
+    if MX:
+        o_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        b = tl.load(p_w + rows[:, None] * (K // 2) + o_b[None, :], mask=m_rows[:, None] & (o_b < K // 2)[None, :],
+                    other=0)  # (BN, BK/2) bytes
+        v = tl.reshape(tl.join(_e2m1(b & 15), _e2m1(b >> 4)), (BLOCK_N, BLOCK_K))  # element 2j: the low nibble
+        o_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s = tl.load(p_s + rows[:, None] * (K // 32) + o_g[None, :], mask=m_rows[:, None] & (o_g < K // 32)[None, :],
+                    other=0)
+        sv = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) from the exponent bits
+        sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
+        return tl.trans((v * sv).to(dtype))
+    else:
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(p_w + rows[None, :] * K + o_k[:, None], mask=(o_k < K)[:, None] & m_rows[None, :], other=0.0)
+
+
+@triton.jit
+def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS_LIMIT: tl.constexpr,
+                    MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(p_te + i_t)
     if e < 0:
@@ -74,23 +106,22 @@ def _gate_up_kernel(p_x, p_w, p_tok, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS_LIM
     tok = tl.load(p_tok + o_r, mask=m_r, other=0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
-    p_we = p_w + e.to(tl.int64) * (2 * I) * H
+    row_g = e.to(tl.int64) * (2 * I) + o_n  # gate's weight rows; up's are I further
     b_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < H
         b_x = tl.load(p_x + tok[:, None] * H + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
-        m_w = m_k[:, None] & m_n[None, :]
-        b_wg = tl.load(p_we + o_n[None, :].to(tl.int64) * H + o_k[:, None], mask=m_w, other=0.0)  # (BK, BN)
-        b_wu = tl.load(p_we + (o_n[None, :] + I).to(tl.int64) * H + o_k[:, None], mask=m_w, other=0.0)
+        b_wg = _w_tile(p_w, p_s, row_g, m_n, k0, H, p_x.dtype.element_ty, MX, BLOCK_N, BLOCK_K)
+        b_wu = _w_tile(p_w, p_s, row_g + I, m_n, k0, H, p_x.dtype.element_ty, MX, BLOCK_N, BLOCK_K)
         b_g = tl.dot(b_x, b_wg, b_g, input_precision=PRECISION)
         b_u = tl.dot(b_x, b_wu, b_u, input_precision=PRECISION)
     _swiglu_store(b_g, b_u, p_a, o_r, m_r, o_n, m_n, I, LIMIT, HAS_LIMIT)
 
 
 @triton.jit
-def _down_kernel(p_a, p_w, p_wt, p_dst, p_te, p_r0, p_r1, p_c, H, I,
+def _down_kernel(p_a, p_w, p_s, p_wt, p_dst, p_te, p_r0, p_r1, p_c, H, I, MX: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(p_te + i_t)
@@ -99,13 +130,13 @@ def _down_kernel(p_a, p_w, p_wt, p_dst, p_te, p_r0, p_r1, p_c, H, I,
     o_r, m_r = _tile_rows(p_r0, p_r1, i_t, BLOCK_M)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
-    p_we = p_w + e.to(tl.int64) * H * I
+    rows = e.to(tl.int64) * H + o_n
     b_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < I
         b_a = tl.load(p_a + o_r[:, None].to(tl.int64) * I + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
-        b_w = tl.load(p_we + o_n[None, :].to(tl.int64) * I + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_w = _w_tile(p_w, p_s, rows, m_n, k0, I, p_a.dtype.element_ty, MX, BLOCK_N, BLOCK_K)
         b_c = tl.dot(b_a, b_w, b_c, input_precision=PRECISION)
     _weighted_scatter(b_c, p_wt, p_dst, p_c, o_r, m_r, o_n, m_n, H)
 
@@ -140,7 +171,7 @@ def _gate_up_fp8_kernel(p_xq, p_xs, p_w, p_ws, p_tok, p_te, p_r0, p_r1, p_a, H, 
     p_su = p_sg + NBI * KB
     b_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i_kb in range(0, KB):
+    for i_kb in range(KB):
         o_kk = i_kb * BLOCK_K + tl.arange(0, BLOCK_K)
         b_sx = tl.load(p_xs + tok * KB + i_kb, mask=m_r, other=0.0)
         b_g = _fp8_block(b_g, p_rows, p_g, o_kk, m_r, m_n, H, b_sx, p_sg + i_kb)
@@ -162,7 +193,7 @@ def _down_fp8_kernel(p_aq, p_as, p_w, p_ws, p_wt, p_dst, p_te, p_r0, p_r1, p_c, 
     p_cols = p_w + e.to(tl.int64) * H * I + o_n[None, :].to(tl.int64) * I
     p_sw = p_ws + e.to(tl.int64) * NBH * KB + (o_n // BLOCK_K) * KB
     b_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i_kb in range(0, KB):
+    for i_kb in range(KB):
         o_kk = i_kb * BLOCK_K + tl.arange(0, BLOCK_K)
         b_sx = tl.load(p_as + o_r * KB + i_kb, mask=m_r, other=0.0)
         b_c = _fp8_block(b_c, p_rows, p_cols, o_kk, m_r, m_n, I, b_sx, p_sw + i_kb)
@@ -209,12 +240,28 @@ def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, block_
     """``cpu.experts_fwd_cpu``'s contract on CUDA: -> (T, H) fp32 routed sum.
     block_m (>= 64), block_n, num_warps and num_stages are launch knobs: each
     output element is the same K chain whatever the tile around it."""
+    return _grouped(x, ids, weights, (w_gate_up, w_gate_up), (w_down, w_down), w_gate_up.shape[1] // 2, limit, False,
+                    block_m, block_n, num_warps, num_stages)
+
+
+def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None, *,
+                             block_m: int = BLOCK_M, block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
+    """MXFP4 experts computed packed: each K step decodes its (64 x BLOCK_N) weight tile from the
+    codes and scales in registers (nothing unpacked in memory) and runs the bf16 path's dot on it,
+    so the bits are ``experts_fwd_triton``'s at the exactly decoded weights (``cpu.experts_fwd_mxfp4_cpu``
+    on the CPU).  Same knobs."""
+    return _grouped(x, ids, weights, (gu_codes, gu_scales), (d_codes, d_scales), gu_codes.shape[1] // 2, limit, True,
+                    block_m, block_n, num_warps, num_stages)
+
+
+def _grouped(x, ids, weights, gate_up, down, I, limit, mx, block_m, block_n, num_warps, num_stages):
+    """The two grouped launches; ``gate_up`` / ``down``: (weight, scales) (bf16: the weight twice)."""
     T, k = ids.shape
-    E, I2, H = w_gate_up.shape
-    I = I2 // 2
+    E, H = gate_up[0].shape[0], x.shape[1]
     if T * k == 0:
         return torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    x, w_gate_up, w_down = x.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
+    x = x.contiguous()
+    (w_gu, s_gu), (w_d, s_d) = ((w.contiguous(), sc.contiguous()) for w, sc in (gate_up, down))
     # a static choice (shapes only): a graph captured for one T keeps it
     order, t_e, t_r0, t_r1 = row_tile_map(ids) if T * k < E else tile_map(ids, E, block_m)
     tok = (order // k).to(torch.int32)
@@ -223,15 +270,13 @@ def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, block_
     lim = 0.0 if limit is None else limit_in(x.dtype, limit)  # the CPU path's bound (cpu.swiglu_f32)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 experts (tests, fp32 trainers): no tf32 rounding
     n_tiles = t_e.shape[0]
+    knobs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": BLOCK_K, "PRECISION": prec, "num_warps": num_warps,
+             "num_stages": num_stages, "enable_fp_fusion": False}
     _gate_up_kernel[(n_tiles, cdiv(I, block_n))](
-        x, w_gate_up, tok, t_e, t_r0, t_r1, a, H, I, lim, HAS_LIMIT=limit is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, PRECISION=prec, num_warps=num_warps,
-        num_stages=num_stages, enable_fp_fusion=False)
+        x, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, H, I, lim, HAS_LIMIT=limit is not None, MX=mx, **knobs)
     wt = weights.reshape(-1).float()[order].contiguous()
     _down_kernel[(n_tiles, cdiv(H, block_n))](
-        a, w_down, wt, order.to(torch.int32), t_e, t_r0, t_r1, c, H, I,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, PRECISION=prec, num_warps=num_warps,
-        num_stages=num_stages, enable_fp_fusion=False)
+        a, w_d, s_d, wt, order.to(torch.int32), t_e, t_r0, t_r1, c, H, I, MX=mx, **knobs)
     return slot_sum(c.view(T, k, H))
 
 

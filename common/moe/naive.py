@@ -29,7 +29,7 @@ def experts_fp8_ref(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit
     codes), the weights dequantized exactly; no other rounding.  -> (T, H) float64."""
     from ..fp8.quant import BLOCK, cdiv, quantize_act
 
-    T, k = ids.shape
+    T = ids.shape[0]
     I = d_codes.shape[2]
     nbi = cdiv(I, BLOCK)
 

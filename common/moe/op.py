@@ -9,7 +9,9 @@ backward is the gradient of that forward (through the one bf16 rounding of the
 SwiGLU output as the identity), w.r.t. the activations, the routing weights and
 both expert weight stacks.  ``experts_fp8_fwd`` / ``moe_experts_fp8`` are the
 same for FP8 experts (GLM-5: e4m3 codes in 128x128 blocks, ``quantize_experts_fp8``),
-with a straight-through backward to the FP32 masters.  ``moe_combine`` adds the routed sum and the shared
+with a straight-through backward to the FP32 masters; ``experts_mxfp4_fwd`` /
+``moe_experts_mxfp4`` for MXFP4 experts (DeepSeek-V4, ``mxfp4.py``), the bf16 path's
+bits at the exactly decoded weights.  ``moe_combine`` adds the routed sum and the shared
 expert(s) by the FP64 tree in logical order and rounds once.
 
 Shapes: T tokens, H hidden, E experts, I expert width, k slots.
@@ -22,7 +24,8 @@ from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
 from ..swiglu.cpu import clamp_gate_up, limit_in
 from ..tree import tree_reduce
 from ..fp8.quant import BLOCK, FP8_DTYPE, cdiv, dequantize_weight, quantize_weight
-from .cpu import experts_fwd_cpu, experts_fwd_fp8_cpu, swiglu_f32
+from .cpu import experts_fwd_cpu, experts_fwd_fp8_cpu, experts_fwd_mxfp4_cpu, swiglu_f32
+from .mxfp4 import check_mx_shape, dequantize_mxfp4, quantize_mxfp4
 
 
 def experts_fwd(x, ids, weights, w_gate_up, w_down, limit=None) -> torch.Tensor:
@@ -41,6 +44,16 @@ def experts_fp8_fwd(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit
 
         return experts_fwd_fp8_triton(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit)
     return experts_fwd_fp8_cpu(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit)
+
+
+def experts_mxfp4_fwd(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None) -> torch.Tensor:
+    """MXFP4 experts (``quantize_experts_mxfp4``'s layout) -> (T, H) fp32 routed sum: the bits of
+    ``experts_fwd`` at the exactly decoded weights, computed packed on CUDA; no checks."""
+    if x.is_cuda:
+        from .kernel import experts_fwd_mxfp4_triton
+
+        return experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit)
+    return experts_fwd_mxfp4_cpu(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit)
 
 
 def _swiglu_bwd(gu: torch.Tensor, da: torch.Tensor, limit: float | None, dtype: torch.dtype) -> torch.Tensor:
@@ -171,26 +184,50 @@ def dequantize_experts_fp8(gu_codes, gu_scale, d_codes, d_scale, dtype=torch.flo
     return gu, d
 
 
-class _ExpertsFp8(torch.autograd.Function):
+def quantize_experts_mxfp4(w_gate_up: torch.Tensor, w_down: torch.Tensor):
+    """Expert stacks -> MXFP4 (``mxfp4.py``: E2M1 codes two per byte, low nibble first, an E8M0
+    scale per 32 along K), DeepSeek-V4's expert format: w_gate_up (E, 2I, H) -> gu_codes
+    (E, 2I, H/2) uint8, gu_scales (E, 2I, H/32) uint8; w_down (E, H, I) -> (E, H, I/2), (E, H, I/32).
+    Rows are quantized alone, so the fused [gate | up] stack is the two matrices' codes stacked."""
+    check_tensor("w_gate_up", w_gate_up, dtypes=FLOAT_DTYPES, ndim=3, contiguous=False)
+    check_tensor("w_down", w_down, dtypes=FLOAT_DTYPES, ndim=3, contiguous=False)
+    return (*quantize_mxfp4(w_gate_up), *quantize_mxfp4(w_down))
+
+
+def dequantize_experts_mxfp4(gu_codes, gu_scales, d_codes, d_scales, dtype=torch.float32):
+    """``quantize_experts_mxfp4``'s layout -> (w_gate_up, w_down) in dtype, exact."""
+    return dequantize_mxfp4(gu_codes, gu_scales, dtype), dequantize_mxfp4(d_codes, d_scales, dtype)
+
+
+_FORMATS = {"fp8": (experts_fp8_fwd, dequantize_experts_fp8), "mxfp4": (experts_mxfp4_fwd, dequantize_experts_mxfp4)}
+
+
+class _QuantizedExperts(torch.autograd.Function):
     """Straight-through, as ``fp8_linear``: the quantizers count as the identity, so the
     backward is ``_experts_bwd`` at the dequantized weights rounded to x.dtype; the weight
     gradients go to the masters (their dtype), never to the codes."""
 
     @staticmethod
-    def forward(ctx, x, ids, weights, master_gu, master_d, gu_codes, gu_scale, d_codes, d_scale, limit):
+    def forward(ctx, fmt, x, ids, weights, master_gu, master_d, gu_codes, gu_scale, d_codes, d_scale, limit):
         ctx.save_for_backward(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale)
-        ctx.limit = limit
+        ctx.fmt, ctx.limit = fmt, limit
         ctx.master_dtypes = (None if master_gu is None else master_gu.dtype, None if master_d is None else master_d.dtype)
-        return experts_fp8_fwd(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit)
+        return _FORMATS[fmt][0](x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit)
 
     @staticmethod
     def backward(ctx, dy):
         x, ids, weights, gu_codes, gu_scale, d_codes, d_scale = ctx.saved_tensors
-        w_gu, w_d = dequantize_experts_fp8(gu_codes, gu_scale, d_codes, d_scale, x.dtype)
+        w_gu, w_d = _FORMATS[ctx.fmt][1](gu_codes, gu_scale, d_codes, d_scale, x.dtype)
         dx, dw, dgu_w, dd_w = _experts_bwd(x, ids, weights, w_gu, w_d, dy, ctx.limit)
         gu_dt, d_dt = ctx.master_dtypes
-        return (dx.to(x.dtype), None, dw.to(weights.dtype), None if gu_dt is None else dgu_w.to(gu_dt),
+        return (None, dx.to(x.dtype), None, dw.to(weights.dtype), None if gu_dt is None else dgu_w.to(gu_dt),
                 None if d_dt is None else dd_w.to(d_dt), None, None, None, None, None)
+
+
+def _check_masters(master_gate_up, master_down, E: int, I: int, H: int) -> None:
+    for name, m, want in (("master_gate_up", master_gate_up, (E, 2 * I, H)), ("master_down", master_down, (E, H, I))):
+        if m is not None and tuple(m.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(m.shape)}; its codes need {want}")
 
 
 def moe_experts_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gu_codes: torch.Tensor,
@@ -222,12 +259,46 @@ def moe_experts_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     if tuple(gu_scale.shape) != want_gu or tuple(d_scale.shape) != want_d:
         raise ValueError(f"expert scales: gu_scale {tuple(gu_scale.shape)} (want {want_gu}: gate's 128-row blocks, "
                          f"then up's), d_scale {tuple(d_scale.shape)} (want {want_d})")
-    for name, m, want in (("master_gate_up", master_gate_up, (E, I2, H)), ("master_down", master_down, (E, H, I))):
-        if m is not None and tuple(m.shape) != want:
-            raise ValueError(f"{name} has shape {tuple(m.shape)}; its codes need {want}")
+    _check_masters(master_gate_up, master_down, E, I, H)
     _check_routing(ids, weights, T, E)
-    return _ExpertsFp8.apply(x, ids, weights, master_gate_up, master_down, gu_codes, gu_scale, d_codes, d_scale,
-                             limit)
+    return _QuantizedExperts.apply("fp8", x, ids, weights, master_gate_up, master_down, gu_codes, gu_scale, d_codes,
+                                   d_scale, limit)
+
+
+def moe_experts_mxfp4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gu_codes: torch.Tensor,
+                      gu_scales: torch.Tensor, d_codes: torch.Tensor, d_scales: torch.Tensor, *,
+                      master_gate_up: torch.Tensor | None = None, master_down: torch.Tensor | None = None,
+                      limit: float | None = None) -> torch.Tensor:
+    """``moe_experts`` on MXFP4 experts (DeepSeek-V4, ``quantize_experts_mxfp4``'s layout): the
+    routed sum in fp32, the bits of ``moe_experts`` at the exactly decoded weights (computed
+    packed on CUDA).  The backward decodes the weights (to x.dtype); masters, when given, get
+    the straight-through gradients, else the experts are frozen (DeepSeek-V4 trains LoRA on
+    them).  Scales may be uint8 or float8_e8m0fnu bytes."""
+    _check_tokens(x, ids, weights)
+    check_tensor("gu_codes", gu_codes, dtypes=(torch.uint8,), ndim=3)
+    check_tensor("d_codes", d_codes, dtypes=(torch.uint8,), ndim=3)
+    scale_dtypes = (torch.uint8, *((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()))
+    check_tensor("gu_scales", gu_scales, dtypes=scale_dtypes, ndim=3)
+    check_tensor("d_scales", d_scales, dtypes=scale_dtypes, ndim=3)
+    check_same_device(x=x, ids=ids, weights=weights, gu_codes=gu_codes, gu_scales=gu_scales, d_codes=d_codes,
+                      d_scales=d_scales)
+    T, H = x.shape
+    E, I2, Hh = gu_codes.shape
+    I = I2 // 2
+    check_mx_shape("x", H)
+    check_mx_shape("d_codes (the expert width)", 2 * d_codes.shape[-1])
+    if 2 * Hh != H or I2 % 2 or tuple(d_codes.shape) != (E, H, I // 2):
+        raise ValueError(f"expert shapes do not fit: x {tuple(x.shape)}, gu_codes {tuple(gu_codes.shape)} "
+                         f"(want (E, 2I, {H // 2})), d_codes {tuple(d_codes.shape)} (want (E, {H}, I/2))")
+    want_gu, want_d = (E, I2, H // 32), (E, H, I // 32)
+    if tuple(gu_scales.shape) != want_gu or tuple(d_scales.shape) != want_d:
+        raise ValueError(f"expert scales: gu_scales {tuple(gu_scales.shape)} (want {want_gu}), "
+                         f"d_scales {tuple(d_scales.shape)} (want {want_d}): one per 32 along K")
+    _check_masters(master_gate_up, master_down, E, I, H)
+    _check_routing(ids, weights, T, E)
+    gu_scales, d_scales = (s.view(torch.uint8) for s in (gu_scales, d_scales))
+    return _QuantizedExperts.apply("mxfp4", x, ids, weights, master_gate_up, master_down, gu_codes, gu_scales,
+                                   d_codes, d_scales, limit)
 
 
 def moe_combine(parts, dtype: torch.dtype) -> torch.Tensor:
