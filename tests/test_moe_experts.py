@@ -244,20 +244,27 @@ def test_fp8_gpu_experts_replay_from_a_cuda_graph_and_match_float64():
 
     x, ids, w, _, _, q = _fp8_experts(64, 6144, 2048, 16, 8, device="cuda")
     full = _replays_from_a_cuda_graph(experts_fp8_fwd, x, ids, w, *q)
-    assert rel_err(full, experts_fp8_ref(x, ids, w, *q)) < 2e-3
+    assert rel_err(full, experts_fp8_ref(x, ids, w, *q)) < _fp8_bound(x.device)
+
+
+def _fp8_bound(device) -> float:
+    # CPU: exact block dots, fp32 accumulation only (measured 6e-8).  H200: the fp8 wgmma keeps ~13
+    # bits inside each 128-block (DeepSeek-V3 says ~14), which moves ~10% of the bf16 SwiGLU outputs
+    # by an ulp and some of those across an e4m3 step of the down projection's input (measured 4.7e-3)
+    return 2e-3 if device.type == "cpu" else 1e-2
 
 
 def test_fp8_accuracy_against_float64(device):
     """Against float64 at the FP8 path's own quantization points (exactly dequantized codes and
-    activation groups): fp32 accumulation only.  Against the unquantized bf16 experts: what FP8
-    costs (e4m3 keeps 3 mantissa bits)."""
+    activation groups).  Against the unquantized bf16 experts: what FP8 costs (e4m3 keeps 3
+    mantissa bits)."""
     from alignzoo.common.moe.naive import experts_fp8_ref
     from alignzoo.common.moe.op import experts_fp8_fwd
 
     for limit in (None, 1.0):
         x, ids, w, w_gu, w_d, q = _fp8_experts(120, 200, 136, 6, 3, device=device, seed=4)
         got = experts_fp8_fwd(x, ids, w, *q, limit)
-        assert rel_err(got, experts_fp8_ref(x, ids, w, *q, limit)) < 2e-3, limit
+        assert rel_err(got, experts_fp8_ref(x, ids, w, *q, limit)) < _fp8_bound(x.device), limit
         assert rel_err(got, experts_ref(x, ids, w, w_gu, w_d, limit)) < 8e-2, limit
 
 
