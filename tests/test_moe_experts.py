@@ -458,3 +458,149 @@ print("ok")
 
 def test_mxfp4_triton_kernels_decode_in_registers_interpreted():
     run_interpreted(_INTERPRETED_MX, expect="ok")
+
+
+# ------------------------------------------------------------------ LoRA inside the experts
+def _expert_lora(E, H, I, r, *, device, dtype=torch.bfloat16, scale=2.0, seed=7, zero_b=False):
+    from alignzoo.common.moe.lora import ExpertLoRA
+
+    g = torch.Generator().manual_seed(seed)
+
+    def m(*shape, std):
+        return (torch.zeros(shape) if zero_b and std < 0 else torch.randn(*shape, generator=g) * abs(std)).to(device, dtype)
+
+    return ExpertLoRA(m(E, r, H, std=H ** -0.5), m(E, 2 * I, r, std=-0.3), m(E, r, I, std=I ** -0.5),
+                      m(E, H, r, std=-0.3), scale)
+
+
+def _formats(w_gu, w_d):
+    """(name, forward(x, ids, w, limit, lora)) for bf16, FP8 and MXFP4 experts of the same weights."""
+    from alignzoo.common.moe.op import experts_fp8_fwd, experts_mxfp4_fwd, quantize_experts_fp8, quantize_experts_mxfp4
+
+    q8, q4 = quantize_experts_fp8(w_gu, w_d), quantize_experts_mxfp4(w_gu, w_d)
+    return (("bf16", lambda x, ids, w, lim, lora: experts_fwd(x, ids, w, w_gu, w_d, lim, lora)),
+            ("fp8", lambda x, ids, w, lim, lora: experts_fp8_fwd(x, ids, w, *q8, lim, lora)),
+            ("mxfp4", lambda x, ids, w, lim, lora: experts_mxfp4_fwd(x, ids, w, *q4, lim, lora)))
+
+
+def _lora_rows_do_not_depend_on_the_batch(device, T, H, I, E, k, r, sizes):
+    x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device=device, skew=True, seed=3)
+    lora = _expert_lora(E, H, I, r, device=device)
+    zero = _expert_lora(E, H, I, r, device=device, zero_b=True)
+    g = torch.Generator().manual_seed(2)
+    for name, fwd in _formats(w_gu, w_d):
+        for lim in (None, 1.0):
+            full = fwd(x, ids, w, lim, lora)
+            assert not bitwise_equal(full, fwd(x, ids, w, lim, None)), name  # the adapter is there
+            assert bitwise_equal(fwd(x, ids, w, lim, zero), fwd(x, ids, w, lim, None)), name  # B = 0: the base's bits
+            for n in sizes:
+                idx = torch.randperm(T, generator=g)[:n].to(device)
+                assert bitwise_equal(fwd(x[idx], ids[idx], w[idx], lim, lora), full[idx]), (name, lim, n)
+
+
+def test_lora_in_experts_rows_do_not_depend_on_the_batch():
+    """bf16, FP8 and MXFP4 experts with an adapter inside: a token alone or in batches, skewed routing;
+    an adapter whose B is zero leaves the base's bits."""
+    _lora_rows_do_not_depend_on_the_batch(torch.device("cpu"), 160, 96, 64, 7, 3, 4, (1, 2, 17, 64))
+
+
+@pytest.mark.gpu
+def test_lora_in_experts_gpu_rows_do_not_depend_on_the_batch():
+    _lora_rows_do_not_depend_on_the_batch(torch.device("cuda"), 1024, 2048, 512, 32, 8, 16, (1, 2, 7, 64, 300))
+
+
+@pytest.mark.gpu
+def test_lora_in_experts_gpu_replays_from_a_cuda_graph():
+    x, ids, w, w_gu, w_d = make_experts(64, 2048, 512, 32, 8, device="cuda")
+    lora = _expert_lora(32, 2048, 512, 16, device="cuda")
+    for _, fwd in _formats(w_gu, w_d):
+        _replays_from_a_cuda_graph(lambda x, ids, w, fwd=fwd: fwd(x, ids, w, None, lora), x, ids, w)
+
+
+def test_lora_in_experts_accuracy_and_gradients_against_float64(device):
+    """fp32 experts with an adapter: the forward against float64, and the backward against float64
+    autograd w.r.t. x, the routing weights, the base stacks and all four adapter stacks."""
+    from alignzoo.common.moe.lora import ExpertLoRA
+
+    x, ids, w, w_gu, w_d = make_experts(50, 72, 40, 6, 3, device=device, dtype=torch.float32, seed=3)
+    lora = _expert_lora(6, 72, 40, 4, device=device, dtype=torch.float32)
+    for limit in (None, 1.5):
+        leaves = [t.clone().requires_grad_() for t in (x * 2, w, w_gu, w_d, *lora.tensors())]
+        lo = ExpertLoRA(*leaves[4:], lora.scale)
+        out = moe_experts(leaves[0], ids, leaves[1], leaves[2], leaves[3], limit=limit, lora=lo)
+        dy = torch.randn_like(out)
+        grads = torch.autograd.grad((out * dy).sum(), leaves)
+        refs_in = [t.detach().double().requires_grad_() for t in leaves]
+        ref = experts_ref(refs_in[0], ids, refs_in[1], refs_in[2], refs_in[3], limit,
+                          ExpertLoRA(*refs_in[4:], lora.scale))
+        assert rel_err(out, ref) < 1e-5, limit
+        refs = torch.autograd.grad((ref * dy.double()).sum(), refs_in)
+        for name, a, b in zip(("x", "weights", "w_gate_up", "w_down", "a_gu", "b_gu", "a_d", "b_d"), grads, refs):
+            assert rel_err(a, b) < 1e-4, (name, limit, rel_err(a, b))
+
+
+def test_lora_on_frozen_quantized_experts_trains_the_adapters_only(device):
+    """FP8 and MXFP4 experts frozen (no masters), an adapter inside: gradients reach the adapter and x,
+    the float64 gradient at the dequantized weights."""
+    from alignzoo.common.moe.lora import ExpertLoRA
+    from alignzoo.common.moe.op import (dequantize_experts_fp8, dequantize_experts_mxfp4, moe_experts_fp8,
+                                        moe_experts_mxfp4, quantize_experts_fp8, quantize_experts_mxfp4)
+
+    x, ids, w, w_gu, w_d = make_experts(40, 96, 64, 5, 2, device=device, dtype=torch.float32, seed=6)
+    lora = _expert_lora(5, 96, 64, 4, device=device, dtype=torch.float32)
+    for op, quant, deq in ((moe_experts_fp8, quantize_experts_fp8, dequantize_experts_fp8),
+                           (moe_experts_mxfp4, quantize_experts_mxfp4, dequantize_experts_mxfp4)):
+        q = quant(w_gu, w_d)
+        leaves = [t.clone().requires_grad_() for t in (x, *lora.tensors())]
+        out = op(leaves[0], ids, w, *q, lora=ExpertLoRA(*leaves[1:], lora.scale))
+        dy = torch.randn_like(out)
+        grads = torch.autograd.grad((out * dy).sum(), leaves)
+        gu, d = deq(*q)
+        refs_in = [t.detach().double().requires_grad_() for t in leaves]
+        ref = experts_ref(refs_in[0], ids, w.double(), gu.double(), d.double(), None, ExpertLoRA(*refs_in[1:], lora.scale))
+        refs = torch.autograd.grad((ref * dy.double()).sum(), refs_in)
+        for name, a, b in zip(("x", "a_gu", "b_gu", "a_d", "b_d"), grads, refs):
+            assert rel_err(a, b) < 1e-4, (op.__name__, name, rel_err(a, b))
+
+
+def test_lora_in_experts_bad_inputs():
+    from alignzoo.common.moe.lora import ExpertLoRA
+
+    x, ids, w, w_gu, w_d = make_experts(10, 72, 40, 3, 2, device="cpu")
+    lora = _expert_lora(3, 72, 40, 4, device="cpu")
+    with pytest.raises(ValueError, match=r"lora.b_down has shape \(3, 72, 5\)"):
+        moe_experts(x, ids, w, w_gu, w_d, lora=ExpertLoRA(*lora.tensors()[:3], torch.zeros(3, 72, 5).bfloat16(), 1.0))
+    with pytest.raises(ValueError, match="lora.a_gate_up is torch.float32"):
+        moe_experts(x, ids, w, w_gu, w_d, lora=ExpertLoRA(lora.a_gate_up.float(), *lora.tensors()[1:], 1.0))
+    with pytest.raises(TypeError, match="lora must be an ExpertLoRA"):
+        moe_experts(x, ids, w, w_gu, w_d, lora=lora.tensors())
+
+
+_INTERPRETED_LORA = """
+import torch
+from alignzoo.common.ladder import rel_err
+from alignzoo.common.moe import cpu, kernel
+from alignzoo.common.moe.checks import make_experts
+from alignzoo.common.moe.lora import ExpertLoRA
+from alignzoo.common.moe.op import quantize_experts_fp8, quantize_experts_mxfp4
+
+# fp32 activations (exact inputs to the interpreter's numpy dots): the adapters' grouped products and the
+# delta added in the base kernels' accumulators agree with the CPU path to fp32 accumulation on every format.
+g = torch.Generator().manual_seed(0)
+for T, H, I, E, k, r, skew in ((37, 96, 64, 5, 3, 4, False), (70, 160, 96, 7, 2, 8, True), (1, 64, 32, 5, 3, 4, False)):
+    x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device="cpu", skew=skew, seed=1, dtype=torch.float32)
+    lora = ExpertLoRA(torch.randn(E, r, H, generator=g) * 0.1, torch.randn(E, 2 * I, r, generator=g) * 0.3,
+                      torch.randn(E, r, I, generator=g) * 0.1, torch.randn(E, H, r, generator=g) * 0.3, 2.0)
+    q8, q4 = quantize_experts_fp8(w_gu, w_d), quantize_experts_mxfp4(w_gu, w_d)
+    for got, want in ((kernel.experts_fwd_triton(x, ids, w, w_gu, w_d, lora=lora),
+                       cpu.experts_fwd_cpu(x, ids, w, w_gu, w_d, lora=lora)),
+                      (kernel.experts_fwd_fp8_triton(x, ids, w, *q8, lora=lora), cpu.experts_fwd_fp8_cpu(x, ids, w, *q8, lora=lora)),
+                      (kernel.experts_fwd_mxfp4_triton(x, ids, w, *q4, lora=lora),
+                       cpu.experts_fwd_mxfp4_cpu(x, ids, w, *q4, lora=lora))):
+        assert rel_err(got, want) < 1e-6, (T, H, I, rel_err(got, want))
+print("ok")
+"""
+
+
+def test_lora_in_experts_triton_kernels_interpreted():
+    run_interpreted(_INTERPRETED_LORA, expect="ok")

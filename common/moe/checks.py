@@ -91,6 +91,32 @@ def ladder(device: torch.device) -> list[RungResult]:
         # MXFP4 groups K by 32: the CPU shapes' H = 72 and I = 40 do not divide
         mx = (x, ids, w, w_gu, w_d) if device.type != "cpu" else make_experts(70, 96, 64, E, k, device=device, skew=skew)
         out += _mxfp4_rows(*mx, name)
+    return out + _lora_rows(device)
+
+
+def _lora_rows(device: torch.device) -> list[RungResult]:
+    """An adapter inside the bf16, FP8 and MXFP4 experts (``lora.py``): rungs 1-2 on each format, and
+    the bf16 experts with it against float64."""
+    from .lora import ExpertLoRA
+
+    T, H, I, E, k, r = (70, 96, 64, 7, 3, 4) if device.type == "cpu" else (600, 2048, 512, 64, 8, 16)
+    x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device=device, skew=True, seed=5)
+    g = torch.Generator().manual_seed(6)
+    lora = ExpertLoRA(*((torch.randn(*shape, generator=g) * std).to(device, x.dtype) for shape, std in (
+        ((E, r, H), H ** -0.5), ((E, 2 * I, r), 0.3), ((E, r, I), I ** -0.5), ((E, H, r), 0.3))), 2.0)
+    out = []
+    for label, fwd, q in (("bf16", experts_fwd, (w_gu, w_d)),
+                          ("fp8", experts_fp8_fwd, quantize_experts_fp8(w_gu, w_d)),
+                          ("mxfp4", experts_mxfp4_fwd, quantize_experts_mxfp4(w_gu, w_d))):
+        names = [f"q{i}" for i in range(len(q))]
+        fn = lambda x, ids, w, fwd=fwd, names=names, **kw: fwd(x, ids, w, *(kw[n] for n in names), None, lora)  # noqa: E731
+        shared = dict(zip(names, q))
+        for r_ in (rung1_repeat("moe", fn, x, ids, w, **shared),
+                   rung2_rows("moe", fn, (x, ids, w), shared=shared, batch_sizes=(1, 2, 3, 7, 64))):
+            r_.check = f"experts {label} + LoRA r{r}, skewed routing: {r_.check}"
+            out.append(r_)
+    out.append(accuracy("moe", experts_fwd(x, ids, w, w_gu, w_d, None, lora), experts_ref(x, ids, w, w_gu, w_d, None, lora),
+                        8e-3, f"experts bf16 + LoRA r{r} vs float64"))
     return out
 
 

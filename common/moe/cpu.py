@@ -14,6 +14,9 @@ Rounding points (the contract the Triton path keeps too):
     c_j = fp32 dot(a, W_down[e]) * w_tj      the routing weight inside fp32
     y_t = bf16(((c_0 + c_1) + c_2) + ...)    slots in slot order, one rounding
 
+With LoRA inside the experts (``lora.py``) gu and c_j's dot gain the adapter's term
+before the SwiGLU and the routing weight.
+
 Shapes: T tokens, H hidden, E experts, I expert width, k slots.
 """
 from __future__ import annotations
@@ -35,25 +38,40 @@ def swiglu_f32(gu: torch.Tensor, limit: float | None, dtype: torch.dtype) -> tor
     return (silu(g) * u).to(dtype)
 
 
-def experts_fwd_cpu(x, ids, weights, w_gate_up, w_down, limit=None, keep: bool = False):
+def lora_delta_cpu(inp: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
+    """fl32(s * fp32 dot(dtype(fp32 dot(inp, a)), b)): one expert's adapter term (``lora.py``)."""
+    return fixed_order_dot(fixed_order_dot(inp, a).to(inp.dtype), b) * s
+
+
+def _with_lora(base: torch.Tensor, lora, which: int, e: int, inp: torch.Tensor) -> torch.Tensor:
+    """base + the adapter's term for expert e (which 0: gate/up on x, 1: down on a); base alone without LoRA."""
+    if lora is None:
+        return base
+    a, b = lora.tensors()[2 * which:2 * which + 2]
+    return base + lora_delta_cpu(inp, a[e], b[e], lora.s)
+
+
+def experts_fwd_cpu(x, ids, weights, w_gate_up, w_down, limit=None, keep: bool = False, lora=None):
     """x: (T, H); ids: (T, k) int; weights: (T, k) (any float dtype: read as
     fp32); w_gate_up: (E, 2I, H); w_down: (E, H, I) -> (T, H) fp32 routed sum
     (unrounded: the caller rounds it, alone or with a shared expert).
 
     ``keep``: also return (a (T, k, I), c (T, k, H) fp32) for the backward."""
-    return _experts_rows(x, ids, weights, w_gate_up.__getitem__, w_down.__getitem__, w_down.shape[2], limit, keep)
+    return _experts_rows(x, ids, weights, w_gate_up.__getitem__, w_down.__getitem__, w_down.shape[2], limit, keep,
+                         lora)
 
 
-def experts_fwd_mxfp4_cpu(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None):
+def experts_fwd_mxfp4_cpu(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None, lora=None):
     """MXFP4 experts (``mxfp4.py``'s layout) -> (T, H) fp32: the bf16 path's arithmetic at the
     exactly decoded weights (in x.dtype), each expert decoded when a token uses it."""
     from .mxfp4 import dequantize_mxfp4
 
     return _experts_rows(x, ids, weights, lambda e: dequantize_mxfp4(gu_codes[e], gu_scales[e], x.dtype),
-                         lambda e: dequantize_mxfp4(d_codes[e], d_scales[e], x.dtype), d_codes.shape[2] * 2, limit)
+                         lambda e: dequantize_mxfp4(d_codes[e], d_scales[e], x.dtype), d_codes.shape[2] * 2, limit,
+                         lora=lora)
 
 
-def _experts_rows(x, ids, weights, gu_of, d_of, I: int, limit, keep: bool = False):
+def _experts_rows(x, ids, weights, gu_of, d_of, I: int, limit, keep: bool = False, lora=None):
     """The rounding points above, expert e's weights from ``gu_of(e)`` (2I, H) and ``d_of(e)`` (H, I)."""
     T, k = ids.shape
     H = x.shape[1]
@@ -65,14 +83,14 @@ def _experts_rows(x, ids, weights, gu_of, d_of, I: int, limit, keep: bool = Fals
     for e in torch.unique(flat).tolist():  # CPU path: host loops are fine here
         sel = rows[flat == e]
         xe = x[sel // k]
-        ae = swiglu_f32(fixed_order_dot(xe, gu_of(e)), limit, x.dtype)
+        ae = swiglu_f32(_with_lora(fixed_order_dot(xe, gu_of(e)), lora, 0, e, xe), limit, x.dtype)
         a[sel] = ae
-        c[sel] = fixed_order_dot(ae, d_of(e)) * w[sel, None]
+        c[sel] = _with_lora(fixed_order_dot(ae, d_of(e)), lora, 1, e, ae) * w[sel, None]
     y = slot_sum(c.view(T, k, H))
     return (y, a.view(T, k, I), c.view(T, k, H)) if keep else y
 
 
-def experts_fwd_fp8_cpu(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None):
+def experts_fwd_fp8_cpu(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None, lora=None):
     """FP8 experts (``op.quantize_experts_fp8``'s layout) -> (T, H) fp32 routed sum (unrounded).
 
     The rounding points above with each dot an FP8 block-scaled GEMM (``fp8/cpu.py``: exact
@@ -94,11 +112,12 @@ def experts_fwd_fp8_cpu(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, l
         tq, ts = xq[sel // k], xs[sel // k]
         g = fp8_gemm_cpu(tq, ts, gu_codes[e, :I], gu_scale[e, :nbi], torch.float32)
         u = fp8_gemm_cpu(tq, ts, gu_codes[e, I:], gu_scale[e, nbi:], torch.float32)
-        a[sel] = swiglu_f32(torch.cat([g, u], 1), limit, x.dtype)
+        a[sel] = swiglu_f32(_with_lora(torch.cat([g, u], 1), lora, 0, e, x[sel // k]), limit, x.dtype)
     aq, as_ = quantize_act(a)
     c = torch.empty(T * k, H, dtype=torch.float32)
     w = weights.reshape(-1).float()
     for e in experts:
         sel = rows[flat == e]
-        c[sel] = fp8_gemm_cpu(aq[sel], as_[sel], d_codes[e], d_scale[e], torch.float32) * w[sel, None]
+        c[sel] = _with_lora(fp8_gemm_cpu(aq[sel], as_[sel], d_codes[e], d_scale[e], torch.float32), lora, 1, e,
+                            a[sel]) * w[sel, None]
     return slot_sum(c.view(T, k, H))

@@ -95,8 +95,52 @@ def _w_tile(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, MX: tl.constexpr
 
 
 @triton.jit
-def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS_LIMIT: tl.constexpr,
-                    MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _add_delta(b_acc, p_delta, o_r, m_r, o_n, m_n, N, HAS_DELTA: tl.constexpr):
+    """acc + the LoRA term of these sorted rows (an fp32 (rows, N) tensor), one add (``lora.py``)."""
+    if HAS_DELTA:
+        b_acc = b_acc + tl.load(p_delta + o_r[:, None].to(tl.int64) * N + o_n[None, :],
+                                mask=m_r[:, None] & m_n[None, :], other=0.0)
+    return b_acc
+
+
+@triton.jit
+def _add_delta_gu(b_g, b_u, p_delta, o_r, m_r, o_n, m_n, I, HAS_DELTA: tl.constexpr):
+    """gate and up + their LoRA terms: columns o_n and I + o_n of the (rows, 2I) delta."""
+    if HAS_DELTA:
+        o_d = p_delta + o_r[:, None].to(tl.int64) * (2 * I) + o_n[None, :]
+        m = m_r[:, None] & m_n[None, :]
+        b_g = b_g + tl.load(o_d, mask=m, other=0.0)
+        b_u = b_u + tl.load(o_d + I, mask=m, other=0.0)
+    return b_g, b_u
+
+
+@triton.jit
+def _grouped_linear_kernel(p_in, p_src, p_w, p_te, p_r0, p_r1, p_out, N, K, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """out[sorted row] = fp32 dot(in[src[row]], W[e]) rounded to out's dtype: the adapters' products,
+    the same K chain as the base kernels'."""
+    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(p_te + i_t)
+    if e < 0:
+        return
+    o_r, m_r = _tile_rows(p_r0, p_r1, i_t, BLOCK_M)
+    src = tl.load(p_src + o_r, mask=m_r, other=0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    rows = e.to(tl.int64) * N + o_n
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        b_x = tl.load(p_in + src[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.0)
+        b_w = _w_tile(p_w, p_w, rows, m_n, k0, K, p_in.dtype.element_ty, False, BLOCK_N, BLOCK_K)
+        b_acc = tl.dot(b_x, b_w, b_acc, input_precision=PRECISION)
+    tl.store(p_out + o_r[:, None].to(tl.int64) * N + o_n[None, :], b_acc.to(p_out.dtype.element_ty),
+             mask=m_r[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, LIMIT, HAS_LIMIT: tl.constexpr,
+                    MX: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr):
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(p_te + i_t)
@@ -117,11 +161,13 @@ def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HA
         b_wu = _w_tile(p_w, p_s, row_g + I, m_n, k0, H, p_x.dtype.element_ty, MX, BLOCK_N, BLOCK_K)
         b_g = tl.dot(b_x, b_wg, b_g, input_precision=PRECISION)
         b_u = tl.dot(b_x, b_wu, b_u, input_precision=PRECISION)
+    b_g, b_u = _add_delta_gu(b_g, b_u, p_delta, o_r, m_r, o_n, m_n, I, HAS_DELTA)
     _swiglu_store(b_g, b_u, p_a, o_r, m_r, o_n, m_n, I, LIMIT, HAS_LIMIT)
 
 
 @triton.jit
-def _down_kernel(p_a, p_w, p_s, p_wt, p_dst, p_te, p_r0, p_r1, p_c, H, I, MX: tl.constexpr,
+def _down_kernel(p_a, p_w, p_s, p_wt, p_dst, p_te, p_r0, p_r1, p_c, p_delta, H, I, MX: tl.constexpr,
+                 HAS_DELTA: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(p_te + i_t)
@@ -138,6 +184,7 @@ def _down_kernel(p_a, p_w, p_s, p_wt, p_dst, p_te, p_r0, p_r1, p_c, H, I, MX: tl
         b_a = tl.load(p_a + o_r[:, None].to(tl.int64) * I + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
         b_w = _w_tile(p_w, p_s, rows, m_n, k0, I, p_a.dtype.element_ty, MX, BLOCK_N, BLOCK_K)
         b_c = tl.dot(b_a, b_w, b_c, input_precision=PRECISION)
+    b_c = _add_delta(b_c, p_delta, o_r, m_r, o_n, m_n, H, HAS_DELTA)
     _weighted_scatter(b_c, p_wt, p_dst, p_c, o_r, m_r, o_n, m_n, H)
 
 
@@ -153,8 +200,8 @@ def _fp8_block(acc, p_rows, p_cols, o_kk, m_rows, m_cols, K, sx, p_sw):
 
 
 @triton.jit
-def _gate_up_fp8_kernel(p_xq, p_xs, p_w, p_ws, p_tok, p_te, p_r0, p_r1, p_a, H, I, KB, NBI, LIMIT,
-                        HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gate_up_fp8_kernel(p_xq, p_xs, p_w, p_ws, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, KB, NBI, LIMIT,
+                        HAS_LIMIT: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(p_te + i_t)
@@ -176,11 +223,13 @@ def _gate_up_fp8_kernel(p_xq, p_xs, p_w, p_ws, p_tok, p_te, p_r0, p_r1, p_a, H, 
         b_sx = tl.load(p_xs + tok * KB + i_kb, mask=m_r, other=0.0)
         b_g = _fp8_block(b_g, p_rows, p_g, o_kk, m_r, m_n, H, b_sx, p_sg + i_kb)
         b_u = _fp8_block(b_u, p_rows, p_u, o_kk, m_r, m_n, H, b_sx, p_su + i_kb)
+    b_g, b_u = _add_delta_gu(b_g, b_u, p_delta, o_r, m_r, o_n, m_n, I, HAS_DELTA)
     _swiglu_store(b_g, b_u, p_a, o_r, m_r, o_n, m_n, I, LIMIT, HAS_LIMIT)
 
 
 @triton.jit
-def _down_fp8_kernel(p_aq, p_as, p_w, p_ws, p_wt, p_dst, p_te, p_r0, p_r1, p_c, H, I, KB, NBH,
+def _down_fp8_kernel(p_aq, p_as, p_w, p_ws, p_wt, p_dst, p_te, p_r0, p_r1, p_c, p_delta, H, I, KB, NBH,
+                     HAS_DELTA: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(p_te + i_t)
@@ -197,6 +246,7 @@ def _down_fp8_kernel(p_aq, p_as, p_w, p_ws, p_wt, p_dst, p_te, p_r0, p_r1, p_c, 
         o_kk = i_kb * BLOCK_K + tl.arange(0, BLOCK_K)
         b_sx = tl.load(p_as + o_r * KB + i_kb, mask=m_r, other=0.0)
         b_c = _fp8_block(b_c, p_rows, p_cols, o_kk, m_r, m_n, I, b_sx, p_sw + i_kb)
+    b_c = _add_delta(b_c, p_delta, o_r, m_r, o_n, m_n, H, HAS_DELTA)
     _weighted_scatter(b_c, p_wt, p_dst, p_c, o_r, m_r, o_n, m_n, H)
 
 
@@ -235,78 +285,90 @@ def row_tile_map(ids: torch.Tensor):
     return torch.arange(n, device=ids.device), flat.to(torch.int32), r0, r0 + 1
 
 
-def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, block_m: int = BLOCK_M, block_n: int = 64,
-                       num_warps: int = 4, num_stages: int = 3):
+def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, lora=None, block_m: int = BLOCK_M,
+                       block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
     """``cpu.experts_fwd_cpu``'s contract on CUDA: -> (T, H) fp32 routed sum.
     block_m (>= 64), block_n, num_warps and num_stages are launch knobs: each
-    output element is the same K chain whatever the tile around it."""
-    return _grouped(x, ids, weights, (w_gate_up, w_gate_up), (w_down, w_down), w_gate_up.shape[1] // 2, limit, False,
-                    block_m, block_n, num_warps, num_stages)
+    output element is the same K chain whatever the tile around it.  ``lora``:
+    an ``ExpertLoRA`` whose terms enter before the SwiGLU and the routing weight."""
+    return _launch("bf16", x, ids, weights, (w_gate_up, w_gate_up), (w_down, w_down), limit, lora,
+                   block_m, block_n, num_warps, num_stages)
 
 
-def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None, *,
+def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None, *, lora=None,
                              block_m: int = BLOCK_M, block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
     """MXFP4 experts computed packed: each K step decodes its (64 x BLOCK_N) weight tile from the
     codes and scales in registers (nothing unpacked in memory) and runs the bf16 path's dot on it,
     so the bits are ``experts_fwd_triton``'s at the exactly decoded weights (``cpu.experts_fwd_mxfp4_cpu``
     on the CPU).  Same knobs."""
-    return _grouped(x, ids, weights, (gu_codes, gu_scales), (d_codes, d_scales), gu_codes.shape[1] // 2, limit, True,
-                    block_m, block_n, num_warps, num_stages)
+    return _launch("mxfp4", x, ids, weights, (gu_codes, gu_scales), (d_codes, d_scales), limit, lora,
+                   block_m, block_n, num_warps, num_stages)
 
 
-def _grouped(x, ids, weights, gate_up, down, I, limit, mx, block_m, block_n, num_warps, num_stages):
-    """The two grouped launches; ``gate_up`` / ``down``: (weight, scales) (bf16: the weight twice)."""
+def experts_fwd_fp8_triton(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None, *, lora=None,
+                           block_m: int = BLOCK_M, block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
+    """``cpu.experts_fwd_fp8_cpu``'s rounding points on CUDA (each 128-wide block dot on the fp8
+    tensor cores, as ``fp8/kernel.py``: not the CPU's exactly rounded block dot, so the devices'
+    bits differ) -> (T, H) fp32 routed sum.  The same tile map and launch knobs as the bf16 path."""
+    return _launch("fp8", x, ids, weights, (gu_codes, gu_scale), (d_codes, d_scale), limit, lora,
+                   block_m, block_n, num_warps, num_stages)
+
+
+def _lora_term(inp, src, a, b, s, tiles, knobs) -> torch.Tensor:
+    """fl32(s * fp32 dot(dtype(fp32 dot(inp[src], A[e])), B[e])) for the sorted rows: (rows, N) fp32."""
+    t_e, t_r0, t_r1 = tiles
+    R, r, N, K = src.shape[0], a.shape[1], b.shape[1], inp.shape[1]
+    bn = knobs["BLOCK_N"]
+    t = torch.empty(R, r, dtype=inp.dtype, device=inp.device)
+    _grouped_linear_kernel[(t_e.shape[0], cdiv(r, bn))](inp, src, a.contiguous(), t_e, t_r0, t_r1, t, r, K, **knobs)
+    u = torch.empty(R, N, dtype=torch.float32, device=inp.device)
+    rows = torch.arange(R, dtype=torch.int32, device=inp.device)
+    _grouped_linear_kernel[(t_e.shape[0], cdiv(N, bn))](t, rows, b.contiguous(), t_e, t_r0, t_r1, u, N, r, **knobs)
+    return u * s
+
+
+def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, num_warps, num_stages):
+    """The grouped launches of every format; ``gate_up`` / ``down``: (weight or codes, scales) (bf16:
+    the weight twice).  With LoRA, the adapters' terms go into the base kernels' accumulators."""
     T, k = ids.shape
-    E, H = gate_up[0].shape[0], x.shape[1]
+    E, I2 = gate_up[0].shape[:2]
+    I, H = I2 // 2, x.shape[1]
     if T * k == 0:
         return torch.zeros(T, H, dtype=torch.float32, device=x.device)
     x = x.contiguous()
     (w_gu, s_gu), (w_d, s_d) = ((w.contiguous(), sc.contiguous()) for w, sc in (gate_up, down))
     # a static choice (shapes only): a graph captured for one T keeps it
     order, t_e, t_r0, t_r1 = row_tile_map(ids) if T * k < E else tile_map(ids, E, block_m)
-    tok = (order // k).to(torch.int32)
+    tiles, tok, n_tiles = (t_e, t_r0, t_r1), (order // k).to(torch.int32), t_e.shape[0]
     a = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     c = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     lim = 0.0 if limit is None else limit_in(x.dtype, limit)  # the CPU path's bound (cpu.swiglu_f32)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 experts (tests, fp32 trainers): no tf32 rounding
-    n_tiles = t_e.shape[0]
     knobs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": BLOCK_K, "PRECISION": prec, "num_warps": num_warps,
              "num_stages": num_stages, "enable_fp_fusion": False}
-    _gate_up_kernel[(n_tiles, cdiv(I, block_n))](
-        x, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, H, I, lim, HAS_LIMIT=limit is not None, MX=mx, **knobs)
+    fp8 = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": FP8_BLOCK, "num_warps": num_warps,
+           "num_stages": num_stages, "enable_fp_fusion": False}
+    d_gu = _lora_term(x, tok, lora.a_gate_up, lora.b_gate_up, lora.s, tiles, knobs) if lora is not None else c
+    has = lora is not None
+    if fmt == "fp8":
+        xq, xs = quantize_act(x)
+        _gate_up_fp8_kernel[(n_tiles, cdiv(I, block_n))](
+            xq, xs, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, d_gu, H, I, cdiv(H, FP8_BLOCK), cdiv(I, FP8_BLOCK), lim,
+            HAS_LIMIT=limit is not None, HAS_DELTA=has, **fp8)
+    else:
+        _gate_up_kernel[(n_tiles, cdiv(I, block_n))](
+            x, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, d_gu, H, I, lim, HAS_LIMIT=limit is not None, MX=fmt == "mxfp4",
+            HAS_DELTA=has, **knobs)
+    rows = torch.arange(T * k, dtype=torch.int32, device=x.device)  # a's rows are already sorted
+    d_down = _lora_term(a, rows, lora.a_down, lora.b_down, lora.s, tiles, knobs) if has else c
     wt = weights.reshape(-1).float()[order].contiguous()
-    _down_kernel[(n_tiles, cdiv(H, block_n))](
-        a, w_d, s_d, wt, order.to(torch.int32), t_e, t_r0, t_r1, c, H, I, MX=mx, **knobs)
-    return slot_sum(c.view(T, k, H))
-
-
-def experts_fwd_fp8_triton(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None, *,
-                           block_m: int = BLOCK_M, block_n: int = 64, num_warps: int = 4, num_stages: int = 3):
-    """``cpu.experts_fwd_fp8_cpu``'s rounding points on CUDA (each 128-wide block dot on the fp8
-    tensor cores, as ``fp8/kernel.py``: not the CPU's exactly rounded block dot, so the devices'
-    bits differ) -> (T, H) fp32 routed sum.  The same tile map and launch knobs as the bf16 path."""
-    T, k = ids.shape
-    E, I2, H = gu_codes.shape
-    I = I2 // 2
-    if T * k == 0:
-        return torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    xq, xs = quantize_act(x.contiguous())
-    gu_codes, gu_scale, d_codes, d_scale = (t.contiguous() for t in (gu_codes, gu_scale, d_codes, d_scale))
-    order, t_e, t_r0, t_r1 = row_tile_map(ids) if T * k < E else tile_map(ids, E, block_m)
-    tok = (order // k).to(torch.int32)
-    a = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
-    lim = 0.0 if limit is None else limit_in(x.dtype, limit)
-    n_tiles = t_e.shape[0]
-    kb_h, kb_i = cdiv(H, FP8_BLOCK), cdiv(I, FP8_BLOCK)
-    _gate_up_fp8_kernel[(n_tiles, cdiv(I, block_n))](
-        xq, xs, gu_codes, gu_scale, tok, t_e, t_r0, t_r1, a, H, I, kb_h, kb_i, lim, HAS_LIMIT=limit is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, num_warps=num_warps, num_stages=num_stages,
-        enable_fp_fusion=False)
-    aq, as_ = quantize_act(a)  # rows in sorted order: row-local, so the order is free
-    c = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
-    wt = weights.reshape(-1).float()[order].contiguous()
-    _down_fp8_kernel[(n_tiles, cdiv(H, block_n))](
-        aq, as_, d_codes, d_scale, wt, order.to(torch.int32), t_e, t_r0, t_r1, c, H, I, kb_i, cdiv(H, FP8_BLOCK),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, num_warps=num_warps, num_stages=num_stages,
-        enable_fp_fusion=False)
+    dst = order.to(torch.int32)
+    if fmt == "fp8":
+        aq, as_ = quantize_act(a)  # rows in sorted order: row-local, so the order is free
+        _down_fp8_kernel[(n_tiles, cdiv(H, block_n))](
+            aq, as_, w_d, s_d, wt, dst, t_e, t_r0, t_r1, c, d_down, H, I, cdiv(I, FP8_BLOCK), cdiv(H, FP8_BLOCK),
+            HAS_DELTA=has, **fp8)
+    else:
+        _down_kernel[(n_tiles, cdiv(H, block_n))](
+            a, w_d, s_d, wt, dst, t_e, t_r0, t_r1, c, d_down, H, I, MX=fmt == "mxfp4", HAS_DELTA=has, **knobs)
     return slot_sum(c.view(T, k, H))

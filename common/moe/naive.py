@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 
 
-def experts_ref(x, ids, weights, w_gate_up, w_down, limit=None) -> torch.Tensor:
+def experts_ref(x, ids, weights, w_gate_up, w_down, limit=None, lora=None) -> torch.Tensor:
     """x: (T, H); ids, weights: (T, k); w_gate_up: (E, 2I, H); w_down: (E, H, I)
-    -> (T, H) float64: Σ_j w_tj · W_down[e] (SiLU(g)·u), gu = W_gu[e] x_t.
+    -> (T, H) float64: Σ_j w_tj · W_down[e] (SiLU(g)·u), gu = W_gu[e] x_t; with ``lora``
+    (an ``ExpertLoRA``) gu += s·B_gu A_gu x_t and the down product += s·B_d A_d a.
     Differentiable (float64 autograd) for the gradient checks."""
     T, k = ids.shape
     I = w_down.shape[2]
@@ -15,11 +16,17 @@ def experts_ref(x, ids, weights, w_gate_up, w_down, limit=None) -> torch.Tensor:
     for e in torch.unique(ids).tolist():  # one expert at a time: no (T, k, 2I, H) gather
         t, j = (ids == e).nonzero(as_tuple=True)
         gu = xd[t] @ w_gate_up[e].double().T
+        if lora is not None:
+            a1, b1, a2, b2 = (m[e].double() for m in lora.tensors())
+            gu = gu + lora.s * (xd[t] @ a1.T @ b1.T)
         g, u = gu[:, :I], gu[:, I:]
         if limit is not None:
             g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
         a = g * torch.sigmoid(g) * u
-        out = out.index_add(0, t, (a @ w_down[e].double().T) * w[t, j, None])
+        down = a @ w_down[e].double().T
+        if lora is not None:
+            down = down + lora.s * (a @ a2.T @ b2.T)
+        out = out.index_add(0, t, down * w[t, j, None])
     return out
 
 

@@ -28,32 +28,33 @@ from .cpu import experts_fwd_cpu, experts_fwd_fp8_cpu, experts_fwd_mxfp4_cpu, sw
 from .mxfp4 import check_mx_shape, dequantize_mxfp4, quantize_mxfp4
 
 
-def experts_fwd(x, ids, weights, w_gate_up, w_down, limit=None) -> torch.Tensor:
-    """(T, H) fp32 routed sum (unrounded); no checks (``moe_experts`` checks)."""
+def experts_fwd(x, ids, weights, w_gate_up, w_down, limit=None, lora=None) -> torch.Tensor:
+    """(T, H) fp32 routed sum (unrounded); no checks (``moe_experts`` checks).  ``lora``: an
+    ``ExpertLoRA`` added inside the experts (``lora.py``), on every format's launcher."""
     if x.is_cuda:
         from .kernel import experts_fwd_triton
 
-        return experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit)
-    return experts_fwd_cpu(x, ids, weights, w_gate_up, w_down, limit)
+        return experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit, lora=lora)
+    return experts_fwd_cpu(x, ids, weights, w_gate_up, w_down, limit, lora=lora)
 
 
-def experts_fp8_fwd(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None) -> torch.Tensor:
+def experts_fp8_fwd(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None, lora=None) -> torch.Tensor:
     """FP8 experts (``quantize_experts_fp8``'s layout) -> (T, H) fp32 routed sum (unrounded); no checks."""
     if x.is_cuda:
         from .kernel import experts_fwd_fp8_triton
 
-        return experts_fwd_fp8_triton(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit)
-    return experts_fwd_fp8_cpu(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit)
+        return experts_fwd_fp8_triton(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit, lora=lora)
+    return experts_fwd_fp8_cpu(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit, lora=lora)
 
 
-def experts_mxfp4_fwd(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None) -> torch.Tensor:
+def experts_mxfp4_fwd(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None, lora=None) -> torch.Tensor:
     """MXFP4 experts (``quantize_experts_mxfp4``'s layout) -> (T, H) fp32 routed sum: the bits of
     ``experts_fwd`` at the exactly decoded weights, computed packed on CUDA; no checks."""
     if x.is_cuda:
         from .kernel import experts_fwd_mxfp4_triton
 
-        return experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit)
-    return experts_fwd_mxfp4_cpu(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit)
+        return experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit, lora=lora)
+    return experts_fwd_mxfp4_cpu(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit, lora=lora)
 
 
 def _swiglu_bwd(gu: torch.Tensor, da: torch.Tensor, limit: float | None, dtype: torch.dtype) -> torch.Tensor:
@@ -74,53 +75,106 @@ def _swiglu_bwd(gu: torch.Tensor, da: torch.Tensor, limit: float | None, dtype: 
     return torch.cat([dg, du], dim=1)
 
 
-def _experts_bwd(x, ids, weights, w_gate_up, w_down, dy, limit):
-    """(dx, dweights, dW_gate_up, dW_down) fp32 of the routed sum at (bf16/fp32) expert weights;
-    the forward's SwiGLU rows recomputed in fp32 and rounded as the forward rounds them."""
+def _experts_bwd(x, ids, weights, w_gate_up, w_down, dy, limit, lora=None, need_w: bool = True):
+    """(dx, dweights, dW_gate_up, dW_down, LoRA grads) fp32 of the routed sum at (bf16/fp32) expert
+    weights; the forward's SwiGLU rows (and adapter products) recomputed in fp32 and rounded where
+    the forward rounds them, each rounding's gradient the identity.  ``need_w`` False: no base weight
+    grads (frozen experts; at DeepSeek-V4's shapes an fp32 dW stack is 8 GiB).  The LoRA grads:
+    (dA_gu, dB_gu, dA_d, dB_d) or None."""
     T, k = ids.shape
-    dy = dy.float()
-    dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    dw = torch.zeros(T * k, dtype=torch.float32, device=x.device)
-    dgu_w = torch.zeros(w_gate_up.shape, dtype=torch.float32, device=x.device)
-    dd_w = torch.zeros(w_down.shape, dtype=torch.float32, device=x.device)
+    dy, dev = dy.float(), x.device
+    dx = torch.zeros(x.shape, dtype=torch.float32, device=dev)
+    dw = torch.zeros(T * k, dtype=torch.float32, device=dev)
+    dgu_w = torch.zeros(w_gate_up.shape, dtype=torch.float32, device=dev) if need_w else None
+    dd_w = torch.zeros(w_down.shape, dtype=torch.float32, device=dev) if need_w else None
+    dl = None if lora is None else [torch.zeros(t.shape, dtype=torch.float32, device=dev) for t in lora.tensors()]
+    s = None if lora is None else lora.s
     flat, wflat = ids.reshape(-1), weights.reshape(-1).float()
-    rows = torch.arange(T * k, device=x.device)
+    rows = torch.arange(T * k, device=dev)
     for e in torch.unique(flat).tolist():  # the trainer's backward runs eager: a host read is fine
         sel = rows[flat == e]
         tok = sel // k
         xe = x[tok].float()
         wgu, wd = w_gate_up[e].float(), w_down[e].float()
         gu = xe @ wgu.T
+        if lora is not None:
+            a1, b1, a2, b2 = (t[e].float() for t in lora.tensors())
+            t1 = (xe @ a1.T).to(x.dtype).float()
+            gu = gu + s * (t1 @ b1.T)
         a = swiglu_f32(gu, limit, x.dtype).float()  # the forward's bf16 SwiGLU rows
         down = a @ wd.T  # (R, H)
+        if lora is not None:
+            t2 = (a @ a2.T).to(x.dtype).float()
+            down = down + s * (t2 @ b2.T)
         g = dy[tok]
         dw[sel] = (g * down).sum(1)
         d_down = g * wflat[sel, None]
-        dd_w[e] += d_down.T @ a
-        dgu = _swiglu_bwd(gu, d_down @ wd, limit, x.dtype)
-        dgu_w[e] += dgu.T @ xe
-        dx.index_add_(0, tok, dgu @ wgu)
-    return dx, dw.view(T, k), dgu_w, dd_w
+        da = d_down @ wd
+        if need_w:
+            dd_w[e] += d_down.T @ a
+        if lora is not None:
+            dl[3][e] += s * (d_down.T @ t2)
+            dt2 = s * (d_down @ b2)
+            dl[2][e] += dt2.T @ a
+            da = da + dt2 @ a2
+        dgu = _swiglu_bwd(gu, da, limit, x.dtype)
+        if need_w:
+            dgu_w[e] += dgu.T @ xe
+        dxe = dgu @ wgu
+        if lora is not None:
+            dl[1][e] += s * (dgu.T @ t1)
+            dt1 = s * (dgu @ b1)
+            dl[0][e] += dt1.T @ xe
+            dxe = dxe + dt1 @ a1
+        dx.index_add_(0, tok, dxe)  # a token meets an expert once: no two rows of one call add into one row
+    return dx, dw.view(T, k), dgu_w, dd_w, dl
+
+
+def _lora_of(lora_tensors, scale):
+    from .lora import ExpertLoRA
+
+    return None if lora_tensors[0] is None else ExpertLoRA(*lora_tensors, scale)
+
+
+def _lora_grads(lora, dl):
+    return (None,) * 4 if lora is None else tuple(g.to(t.dtype) for g, t in zip(dl, lora.tensors()))
 
 
 class _Experts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ids, weights, w_gate_up, w_down, limit):
-        ctx.save_for_backward(x, ids, weights, w_gate_up, w_down)
-        ctx.limit = limit
-        return experts_fwd(x, ids, weights, w_gate_up, w_down, limit)
+    def forward(ctx, x, ids, weights, w_gate_up, w_down, limit, la, lb, lc, ld, scale):
+        ctx.save_for_backward(x, ids, weights, w_gate_up, w_down, la, lb, lc, ld)
+        ctx.limit, ctx.scale = limit, scale
+        return experts_fwd(x, ids, weights, w_gate_up, w_down, limit, _lora_of((la, lb, lc, ld), scale))
 
     @staticmethod
     def backward(ctx, dy):
-        x, ids, weights, w_gate_up, w_down = ctx.saved_tensors
-        dx, dw, dgu_w, dd_w = _experts_bwd(x, ids, weights, w_gate_up, w_down, dy, ctx.limit)
-        return dx.to(x.dtype), None, dw.to(weights.dtype), dgu_w.to(w_gate_up.dtype), dd_w.to(w_down.dtype), None
+        x, ids, weights, w_gate_up, w_down, *lt = ctx.saved_tensors
+        lora = _lora_of(lt, ctx.scale)
+        need_w = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+        dx, dw, dgu_w, dd_w, dl = _experts_bwd(x, ids, weights, w_gate_up, w_down, dy, ctx.limit, lora, need_w)
+        return (dx.to(x.dtype), None, dw.to(weights.dtype), None if dgu_w is None else dgu_w.to(w_gate_up.dtype),
+                None if dd_w is None else dd_w.to(w_down.dtype), None, *_lora_grads(lora, dl), None)
 
 
 def _check_tokens(x, ids, weights) -> None:
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
     check_tensor("ids", ids, dtypes=(torch.int32, torch.int64), ndim=2)
     check_tensor("weights", weights, dtypes=FLOAT_DTYPES, ndim=2)
+
+
+def _check_lora(lora, E: int, H: int, I: int, x: torch.Tensor) -> None:
+    if lora is not None:
+        from .lora import ExpertLoRA
+
+        if not isinstance(lora, ExpertLoRA):
+            raise TypeError(f"lora must be an ExpertLoRA, got {type(lora).__name__}")
+        lora.check(E, H, I, x.dtype, x.device)
+
+
+def _lora_args(lora) -> tuple:
+    """The autograd Functions' trailing inputs: the four adapter stacks and the scale (Nones without)."""
+    return (None,) * 5 if lora is None else (*lora.tensors(), lora.scale)
 
 
 def _check_routing(ids, weights, T: int, E: int) -> None:
@@ -131,15 +185,16 @@ def _check_routing(ids, weights, T: int, E: int) -> None:
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor, *, limit: float | None = None) -> torch.Tensor:
+                w_down: torch.Tensor, *, limit: float | None = None, lora=None) -> torch.Tensor:
     """The routed experts' sum for each token, in fp32 (round it with the
     shared expert in ``moe_combine``).
 
     x: (T, H) bf16/fp32; ids: (T, k) int32/int64 in [0, E), the slots in the
     router's order; weights: (T, k) (the router's dtype, read as fp32);
     w_gate_up: (E, 2I, H) [gate | up] rows; w_down: (E, H, I); ``limit``:
-    DeepSeek-V4's SwiGLU clamp -> (T, H) fp32.  Differentiable w.r.t. x,
-    weights, w_gate_up and w_down."""
+    DeepSeek-V4's SwiGLU clamp; ``lora``: an ``ExpertLoRA`` (``lora.py``) added
+    inside every expert -> (T, H) fp32.  Differentiable w.r.t. x, weights,
+    w_gate_up, w_down and the adapters."""
     _check_tokens(x, ids, weights)
     check_tensor("w_gate_up", w_gate_up, dtypes=(x.dtype,), ndim=3)
     check_tensor("w_down", w_down, dtypes=(x.dtype,), ndim=3)
@@ -150,7 +205,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
         raise ValueError(f"expert shapes do not fit: x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)} "
                          f"(want (E, 2I, {H})), w_down {tuple(w_down.shape)} (want (E, {H}, I))")
     _check_routing(ids, weights, T, E)
-    return _Experts.apply(x, ids, weights, w_gate_up, w_down, limit)
+    _check_lora(lora, E, H, I2 // 2, x)
+    return _Experts.apply(x, ids, weights, w_gate_up, w_down, limit, *_lora_args(lora))
 
 
 def quantize_experts_fp8(w_gate_up: torch.Tensor, w_down: torch.Tensor):
@@ -208,20 +264,24 @@ class _QuantizedExperts(torch.autograd.Function):
     gradients go to the masters (their dtype), never to the codes."""
 
     @staticmethod
-    def forward(ctx, fmt, x, ids, weights, master_gu, master_d, gu_codes, gu_scale, d_codes, d_scale, limit):
-        ctx.save_for_backward(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale)
-        ctx.fmt, ctx.limit = fmt, limit
+    def forward(ctx, fmt, x, ids, weights, master_gu, master_d, gu_codes, gu_scale, d_codes, d_scale, limit,
+                la, lb, lc, ld, scale):
+        ctx.save_for_backward(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, la, lb, lc, ld)
+        ctx.fmt, ctx.limit, ctx.scale = fmt, limit, scale
         ctx.master_dtypes = (None if master_gu is None else master_gu.dtype, None if master_d is None else master_d.dtype)
-        return _FORMATS[fmt][0](x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit)
+        lora = _lora_of((la, lb, lc, ld), scale)
+        return _FORMATS[fmt][0](x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit, lora)
 
     @staticmethod
     def backward(ctx, dy):
-        x, ids, weights, gu_codes, gu_scale, d_codes, d_scale = ctx.saved_tensors
+        x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, *lt = ctx.saved_tensors
+        lora = _lora_of(lt, ctx.scale)
         w_gu, w_d = _FORMATS[ctx.fmt][1](gu_codes, gu_scale, d_codes, d_scale, x.dtype)
-        dx, dw, dgu_w, dd_w = _experts_bwd(x, ids, weights, w_gu, w_d, dy, ctx.limit)
         gu_dt, d_dt = ctx.master_dtypes
+        need_w = gu_dt is not None or d_dt is not None
+        dx, dw, dgu_w, dd_w, dl = _experts_bwd(x, ids, weights, w_gu, w_d, dy, ctx.limit, lora, need_w)
         return (None, dx.to(x.dtype), None, dw.to(weights.dtype), None if gu_dt is None else dgu_w.to(gu_dt),
-                None if d_dt is None else dd_w.to(d_dt), None, None, None, None, None)
+                None if d_dt is None else dd_w.to(d_dt), None, None, None, None, None, *_lora_grads(lora, dl), None)
 
 
 def _check_masters(master_gate_up, master_down, E: int, I: int, H: int) -> None:
@@ -233,7 +293,7 @@ def _check_masters(master_gate_up, master_down, E: int, I: int, H: int) -> None:
 def moe_experts_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gu_codes: torch.Tensor,
                     gu_scale: torch.Tensor, d_codes: torch.Tensor, d_scale: torch.Tensor, *,
                     master_gate_up: torch.Tensor | None = None, master_down: torch.Tensor | None = None,
-                    limit: float | None = None) -> torch.Tensor:
+                    limit: float | None = None, lora=None) -> torch.Tensor:
     """``moe_experts`` on FP8 experts (GLM-5): the routed sum in fp32.
 
     gu_codes / gu_scale / d_codes / d_scale: ``quantize_experts_fp8``'s layout (the codes the
@@ -261,14 +321,15 @@ def moe_experts_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
                          f"then up's), d_scale {tuple(d_scale.shape)} (want {want_d})")
     _check_masters(master_gate_up, master_down, E, I, H)
     _check_routing(ids, weights, T, E)
+    _check_lora(lora, E, H, I, x)
     return _QuantizedExperts.apply("fp8", x, ids, weights, master_gate_up, master_down, gu_codes, gu_scale, d_codes,
-                                   d_scale, limit)
+                                   d_scale, limit, *_lora_args(lora))
 
 
 def moe_experts_mxfp4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gu_codes: torch.Tensor,
                       gu_scales: torch.Tensor, d_codes: torch.Tensor, d_scales: torch.Tensor, *,
                       master_gate_up: torch.Tensor | None = None, master_down: torch.Tensor | None = None,
-                      limit: float | None = None) -> torch.Tensor:
+                      limit: float | None = None, lora=None) -> torch.Tensor:
     """``moe_experts`` on MXFP4 experts (DeepSeek-V4, ``quantize_experts_mxfp4``'s layout): the
     routed sum in fp32, the bits of ``moe_experts`` at the exactly decoded weights (computed
     packed on CUDA).  The backward decodes the weights (to x.dtype); masters, when given, get
@@ -297,8 +358,9 @@ def moe_experts_mxfp4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     _check_masters(master_gate_up, master_down, E, I, H)
     _check_routing(ids, weights, T, E)
     gu_scales, d_scales = (s.view(torch.uint8) for s in (gu_scales, d_scales))
+    _check_lora(lora, E, H, I, x)
     return _QuantizedExperts.apply("mxfp4", x, ids, weights, master_gate_up, master_down, gu_codes, gu_scales,
-                                   d_codes, d_scales, limit)
+                                   d_codes, d_scales, limit, *_lora_args(lora))
 
 
 def moe_combine(parts, dtype: torch.dtype) -> torch.Tensor:
