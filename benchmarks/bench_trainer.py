@@ -5,10 +5,12 @@ later token is scored):
 
   aligned       ``trainer.logprobs(seqs, [1] * n)`` (packed, temperature 1, no transforms),
                 ``-sum(log-probs).backward()``;
-  hf            ``Qwen3ForCausalLM`` (sdpa attention, eager, bf16) on the same weights, the equal-length
+  hf            transformers' class of the model (``Qwen3ForCausalLM``, ``Qwen3_5MoeForCausalLM`` with its
+                torch Gated DeltaNet where fla is not installed; sdpa attention, eager, bf16) on the same weights, the equal-length
                 sequences as one (n, len) batch: ``log_softmax(logits.float())`` gathered at the next
                 tokens, the same loss and backward: what a plain transformers RL trainer computes;
-  hf+liger      the same model after ``apply_liger_kernel_to_qwen3`` (its RMSNorm, SwiGLU and RoPE
+  hf+liger      the same model after ``apply_liger_kernel_to_qwen3`` (or the model's; a row that says so
+                where Liger has none) (its RMSNorm, SwiGLU and RoPE
                 kernels, and its fused linear cross-entropy: ``model(ids, labels=ids).loss`` times the
                 token count, which never holds the logits; the gradient of the same sum).
 
@@ -20,6 +22,7 @@ steps (compiles, cuBLAS heuristics), then the median of ``--steps`` timed ones.
 
     python benchmarks/bench_trainer.py                                  # CPU smoke run, tiny preset
     python benchmarks/bench_trainer.py --device cuda --config qwen3-0.6b --seqs 8 --len 2048 --profile DIR
+    python benchmarks/bench_trainer.py --device cuda --config qwen35_gdn/qwen3.5-35b-a3b-4l --seqs 2 --len 2048
 
 ``--profile DIR`` writes DIR/trainer_profile_<config>.md: the aligned step under torch.profiler,
 its GPU time by op (forward and backward kernels), and the host time of the step.
@@ -82,15 +85,28 @@ def make_tokens(vocab: int, seqs: int, length: int, seed: int = 0) -> torch.Tens
     return torch.randint(0, vocab, (seqs, length), generator=g)
 
 
-def build_aligned(config: str, device: torch.device, length: int, num_layers: int | None = None):
-    from alignzoo.models.qwen3 import build_trainer, resolve_config
+def split_config(config: str) -> tuple[str, str]:
+    """"qwen35_gdn/qwen3.5-35b-a3b-4l" -> (model, preset); a bare preset is qwen3's."""
+    model, _, preset = config.rpartition("/")
+    return model or "qwen3", preset
 
-    cfg = resolve_config(config=config)
+
+def _spec(model: str):
+    from alignzoo.models import model_module
+
+    return model_module(model).SPEC
+
+
+def build_aligned(config: str, device: torch.device, length: int, num_layers: int | None = None):
+    from alignzoo.models import loading
+
+    spec = _spec(split_config(config)[0])
+    cfg = loading.resolve_config(spec, None, split_config(config)[1])
     changes = {"max_position": max(cfg.max_position, length)}
     if num_layers:
         changes["num_layers"] = num_layers
     cfg = cfg.replace(**changes)
-    return build_trainer(cfg, device=device, dtype=torch.bfloat16, seed=0), cfg
+    return loading.build_trainer(spec, cfg, device=device, dtype=torch.bfloat16, seed=0), cfg
 
 
 def aligned_step(trainer, tokens: torch.Tensor):
@@ -110,32 +126,40 @@ def aligned_logprobs(trainer, tokens: torch.Tensor) -> torch.Tensor:
         return torch.stack(trainer.logprobs(list(tokens), [1] * tokens.shape[0])).float().cpu()
 
 
-def hf_state(trainer, cfg) -> dict[str, torch.Tensor]:
-    """Our weights named as ``Qwen3ForCausalLM``'s, copied to the host (the trainer can then go)."""
-    from alignzoo.models.qwen3 import SPEC
-
+def hf_state(trainer, cfg, model: str = "qwen3") -> dict[str, torch.Tensor]:
+    """Our weights named as transformers' model's, copied to the host (the trainer can then go)."""
     tensors = {n: p.detach() for n, p in trainer.named_parameters()}
-    return {k: v.to("cpu", copy=True) for k, v in SPEC.to_hf(tensors, cfg).items()}
+    return {k: v.to("cpu", copy=True) for k, v in _spec(model).to_hf(tensors, cfg).items()}
 
 
 def build_hf(cfg, state: dict[str, torch.Tensor], device: torch.device, liger: bool):
+    """transformers' class of the checkpoint config (``cfg.to_hf()``'s architecture: Qwen3ForCausalLM,
+    Qwen3_5MoeForCausalLM, ...), sdpa attention, bf16, our weights; ``liger``: Liger's
+    ``apply_liger_kernel_to_<model_type>`` on it (an ImportError where Liger has none)."""
     import transformers
 
-    hf_cfg = transformers.Qwen3Config(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"})
+    hf = cfg.to_hf()
+    arch = hf["architectures"][0]
+    hf_cfg = transformers.AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items()
+                                                                    if k not in ("architectures", "model_type")})
     hf_cfg._attn_implementation = "sdpa"
     with torch.device(device):
-        model = transformers.Qwen3ForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16)
+        model = getattr(transformers, arch)._from_config(hf_cfg, dtype=torch.bfloat16)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    missing = [k for k in missing if not (getattr(cfg, "tie_word_embeddings", False) and k == "lm_head.weight")]
     if missing or unexpected:
-        raise RuntimeError(f"transformers' Qwen3 did not take our weights: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    if cfg.tie_word_embeddings:
+        raise RuntimeError(f"transformers' {arch} did not take our weights: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]}")
+    if getattr(cfg, "tie_word_embeddings", False):
         model.tie_weights()
     model.train()
     if liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+        import liger_kernel.transformers as lk
 
-        apply_liger_kernel_to_qwen3(model=model)
+        name = "apply_liger_kernel_to_" + hf["model_type"].removesuffix("_text")
+        if not hasattr(lk, name):
+            raise ImportError(f"liger_kernel {getattr(lk, '__version__', '')} has no {name}".replace("  ", " "))
+        getattr(lk, name)(model=model)
     return model
 
 
@@ -214,9 +238,9 @@ def measure(config: str, device: torch.device, seqs: int, length: int, *, sides=
         emit(rows[-1])
         print(json.dumps(rows[-1]), flush=True)
         if profile_dir:
-            profile_aligned(step, device, os.path.join(profile_dir, f"trainer_profile_{config}.md"),
+            profile_aligned(step, device, os.path.join(profile_dir, f"trainer_profile_{config.replace('/', '-')}.md"),
                             f"Aligned trainer profile: {config}, {seqs} x {length} tokens, {cfg.num_layers} layers")
-    state = hf_state(trainer, cfg) if any(s != "aligned" for s in sides) else None
+    state = hf_state(trainer, cfg, split_config(config)[0]) if any(s != "aligned" for s in sides) else None
     del trainer
     gc.collect()
     if device.type == "cuda":
@@ -274,7 +298,8 @@ def _groups(rows):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--config", default=None, help="qwen3 preset (default: tiny on cpu, qwen3-0.6b on cuda)")
+    ap.add_argument("--config", default=None, help="[MODEL/]PRESET: a qwen3 preset, or another model's as "
+                    "qwen35_gdn/qwen3.5-35b-a3b-4l (default: tiny on cpu, qwen3-0.6b on cuda)")
     ap.add_argument("--seqs", type=int, default=None, help="sequences (default 8; cpu 2)")
     ap.add_argument("--len", type=int, default=None, help="tokens per sequence (default 2048; cpu 64)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the preset")

@@ -208,7 +208,8 @@ def _render_trainer(results: dict) -> list[str]:
     from bench_trainer import render as trainer_table
 
     return ["## Trainer: forward + backward of chosen-token log-probs", "",
-            "Packed aligned trainer against transformers' `Qwen3ForCausalLM` (sdpa, eager, bf16) on the same "
+            "Packed aligned trainer against transformers' class of the model (`Qwen3ForCausalLM`, "
+            "`Qwen3_5MoeForCausalLM`; sdpa, eager, bf16) on the same "
             "weights and tokens, and the same with Liger's kernels (`benchmarks/bench_trainer.py` says what each "
             f"side computes). Target: aligned >= {TRAINER_TARGET:.2f}x hf, peak memory no higher.", "",
             trainer_table(rows), ""]
@@ -390,12 +391,13 @@ def step_trainer(args, emit, shape: str) -> None:
 
 
 def parse_trainer_shape(shape: str) -> tuple[str, int, int]:
-    """"qwen3-0.6b:8x2048" -> ("qwen3-0.6b", 8, 2048)."""
+    """"qwen3-0.6b:8x2048" -> ("qwen3-0.6b", 8, 2048); another model's preset as "qwen35_gdn/tiny:2x64"."""
     try:
         config, dims = shape.split(":")
         seqs, length = (int(v) for v in dims.split("x"))
     except ValueError:
-        raise ValueError(f"--trainer-shapes: {shape!r} is not PRESET:SEQSxLEN (e.g. qwen3-0.6b:8x2048)") from None
+        raise ValueError(f"--trainer-shapes: {shape!r} is not [MODEL/]PRESET:SEQSxLEN (e.g. qwen3-0.6b:8x2048, "
+                         f"qwen35_gdn/qwen3.5-35b-a3b-4l:2x2048)") from None
     return config, seqs, length
 
 
@@ -643,7 +645,8 @@ class Suite:
                 self.step(name, lambda: self.each([(op, "kernels-" + op, ["--step", "kernels", "--op", op])
                                                    for op in a.ops], a.op_s))
             elif name == "trainer":
-                self.step(name, lambda: self.each([(sh, "trainer-" + sh.replace(":", "-"), ["--step", "trainer", "--task", sh])
+                self.step(name, lambda: self.each([(sh, "trainer-" + sh.replace(":", "-").replace("/", "-"),
+                                                    ["--step", "trainer", "--task", sh])
                                                    for sh in a.trainer_shapes], a.trainer_s))
         print(f"done in {time.monotonic() - self.t0:.0f}s: {os.path.join(a.out, 'PERFORMANCE.md')}"
               + (f" and {a.doc}" if a.doc else ""), flush=True)
@@ -696,7 +699,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--cuda-graphs", choices=("on", "off"), default=None, help="decode graphs (default on; cpu: off)")
     g = ap.add_argument_group("trainer")
     g.add_argument("--trainer-shapes", default=None,
-                   help="PRESET:SEQSxLEN,... (default qwen3-0.6b:8x2048,qwen3-8b:2x2048; cpu: tiny:2x64)")
+                   help="[MODEL/]PRESET:SEQSxLEN,... (default qwen3-0.6b:8x2048,qwen3-8b:2x2048,"
+                        "qwen35_gdn/qwen3.5-35b-a3b-4l:2x2048; cpu: tiny:2x64)")
     g = ap.add_argument_group("time limits (seconds; each also capped by what is left of --budget-s)")
     g.add_argument("--warm-s", type=float, default=200)
     g.add_argument("--warm-jobs", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
@@ -711,7 +715,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     cpu = args.device == "cpu"
     for name, gpu, smoke in (("config", "qwen3-8b", "tiny"), ("batches", "1,8,64,256", "1,2"), ("prompt", 512, 16),
                              ("new", 256, 8), ("cuda_graphs", "on", "off"),
-                             ("trainer_shapes", "qwen3-0.6b:8x2048,qwen3-8b:2x2048", "tiny:2x64")):
+                             ("trainer_shapes", "qwen3-0.6b:8x2048,qwen3-8b:2x2048,qwen35_gdn/qwen3.5-35b-a3b-4l:2x2048", "tiny:2x64")):
         if getattr(args, name) is None:
             setattr(args, name, smoke if cpu else gpu)
     if args.check_length is None:

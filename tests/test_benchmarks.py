@@ -163,6 +163,23 @@ def test_matmul_rows_cover_the_mid_m_values_and_warm_them():
         bp.MS = old
 
 
+def test_trainer_rows_of_another_model_on_cpu():
+    """bench_trainer on ``qwen35_gdn/tiny``: transformers' Qwen3_5MoeForCausalLM takes our weights
+    through the model's name map and scores the same tokens to bf16 rounding; a missing Liger is a row."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_trainer
+
+    assert bench_trainer.split_config("qwen35_gdn/tiny") == ("qwen35_gdn", "tiny")
+    assert bench_trainer.split_config("qwen3-0.6b") == ("qwen3", "qwen3-0.6b")
+    pytest.importorskip("transformers")
+    rows = bench_trainer.measure("qwen35_gdn/tiny", torch.device("cpu"), 2, 24, sides=("aligned", "hf"), warm=0,
+                                 steps=1)
+    by = {r["side"]: r for r in rows}
+    assert by["aligned"]["tokens"] == 48 and 0 < by["hf"]["max_abs_logprob_vs_aligned"] < 0.05
+    assert run_suite.parse_trainer_shape("qwen35_gdn/qwen3.5-35b-a3b-4l:2x2048") == (
+        "qwen35_gdn/qwen3.5-35b-a3b-4l", 2, 2048)
+
+
 def test_trainer_step_smoke_on_cpu(tmp_path):
     """run_suite's trainer step (benchmarks/bench_trainer.py) end to end on the
     tiny preset: the aligned trainer and transformers' Qwen3 on our weights
