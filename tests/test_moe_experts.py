@@ -604,3 +604,34 @@ print("ok")
 
 def test_lora_in_experts_triton_kernels_interpreted():
     run_interpreted(_INTERPRETED_LORA, expect="ok")
+
+
+def test_fp8_experts_cache_requantizes_once_per_optimizer_step():
+    """FP32 expert masters: the codes are made once and reused until a step changes a master; the
+    straight-through gradients reach the masters; a write through .data is seen after invalidate()."""
+    from alignzoo.common.moe.op import Fp8ExpertsCache, quantize_experts_fp8
+
+    x, ids, w, w_gu, w_d = make_experts(30, 200, 136, 5, 2, device="cpu", seed=8)
+    mgu, md = torch.nn.Parameter(w_gu.float()), torch.nn.Parameter(w_d.float())
+    cache = Fp8ExpertsCache(mgu, md)
+    opt = torch.optim.SGD([mgu, md], lr=1e-2)
+    for step in range(2):
+        y1 = cache.experts(x, ids, w)
+        y2 = cache.experts(x, ids, w)
+        assert bitwise_equal(y1, y2) and cache.quantizations == step + 1
+        want = quantize_experts_fp8(mgu.detach(), md.detach())
+        assert all(bitwise_equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                                 b.view(torch.uint8) if b.dtype != torch.float32 else b)
+                   for a, b in zip(cache.get(), want))
+        y1.sum().backward()
+        assert mgu.grad is not None and md.grad.abs().sum() > 0
+        opt.step()
+        opt.zero_grad()
+    cache.get()
+    assert cache.quantizations == 3  # the last step's
+    mgu.data.mul_(2)  # a write through .data: invisible to the version counter
+    cache.get()
+    assert cache.quantizations == 3
+    cache.invalidate()
+    cache.get()
+    assert cache.quantizations == 4

@@ -3,6 +3,7 @@ batch-invariant FP8 block-scaled GEMM with a straight-through backward."""
 from .naive import e4m3_round_ref, fp8_linear_ref, fp8_matmul_ref
 from .op import (
     Fp8WeightCache,
+    QuantizedCache,
     dequantize_weight_fp8,
     fp8_linear,
     fp8_matmul,
@@ -22,6 +23,7 @@ __all__ = [
     "fp8_matmul_fwd",
     "fp8_matmul_bwd",
     "Fp8WeightCache",
+    "QuantizedCache",
     "fp8_matmul_ref",
     "fp8_linear_ref",
     "e4m3_round_ref",

@@ -143,18 +143,41 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.view(*x.shape), scales.view(*x.shape[:-1], scales.shape[-1])
 
 
-class Fp8WeightCache:
-    """The FP8 serving copy of one master weight, requantized only when the master changed.
+class QuantizedCache:
+    """A quantized copy of master tensors, remade only when a master changed: ``get()`` returns
+    ``quantize(*masters)`` and requantizes iff some master's ``_version`` (bumped by every in-place
+    op: optimizer steps, ``copy_``, ``load_state_dict``) or storage pointer differs from the last
+    time.  So the trainer's forwards, the server and the weight sync all read the same bytes until
+    the next step.  Writes that bypass the version counter are invisible: through ``.data``, and —
+    measured on torch 2.13 — ``torch.optim`` with ``fused=True``, whose kernels leave ``_version``
+    alone.  For those call ``invalidate()``, or ``invalidate_after(optimizer)`` once to do it after
+    every step."""
 
-    ``get()`` returns (codes, scale_inv) and requantizes iff ``master._version``
-    (bumped by every in-place op: optimizer steps, ``copy_``, ``load_state_dict``)
-    or its storage pointer differs from the last quantization.  So the trainer's
-    forwards, the server and the weight sync all read the same bytes until the
-    next step.  Writes that bypass the version counter are invisible: through
-    ``.data``, and — measured on torch 2.13 — ``torch.optim`` with
-    ``fused=True``, whose kernels leave ``_version`` alone.  For those call
-    ``invalidate()``, or ``invalidate_after(optimizer)`` once to do it after
-    every step.
+    def __init__(self, masters: tuple[torch.Tensor, ...], quantize):
+        self.masters, self._quantize = masters, quantize
+        self.quantizations = 0  # how many times get() has requantized
+        self._key: tuple | None = None
+        self._value: tuple | None = None
+
+    def get(self) -> tuple:
+        key = tuple((m._version, m.data_ptr()) for m in self.masters)
+        if key != self._key:
+            self._value = self._quantize(*(m.detach() for m in self.masters))
+            self._key = key
+            self.quantizations += 1
+        return self._value
+
+    def invalidate(self) -> None:
+        self._key = None
+
+    def invalidate_after(self, optimizer: torch.optim.Optimizer):
+        """Invalidate after every ``optimizer.step()``; returns the hook handle."""
+        return optimizer.register_step_post_hook(lambda *_: self.invalidate())
+
+
+class Fp8WeightCache(QuantizedCache):
+    """The FP8 serving copy of one master weight (``QuantizedCache`` of ``quantize_weight``):
+    ``get()`` -> (codes, scale_inv), requantized only when the master changed.
 
         cache = Fp8WeightCache(layer.weight)   # an fp32 nn.Parameter (N, K)
         y = cache.linear(x)                    # fp8_linear(x, master, *cache.get())
@@ -163,26 +186,8 @@ class Fp8WeightCache:
 
     def __init__(self, master: torch.Tensor):
         check_tensor("master", master, dtypes=FLOAT_DTYPES, ndim=2, contiguous=False)
+        super().__init__((master,), quantize_weight)
         self.master = master
-        self.quantizations = 0  # how many times get() has requantized
-        self._key: tuple[int, int] | None = None
-        self._codes: torch.Tensor | None = None
-        self._scale_inv: torch.Tensor | None = None
-
-    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (self.master._version, self.master.data_ptr())
-        if key != self._key:
-            self._codes, self._scale_inv = quantize_weight(self.master.detach())
-            self._key = key
-            self.quantizations += 1
-        return self._codes, self._scale_inv
-
-    def invalidate(self) -> None:
-        self._key = None
-
-    def invalidate_after(self, optimizer: torch.optim.Optimizer):
-        """Invalidate after every ``optimizer.step()``; returns the hook handle."""
-        return optimizer.register_step_post_hook(lambda *_: self.invalidate())
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.master, *self.get())

@@ -5,6 +5,7 @@ the CPU) in bf16, FP8 (GLM-5) and MXFP4 (DeepSeek-V4, computed packed), the
 combine of routed and shared parts, and router replay."""
 from .naive import experts_fp8_ref, experts_ref
 from .op import (
+    Fp8ExpertsCache,
     dequantize_experts_fp8,
     dequantize_experts_mxfp4,
     experts_fp8_fwd,
@@ -37,6 +38,7 @@ from .router_naive import hash_route_ref, router_weights_ref, sigmoid_topk_ref, 
 __all__ = [
     "EXPERT_SHAPES",
     "ExpertShape",
+    "Fp8ExpertsCache",
     "dequantize_experts_fp8",
     "dequantize_experts_mxfp4",
     "experts_fp8_fwd",

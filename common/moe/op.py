@@ -228,6 +228,43 @@ def quantize_experts_fp8(w_gate_up: torch.Tensor, w_down: torch.Tensor):
     return gu_codes, gu_scale, torch.stack([c for c, _ in d]), torch.stack([s for _, s in d])
 
 
+class Fp8ExpertsCache:
+    """The FP8 serving copy of an expert layer's masters (``quantize_experts_fp8`` of both stacks),
+    remade once per optimizer step, as ``Fp8WeightCache`` is for a dense weight: the trainer's
+    forwards, the server and the weight sync read the same codes until a master changes.
+
+        cache = Fp8ExpertsCache(layer.gate_up, layer.down)   # fp32 nn.Parameters (E, 2I, H), (E, H, I)
+        y = cache.experts(x, ids, weights)                   # moe_experts_fp8 with the masters
+    """
+
+    def __init__(self, master_gate_up: torch.Tensor, master_down: torch.Tensor):
+        from ..fp8.op import QuantizedCache
+
+        check_tensor("master_gate_up", master_gate_up, dtypes=FLOAT_DTYPES, ndim=3, contiguous=False)
+        check_tensor("master_down", master_down, dtypes=FLOAT_DTYPES, ndim=3, contiguous=False)
+        self.master_gate_up, self.master_down = master_gate_up, master_down
+        self._cache = QuantizedCache((master_gate_up, master_down), quantize_experts_fp8)
+
+    @property
+    def quantizations(self) -> int:
+        return self._cache.quantizations
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gu_codes, gu_scale, d_codes, d_scale): what the server reads."""
+        return self._cache.get()
+
+    def invalidate(self) -> None:
+        self._cache.invalidate()
+
+    def invalidate_after(self, optimizer: torch.optim.Optimizer):
+        return self._cache.invalidate_after(optimizer)
+
+    def experts(self, x, ids, weights, *, limit=None, lora=None) -> torch.Tensor:
+        gate_up, down = (m if m.requires_grad else None for m in (self.master_gate_up, self.master_down))
+        return moe_experts_fp8(x, ids, weights, *self.get(), master_gate_up=gate_up, master_down=down, limit=limit,
+                               lora=lora)
+
+
 def dequantize_experts_fp8(gu_codes, gu_scale, d_codes, d_scale, dtype=torch.float32):
     """``quantize_experts_fp8``'s layout -> (w_gate_up (E, 2I, H), w_down (E, H, I)) in dtype,
     each element dtype(fl32(code * scale))."""
