@@ -16,19 +16,23 @@ from alignzoo.common.moe.naive import experts_ref
 from alignzoo.common.moe.op import experts_fwd, moe_combine, moe_experts
 
 
-def _alone_vs_batches(device, T, H, I, E, k, sizes, skew, limit=None, seed=0):
+def _alone_vs_batches(device, T, H, I, E, k, sizes, skew, limit=None, seed=0, fp8=False):
+    """The same tokens alone, in random subsets of ``sizes`` and one by one: the full batch's bits
+    (bf16 experts, or with ``fp8`` the same weights as FP8 experts)."""
+    from alignzoo.common.moe.op import experts_fp8_fwd, quantize_experts_fp8
+
     x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device=device, skew=skew, seed=seed)
     if limit is not None:
         x = x * 4  # gate/up values past the clamp
-    full = experts_fwd(x, ids, w, w_gu, w_d, limit)
+    fwd, weights = (experts_fp8_fwd, quantize_experts_fp8(w_gu, w_d)) if fp8 else (experts_fwd, (w_gu, w_d))
+    full = fwd(x, ids, w, *weights, limit)
     g = torch.Generator().manual_seed(seed + 1)
     for n in sizes:
         idx = torch.randperm(T, generator=g)[:n].to(device)
-        got = experts_fwd(x[idx], ids[idx], w[idx], w_gu, w_d, limit)
+        got = fwd(x[idx], ids[idx], w[idx], *weights, limit)
         assert bitwise_equal(got, full[idx]), (n, skew)
-    one = experts_fwd(x[5:6], ids[5:6], w[5:6], w_gu, w_d, limit)
+    one = fwd(x[5:6], ids[5:6], w[5:6], *weights, limit)
     assert bitwise_equal(one, full[5:6])
-    return x, ids, w, w_gu, w_d, full
 
 
 @pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
@@ -192,18 +196,6 @@ def _fp8_experts(T, H, I, E, k, *, device, dtype=torch.bfloat16, skew=False, see
     return x, ids, w, w_gu, w_d, quantize_experts_fp8(w_gu, w_d)
 
 
-def _fp8_alone_vs_batches(device, T, H, I, E, k, sizes, skew, limit=None):
-    from alignzoo.common.moe.op import experts_fp8_fwd
-
-    x, ids, w, _, _, q = _fp8_experts(T, H, I, E, k, device=device, skew=skew)
-    full = experts_fp8_fwd(x, ids, w, *q, limit)
-    g = torch.Generator().manual_seed(1)
-    for n in sizes:
-        idx = torch.randperm(T, generator=g)[:n].to(device)
-        assert bitwise_equal(experts_fp8_fwd(x[idx], ids[idx], w[idx], *q, limit), full[idx]), (n, skew)
-    return x, ids, w, q, full
-
-
 def test_fp8_expert_layout_is_each_checkpoint_matrix_quantized_alone():
     """gate, up and down of every expert as ``quantize_weight_fp8`` makes them (an FP8 checkpoint's
     gate_proj / up_proj / down_proj ``weight`` and ``weight_scale_inv``), at I = 40: one 128-row block
@@ -227,14 +219,14 @@ def test_fp8_expert_layout_is_each_checkpoint_matrix_quantized_alone():
 @pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
 @pytest.mark.parametrize("limit", [None, 1.0], ids=["plain", "clamp"])
 def test_fp8_cpu_rows_do_not_depend_on_the_batch(skew, limit):
-    _fp8_alone_vs_batches(torch.device("cpu"), 300, 200, 136, 9, 3, (1, 2, 17, 64, 299), skew, limit)
+    _alone_vs_batches(torch.device("cpu"), 300, 200, 136, 9, 3, (1, 2, 17, 64, 299), skew, limit, fp8=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
 def test_fp8_gpu_rows_do_not_depend_on_the_batch(skew):
     """GLM-5's expert shapes (hidden 6144, width 2048, top-8), 16 of its 256 experts."""
-    _fp8_alone_vs_batches(torch.device("cuda"), 2048, 6144, 2048, 16, 8, (1, 2, 7, 64, 300, 1000), skew)
+    _alone_vs_batches(torch.device("cuda"), 2048, 6144, 2048, 16, 8, (1, 2, 7, 64, 300, 1000), skew, fp8=True)
 
 
 @pytest.mark.gpu

@@ -51,14 +51,12 @@ def _with_lora(base: torch.Tensor, lora, which: int, e: int, inp: torch.Tensor) 
     return base + lora_delta_cpu(inp, a[e], b[e], lora.s)
 
 
-def experts_fwd_cpu(x, ids, weights, w_gate_up, w_down, limit=None, keep: bool = False, lora=None):
+def experts_fwd_cpu(x, ids, weights, w_gate_up, w_down, limit=None, lora=None):
     """x: (T, H); ids: (T, k) int; weights: (T, k) (any float dtype: read as
     fp32); w_gate_up: (E, 2I, H); w_down: (E, H, I) -> (T, H) fp32 routed sum
-    (unrounded: the caller rounds it, alone or with a shared expert).
-
-    ``keep``: also return (a (T, k, I), c (T, k, H) fp32) for the backward."""
-    return _experts_rows(x, ids, weights, w_gate_up.__getitem__, w_down.__getitem__, w_down.shape[2], limit, keep,
-                         lora)
+    (unrounded: the caller rounds it, alone or with a shared expert)."""
+    return _experts_rows(x, ids, weights, lambda e, xe: fixed_order_dot(xe, w_gate_up[e]),
+                         lambda e, ae: fixed_order_dot(ae, w_down[e]), w_down.shape[2], limit, lora)
 
 
 def experts_fwd_mxfp4_cpu(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None, lora=None):
@@ -66,28 +64,10 @@ def experts_fwd_mxfp4_cpu(x, ids, weights, gu_codes, gu_scales, d_codes, d_scale
     exactly decoded weights (in x.dtype), each expert decoded when a token uses it."""
     from .mxfp4 import dequantize_mxfp4
 
-    return _experts_rows(x, ids, weights, lambda e: dequantize_mxfp4(gu_codes[e], gu_scales[e], x.dtype),
-                         lambda e: dequantize_mxfp4(d_codes[e], d_scales[e], x.dtype), d_codes.shape[2] * 2, limit,
-                         lora=lora)
-
-
-def _experts_rows(x, ids, weights, gu_of, d_of, I: int, limit, keep: bool = False, lora=None):
-    """The rounding points above, expert e's weights from ``gu_of(e)`` (2I, H) and ``d_of(e)`` (H, I)."""
-    T, k = ids.shape
-    H = x.shape[1]
-    flat = ids.reshape(-1)
-    a = torch.empty(T * k, I, dtype=x.dtype)
-    c = torch.empty(T * k, H, dtype=torch.float32)
-    w = weights.reshape(-1).float()
-    rows = torch.arange(T * k)
-    for e in torch.unique(flat).tolist():  # CPU path: host loops are fine here
-        sel = rows[flat == e]
-        xe = x[sel // k]
-        ae = swiglu_f32(_with_lora(fixed_order_dot(xe, gu_of(e)), lora, 0, e, xe), limit, x.dtype)
-        a[sel] = ae
-        c[sel] = _with_lora(fixed_order_dot(ae, d_of(e)), lora, 1, e, ae) * w[sel, None]
-    y = slot_sum(c.view(T, k, H))
-    return (y, a.view(T, k, I), c.view(T, k, H)) if keep else y
+    return _experts_rows(x, ids, weights,
+                         lambda e, xe: fixed_order_dot(xe, dequantize_mxfp4(gu_codes[e], gu_scales[e], x.dtype)),
+                         lambda e, ae: fixed_order_dot(ae, dequantize_mxfp4(d_codes[e], d_scales[e], x.dtype)),
+                         d_codes.shape[2] * 2, limit, lora)
 
 
 def experts_fwd_fp8_cpu(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None, lora=None):
@@ -98,26 +78,34 @@ def experts_fwd_fp8_cpu(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, l
     the end): x is quantized per token in 1x128 groups (``quantize_act``), gate and up run
     as their own weights (their own 128-row blocks, as the checkpoint stores them), and a =
     bf16(SwiGLU) is quantized per row the same way before the down projection.  Every step
-    is row-local, so a row's bits cannot depend on the batch."""
-    T, k = ids.shape
-    H, I = x.shape[1], d_codes.shape[2]
+    is row-local, so a row's bits cannot depend on the batch (nor on which rows are quantized
+    together: each expert's rows are quantized where they meet it)."""
+    I = d_codes.shape[2]
     nbi = cdiv(I, BLOCK)
+
+    def gate_up(e, xe):
+        xq, xs = quantize_act(xe)
+        return torch.cat([fp8_gemm_cpu(xq, xs, gu_codes[e, :I], gu_scale[e, :nbi], torch.float32),
+                          fp8_gemm_cpu(xq, xs, gu_codes[e, I:], gu_scale[e, nbi:], torch.float32)], 1)
+
+    def down(e, ae):
+        return fp8_gemm_cpu(*quantize_act(ae), d_codes[e], d_scale[e], torch.float32)
+
+    return _experts_rows(x, ids, weights, gate_up, down, I, limit, lora)
+
+
+def _experts_rows(x, ids, weights, gate_up, down, I: int, limit, lora=None):
+    """The rounding points above for every format: ``gate_up(e, x rows)`` -> (R, 2I) fp32 and
+    ``down(e, a rows)`` -> (R, H) fp32 are expert e's base dots, the adapter's terms added to each."""
+    T, k = ids.shape
+    H = x.shape[1]
     flat = ids.reshape(-1)
-    rows = torch.arange(T * k)
-    xq, xs = quantize_act(x)
-    a = torch.empty(T * k, I, dtype=x.dtype)
-    experts = torch.unique(flat).tolist()
-    for e in experts:  # CPU path: host loops are fine here
-        sel = rows[flat == e]
-        tq, ts = xq[sel // k], xs[sel // k]
-        g = fp8_gemm_cpu(tq, ts, gu_codes[e, :I], gu_scale[e, :nbi], torch.float32)
-        u = fp8_gemm_cpu(tq, ts, gu_codes[e, I:], gu_scale[e, nbi:], torch.float32)
-        a[sel] = swiglu_f32(_with_lora(torch.cat([g, u], 1), lora, 0, e, x[sel // k]), limit, x.dtype)
-    aq, as_ = quantize_act(a)
     c = torch.empty(T * k, H, dtype=torch.float32)
     w = weights.reshape(-1).float()
-    for e in experts:
+    rows = torch.arange(T * k)
+    for e in torch.unique(flat).tolist():  # CPU path: host loops are fine here
         sel = rows[flat == e]
-        c[sel] = _with_lora(fp8_gemm_cpu(aq[sel], as_[sel], d_codes[e], d_scale[e], torch.float32), lora, 1, e,
-                            a[sel]) * w[sel, None]
+        xe = x[sel // k]
+        ae = swiglu_f32(_with_lora(gate_up(e, xe), lora, 0, e, xe), limit, x.dtype)
+        c[sel] = _with_lora(down(e, ae), lora, 1, e, ae) * w[sel, None]
     return slot_sum(c.view(T, k, H))

@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv
-from ..swiglu.cpu import limit_in
 from ..fp8.quant import BLOCK as FP8_BLOCK
 from ..fp8.quant import quantize_act
+from ..swiglu.cpu import limit_in
 from .cpu import slot_sum
 
 BLOCK_M = 64  # wgmma's smallest M: a tile never lowers to mma.sync
@@ -140,8 +140,8 @@ def _grouped_linear_kernel(p_in, p_src, p_w, p_te, p_r0, p_r1, p_out, N, K, BLOC
 
 @triton.jit
 def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, LIMIT, HAS_LIMIT: tl.constexpr,
-                    MX: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    MX: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     i_t, i_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(p_te + i_t)
     if e < 0:
@@ -314,16 +314,17 @@ def experts_fwd_fp8_triton(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale
                    block_m, block_n, num_warps, num_stages)
 
 
-def _lora_term(inp, src, a, b, s, tiles, knobs) -> torch.Tensor:
-    """fl32(s * fp32 dot(dtype(fp32 dot(inp[src], A[e])), B[e])) for the sorted rows: (rows, N) fp32."""
+def _lora_term(inp, src, a, b, s, tiles, sorted_rows, knobs) -> torch.Tensor:
+    """fl32(s * fp32 dot(dtype(fp32 dot(inp[src], A[e])), B[e])) for the sorted rows: (rows, N) fp32;
+    ``sorted_rows``: 0 .. rows - 1 (the second product reads t in the sorted order it was written)."""
     t_e, t_r0, t_r1 = tiles
     R, r, N, K = src.shape[0], a.shape[1], b.shape[1], inp.shape[1]
     bn = knobs["BLOCK_N"]
     t = torch.empty(R, r, dtype=inp.dtype, device=inp.device)
     _grouped_linear_kernel[(t_e.shape[0], cdiv(r, bn))](inp, src, a.contiguous(), t_e, t_r0, t_r1, t, r, K, **knobs)
     u = torch.empty(R, N, dtype=torch.float32, device=inp.device)
-    rows = torch.arange(R, dtype=torch.int32, device=inp.device)
-    _grouped_linear_kernel[(t_e.shape[0], cdiv(N, bn))](t, rows, b.contiguous(), t_e, t_r0, t_r1, u, N, r, **knobs)
+    _grouped_linear_kernel[(t_e.shape[0], cdiv(N, bn))](t, sorted_rows, b.contiguous(), t_e, t_r0, t_r1, u, N, r,
+                                                        **knobs)
     return u * s
 
 
@@ -348,8 +349,9 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
              "num_stages": num_stages, "enable_fp_fusion": False}
     fp8 = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": FP8_BLOCK, "num_warps": num_warps,
            "num_stages": num_stages, "enable_fp_fusion": False}
-    d_gu = _lora_term(x, tok, lora.a_gate_up, lora.b_gate_up, lora.s, tiles, knobs) if lora is not None else c
     has = lora is not None
+    sorted_rows = torch.arange(T * k, dtype=torch.int32, device=x.device) if has else None
+    d_gu = _lora_term(x, tok, lora.a_gate_up, lora.b_gate_up, lora.s, tiles, sorted_rows, knobs) if has else c
     if fmt == "fp8":
         xq, xs = quantize_act(x)
         _gate_up_fp8_kernel[(n_tiles, cdiv(I, block_n))](
@@ -359,8 +361,7 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
         _gate_up_kernel[(n_tiles, cdiv(I, block_n))](
             x, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, d_gu, H, I, lim, HAS_LIMIT=limit is not None, MX=fmt == "mxfp4",
             HAS_DELTA=has, **knobs)
-    rows = torch.arange(T * k, dtype=torch.int32, device=x.device)  # a's rows are already sorted
-    d_down = _lora_term(a, rows, lora.a_down, lora.b_down, lora.s, tiles, knobs) if has else c
+    d_down = _lora_term(a, sorted_rows, lora.a_down, lora.b_down, lora.s, tiles, sorted_rows, knobs) if has else c
     wt = weights.reshape(-1).float()[order].contiguous()
     dst = order.to(torch.int32)
     if fmt == "fp8":

@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 
 from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
+from ..fp8.quant import BLOCK, FP8_DTYPE, cdiv, dequantize_weight, quantize_weight
 from ..swiglu.cpu import clamp_gate_up, limit_in
 from ..tree import tree_reduce
-from ..fp8.quant import BLOCK, FP8_DTYPE, cdiv, dequantize_weight, quantize_weight
 from .cpu import experts_fwd_cpu, experts_fwd_fp8_cpu, experts_fwd_mxfp4_cpu, swiglu_f32
+from .lora import ExpertLoRA
 from .mxfp4 import check_mx_shape, dequantize_mxfp4, quantize_mxfp4
 
 
@@ -131,8 +132,6 @@ def _experts_bwd(x, ids, weights, w_gate_up, w_down, dy, limit, lora=None, need_
 
 
 def _lora_of(lora_tensors, scale):
-    from .lora import ExpertLoRA
-
     return None if lora_tensors[0] is None else ExpertLoRA(*lora_tensors, scale)
 
 
@@ -165,8 +164,6 @@ def _check_tokens(x, ids, weights) -> None:
 
 def _check_lora(lora, E: int, H: int, I: int, x: torch.Tensor) -> None:
     if lora is not None:
-        from .lora import ExpertLoRA
-
         if not isinstance(lora, ExpertLoRA):
             raise TypeError(f"lora must be an ExpertLoRA, got {type(lora).__name__}")
         lora.check(E, H, I, x.dtype, x.device)
