@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import secrets
 import uuid
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..common.engine.sequence import check_token_ids
 from ..common.sampling import SamplingParams
+from . import jsonio
 
 ROUTED_EXPERTS = "routed_experts"  # the extras key an MoE model's forward fills: (T, layers, top_k) expert ids
 _INT64 = 2**63
@@ -45,7 +47,7 @@ def parse_json(body: bytes) -> Any:
     if not body:
         return {}
     try:
-        return json.loads(body)
+        return jsonio.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}") from None
 
@@ -363,6 +365,8 @@ def item_response(item: Item, tokens: list[int], logprobs: list[float], version:
     if latency is not None:
         meta["e2e_latency"] = latency
     if item.return_logprob:
+        if not all(map(math.isfinite, logprobs)):  # JSON cannot carry it (orjson would write null)
+            raise ValueError(f"request {item.rid}: a log-prob is not finite")
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, tokens)]
     if item.routed_start is not None and c is not None:
         meta[ROUTED_EXPERTS] = encode_routed_experts(c.extras.get(ROUTED_EXPERTS), item.routed_start)

@@ -13,7 +13,6 @@ Standard library HTTP only (one connection per call, so a Client is safe to shar
 from __future__ import annotations
 
 import http.client
-import json
 import threading
 import time
 import urllib.parse
@@ -23,6 +22,7 @@ import torch
 
 from ..sync import Payload, Publisher
 from ..sync.payload import FORMAT
+from . import jsonio
 
 
 class ServerError(RuntimeError):
@@ -49,7 +49,7 @@ class Client:
     # ---------------------------------------------------------- transport
     def _open(self, method: str, path: str, body=None, timeout: float | None = None) -> http.client.HTTPResponse:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
-        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        data = None if body is None else (body if isinstance(body, bytes) else jsonio.dumps(body))
         headers = {"Content-Type": "application/json"} if data is not None else {}
         conn.request(method, path, body=data, headers=headers)
         return conn.getresponse()
@@ -60,7 +60,7 @@ class Client:
         raw = resp.read()
         resp.close()
         try:
-            out = json.loads(raw) if raw else None
+            out = jsonio.loads(raw) if raw else None
         except ValueError:
             out = raw.decode(errors="replace")
         if not 200 <= resp.status < 300:
@@ -141,7 +141,7 @@ class Client:
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     return
-                yield json.loads(data)
+                yield jsonio.loads(data)
         finally:
             resp.close()
 
