@@ -1,7 +1,8 @@
-"""Engine throughput on the GPU: prefill and decode tokens per second of the
-aligned qwen3 pair at real shapes with random weights.
+"""Engine throughput on the GPU: prefill and decode tokens per second of an
+aligned pair at real shapes with random weights.
 
     python benchmarks/bench_engine.py --config qwen3-8b --out DIR [--batches 1,8,64,256]
+    python benchmarks/bench_engine.py --config qwen35_gdn/qwen3.5-35b-a3b-4l --server-kernels vendor --out DIR
 
 Prefill: B prompts of --prompt tokens with max_new_tokens=1 (prompt tokens / s;
 the median of 5 runs while B x prompt <= 4096 tokens, of 3 up to 8192, else one run).
@@ -39,15 +40,17 @@ def fit_max_position(*lengths: int) -> int:
 
 def load(config: str, *, server_kernels: str = "aligned", max_batch_size: int, cuda_graphs: bool = True,
          max_position: int | None = None, num_layers: int | None = None, device="cuda", **engine_kwargs):
-    """A qwen3 pair of preset ``config`` (random weights), optionally with
-    max_position cut and fewer layers (same kernels and shapes per layer:
+    """A pair of ``config`` ("qwen3-8b", or another model's "qwen35_gdn/qwen3.5-35b-a3b-4l"; random
+    weights), optionally with max_position cut and fewer layers (same kernels and shapes per layer:
     one layer compiles everything the full model runs)."""
     import alignzoo
-    from alignzoo.models.qwen3 import Qwen3Config
+    from alignzoo.models import loading, model_module
 
+    model, _, preset = config.rpartition("/")
+    model = model or "qwen3"
     changes = {k: v for k, v in (("max_position", max_position), ("num_layers", num_layers)) if v}
-    cfg = Qwen3Config.preset(config).replace(**changes)
-    return alignzoo.load_pair("qwen3", config=cfg, device=device, max_batch_size=max_batch_size,
+    cfg = loading.resolve_config(model_module(model).SPEC, None, preset).replace(**changes)
+    return alignzoo.load_pair(model, config=cfg, device=device, max_batch_size=max_batch_size,
                               cuda_graphs=cuda_graphs, server_kernels=server_kernels, **engine_kwargs)
 
 
@@ -123,7 +126,7 @@ def main() -> int:
                     help="the model's max_position (default: prompt + new, page-rounded; 0: the preset's)")
     ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
     ap.add_argument("--server-kernels", choices=("aligned", "vendor"), default="aligned",
-                    help="vendor: the same engine on torch's kernels (the baseline of issue 7)")
+                    help="vendor: the same engine on a conventional server's kernels (models/*/serve_vendor.py)")
     ap.add_argument("--overlap", choices=("on", "off"), default="on",
                     help="on: Engine(overlap=True), a decode step launched before the previous one's tokens are read")
     ap.add_argument("--out", default="gpu_out")
@@ -149,7 +152,7 @@ def main() -> int:
     stem = ("engine" if args.server_kernels == "aligned" else "engine_vendor") + ("_no_overlap" if args.overlap == "off" else "")
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({**head, "rows": rows}, f, indent=1)
-    lines = [f"# Engine throughput: qwen3 {args.config}", "", *(f"- {k}: {v}" for k, v in head.items()), "",
+    lines = [f"# Engine throughput: {args.config}", "", *(f"- {k}: {v}" for k, v in head.items()), "",
              "| batch | prompt | new | prefill tok/s | decode tok/s | decode step ms |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['prompt']} | {r['new']} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.0f} | "
               f"{r['decode_step_ms']:.2f} |" for r in rows]

@@ -4,7 +4,7 @@ shapes, decode and prefill token counts, side by side in one run.
 
     python benchmarks/bench_moe.py --out DIR [--tokens 1,8,64,256,4096,16384]
 
-Vendor: sort the (token, slot) rows by expert, ``torch._grouped_mm`` for gate/up
+Vendor (``common/moe/vendor.py``): sort the (token, slot) rows by expert, ``torch._grouped_mm`` for gate/up
 and down (bf16, fp32 accumulate inside), SiLU·up in bf16, the routing weight
 and an ``index_add_`` (transformers' grouped backend does the same); a
 per-expert cuBLAS loop where ``_grouped_mm`` is missing.  Both sides get the
@@ -26,6 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_primitives import commit  # noqa: E402
 
+from alignzoo.common.moe.vendor import experts_vendor as vendor  # noqa: E402
+
 SHAPES = {  # hidden, expert width, experts, top-k, SwiGLU clamp: transformers' config defaults
     "qwen3.5-35b-a3b": (2048, 512, 256, 8, None),
     "glm-5": (6144, 2048, 256, 8, None),
@@ -33,30 +35,6 @@ SHAPES = {  # hidden, expert width, experts, top-k, SwiGLU clamp: transformers' 
 }
 CONFIGS = [dict(), dict(block_n=128), dict(block_n=128, num_warps=8), dict(block_m=128, block_n=128, num_warps=8),
            dict(block_n=32), dict(block_n=64, num_stages=4)]
-
-
-def vendor(x, ids, w, w_gu, w_d, limit=None):
-    T, k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat)
-    tok = order // k
-    counts = torch.zeros(w_gu.shape[0], dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    xs = x[tok]
-    if hasattr(torch, "_grouped_mm"):
-        gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)
-    else:
-        gu = torch.cat([xs[a:b] @ w_gu[e].T for e, (a, b) in enumerate(zip([0, *offs.tolist()], offs.tolist()))])
-    g, u = gu.chunk(2, dim=-1)
-    if limit is not None:
-        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-    a = torch.nn.functional.silu(g) * u
-    if hasattr(torch, "_grouped_mm"):
-        d = torch._grouped_mm(a, w_d.transpose(1, 2), offs=offs)
-    else:
-        d = torch.cat([a[a0:b] @ w_d[e].T for e, (a0, b) in enumerate(zip([0, *offs.tolist()], offs.tolist()))])
-    d = d * w.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, tok, d)
 
 
 def time_graph(fn, reps=20):

@@ -72,8 +72,7 @@ class Qwen35GdnServer(ServerBase):
         q, k, v = qkv.split([c.gdn_key_dim, c.gdn_key_dim, c.gdn_value_dim], dim=-1)
         q, k = qk_l2norm(q.reshape(T, Hk, K), k.reshape(T, Hk, K), K)
         g, beta = gdn_gates(a, b, self.w(p + "gdn.A_log.weight"), self.w(p + "gdn.dt_bias.weight"))
-        o = gdn_fwd(q, k, v.reshape(T, Hv, V), g, beta, batch.cu_seqlens_q, start_positions=starts, cache=layer,
-                    slots=batch.state_slots).to(h.dtype)
+        o = self.gdn_core(q, k, v.reshape(T, Hv, V), g, beta, batch, starts, layer).to(h.dtype)
         self.tap("gdn.core", o, L)
         self.tap_state("gdn.state", layer["state"], batch.state_slots, starts, batch.cu_seqlens_q, L)
         o = rmsnorm_fwd(o.reshape(T * Hv, V), self.w(p + "gdn.norm.weight"), c.rms_norm_eps,
@@ -81,6 +80,11 @@ class Qwen35GdnServer(ServerBase):
         y = self.linear(o.reshape(T, Hv * V), p + "gdn.out.", batch.adapter_ids)
         self.tap("gdn.out", y, L)
         return y
+
+    def gdn_core(self, q, k, v, g, beta, batch, starts, layer):
+        """The delta rule over the batch, each sequence from its slot (the vendor server swaps in its own)."""
+        return gdn_fwd(q, k, v, g, beta, batch.cu_seqlens_q, start_positions=starts, cache=layer,
+                       slots=batch.state_slots)
 
     def _attn(self, h, L, layer, batch):
         c, T, p = self.cfg, h.shape[0], f"layers.{L}."

@@ -1,14 +1,13 @@
 """Qwen3.5-MoE served with vendor kernels: the mismatch this project removes.
 
-The aligned server's cache layout and engine interface, with a typical
-serving stack's arithmetic: ``F.linear`` for every projection, the router and
-the experts (transformers' per-expert loop, SiLU·up in the model dtype),
-transformers-style zero-centred RMSNorm in torch ops (the layer norms, the
-final norm, q/k), and torch's fast attention (``common/attention/vendor.py``,
-its plan made once per forward).  A GDN layer keeps the zoo's conv, core and
-gated RMSNorm (the state layout the engine pools); its projections, the norms
-and the MoE around it are what part.  Used by ``--unaligned`` runs and
-``alignzoo bisect --against vendor``.
+The aligned server's cache layout and engine interface, with a conventional serving stack's
+arithmetic: ``F.linear`` for every projection and the router, the routed experts on
+``torch._grouped_mm`` (``common/moe/vendor.py``, SiLU·up in the model dtype), transformers-style
+zero-centred RMSNorm in torch ops (the layer norms, the final norm, q/k), torch's fast attention
+(``common/attention/vendor.py``, its plan made once per forward), and on CUDA the delta rule of
+``common/gdn/vendor.py``: fla's chunk kernel for prefill, the per-token recurrent update in place
+at the slot for decode.  A GDN layer keeps the zoo's conv and gated RMSNorm.  Used by
+``--unaligned`` runs, ``alignzoo bisect --against vendor`` and the engine benchmark's baseline.
 """
 from __future__ import annotations
 
@@ -17,7 +16,9 @@ import torch.nn.functional as F
 
 from ...common.attention.vendor import VendorAttention
 from ...common.engine.model_api import ForwardBatch
+from ...common.gdn.vendor import gdn_vendor_fwd
 from ...common.kv_cache import write_kv_fwd
+from ...common.moe.vendor import experts_vendor
 from ...common.rope import rope_fwd
 from .serve import Qwen35GdnServer
 
@@ -41,6 +42,10 @@ class Qwen35GdnVendorServer(Qwen35GdnServer):
             return super().forward(batch, caches)
         finally:
             self._attend = None
+
+    def gdn_core(self, q, k, v, g, beta, batch, starts, layer):
+        return gdn_vendor_fwd(q, k, v, g, beta, batch.cu_seqlens_q, start_positions=starts, cache=layer,
+                              slots=batch.state_slots)
 
     def linear(self, x, prefix, adapter_ids):
         return F.linear(x, self.weights[prefix + "weight"])
@@ -80,13 +85,7 @@ class Qwen35GdnVendorServer(Qwen35GdnServer):
         w = (w / w.sum(-1, keepdim=True)).to(h.dtype)
         self.tap("moe.router.ids", ids, L)
         self.tap("moe.router.weights", w, L)
-        gu_w, d_w = self.w(p + "moe.gate_up.weight"), self.w(p + "moe.down.weight")
-        out = torch.zeros_like(h)
-        for e in range(c.num_experts):  # transformers' loop (the vendor pays its host syncs)
-            t, j = (ids == e).nonzero(as_tuple=True)
-            if t.numel():
-                g, u = F.linear(h[t], gu_w[e]).chunk(2, dim=-1)
-                out.index_add_(0, t, F.linear(F.silu(g) * u, d_w[e]) * w[t, j, None])
+        out = experts_vendor(h, ids, w, self.w(p + "moe.gate_up.weight"), self.w(p + "moe.down.weight"))
         g, u = F.linear(h, self.w(p + "moe.shared_gate_up.weight")).chunk(2, dim=-1)
         shared = F.linear(F.silu(g) * u, self.w(p + "moe.shared_down.weight"))
         out = out + torch.sigmoid(F.linear(h, self.w(p + "moe.shared_gate.weight"))) * shared
