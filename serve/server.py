@@ -691,10 +691,23 @@ def build(model: str, *, checkpoint=None, config=None, device=None, dtype=torch.
                          host=host, port=port)
 
 
+def _one_malloc_arena() -> None:
+    """glibc gives each new thread a malloc arena of its own, and in its own arena the engine's thread
+    ran the same generate 7% slower than the main thread does (CPU, batch 64; MALLOC_ARENA_MAX=1 took
+    the gap away): every thread shares the main arena instead.  A no-op off glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+
+
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, log_level: str = "info", **kw) -> int:
     """Build the server and run it until SIGINT or SIGTERM; returns 0 after a clean shutdown."""
     import uvicorn
 
+    _one_malloc_arena()  # before any thread of ours allocates
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     _check_listen(host, port)
     t0 = time.perf_counter()
