@@ -1,7 +1,9 @@
 """Triton gated delta rule: the decode step (one new row per sequence from its
 slot's open-chunk cache, static shapes, no host reads, graph-capturable) and a
-scan for the trainer / prefill that runs each sequence's rows in order through
-the same row and state functions.
+row-by-row scan over each sequence through the same row and state functions:
+the reference for ``chunk_kernel.py``'s chunk-parallel trainer / prefill
+kernel (which runs it for a sequence's rows before its first 64 boundary when
+it starts mid-chunk) and the jit helpers that kernel imports.
 
 The arithmetic, its order and its rounding points are ``cpu.py``'s, written
 out the same way: every sum is the fixed pairwise tree (``tl.reshape`` to
@@ -27,9 +29,9 @@ the sequence's rows with a barrier after each row and state update, since
 the next row reads what the program wrote; the slot's k rows are only read
 during the scan, heads of a group running at their own pace) then
 ``_k_rows_kernel`` (the open chunk's k rows).  The scan is sequential in a
-sequence's length: a correct GPU path, not yet a fast one (a chunk-parallel
-kernel would solve the 64 substitution steps for all chunks at once, as
-``cpu.chunked`` does).
+sequence's length, a correct GPU path but not a fast one: ``gdn_fwd`` runs
+``chunk_kernel.gdn_chunk_triton`` (the 64 substitution steps of every chunk at
+once, as ``cpu.chunked`` does), which gives the scan's bits.
 
 Launched with ``enable_fp_fusion=False`` (no mul + add becomes an FMA: the
 CPU path rounds each product) and, on CUDA, exp from libdevice (``expf``,
@@ -397,7 +399,8 @@ def gdn_scan_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bv_ro
     g, beta (T, Hv) fp32 contiguous; cu_seqlens (B + 1,), starts, slots (B,)
     int64 device tensors (no host reads); ``cache`` as for decode (the trainer
     passes a fresh one, slots 0..B-1) -> o (T, Hv, V) fp32.  Sequential in a
-    sequence's length: a correct GPU prefill/trainer forward, not a fast one."""
+    sequence's length: the reference for ``chunk_kernel.gdn_chunk_triton``
+    (``gdn_fwd``'s prefill / trainer forward), not a fast one."""
     T, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     B = cu_seqlens.shape[0] - 1

@@ -111,17 +111,22 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
     is not read) and writes its state and open chunk back.
 
     ``backend``: "torch" (``cpu.py``; the default off CUDA) or "triton"
-    (``kernel.py``; the default on CUDA).  torch: the decode shape, T == B
+    (``kernel.py``, ``chunk_kernel.py``; the default on CUDA).  torch: the decode shape, T == B
     (one token per sequence; no sequence may be empty), runs
     ``cpu.decode_step``, no host reads, capturable in a CUDA graph (but it
     builds (B, Hv, 64, K, V) temporaries for the state every step); any other
     shape runs ``cpu.chunked``, which reads cu_seqlens, start_positions and
     slots on the host to lay out its chunks.  triton: the decode shape runs
-    ``gdn_decode_triton`` (two launches, graph-capturable), any other
-    ``gdn_scan_triton`` (the decode's row function over each sequence's rows
-    in order); neither reads the host.  Every path gives a row the same bits
-    (``cpu.py``); on CUDA, the Triton bits against the torch path's are to be
-    checked on the device (``tests/test_gdn.py``'s gpu tests)."""
+    ``gdn_decode_triton`` (two launches, graph-capturable, no host reads); any
+    other runs ``gdn_chunk_triton`` (the state-free work of every 64-row chunk
+    at once, then each sequence's chunks in order), which reads cu_seqlens,
+    start_positions and slots on the host to lay out its chunks, as
+    ``cpu.chunked`` does, or, for a call of few short sequences, where it is
+    the faster (``_prefill_triton``), ``kernel.gdn_scan_triton`` (the decode's
+    row function over each sequence's rows in order): the same bits.  Every path
+    gives a row the same bits (``cpu.py``); on CUDA, the Triton bits against
+    the torch path's are checked on the device (the gpu tests of
+    ``tests/test_gdn.py`` and ``tests/test_gdn_chunk.py``)."""
     _check(q, k, v, g, beta, cu_seqlens)
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     backend = _backend(backend, q)
@@ -133,13 +138,11 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
             raise ValueError("start_positions and slots need a cache")
         B = cu_seqlens.shape[0] - 1
         if backend == "triton" and not return_states:
-            from .kernel import gdn_scan_triton
-
             Hk, K = k.shape[1:]
             Hv, V = v.shape[1:]
             scratch = gdn_cache(B, Hk, Hv, K, V, q.device)
             ar = torch.arange(B, device=q.device)
-            return gdn_scan_triton(*(t.contiguous() for t in (q, k, v, g, beta)), cu_seqlens.contiguous(),
+            return _prefill_triton(*(t.contiguous() for t in (q, k, v, g, beta)), cu_seqlens.contiguous(),
                                    torch.zeros_like(ar), ar, scratch)
         cu = cu_seqlens.tolist()
         return cpu.chunked(q, k, v, g, beta, cu, [0] * (len(cu) - 1), return_states=return_states)
@@ -150,12 +153,12 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
     B = cu_seqlens.shape[0] - 1
     decode = q.shape[0] == B
     if backend == "triton":
-        from .kernel import gdn_decode_triton, gdn_scan_triton
+        from .kernel import gdn_decode_triton
 
         args = [t.contiguous() for t in (q, k, v, g, beta)]
         if decode:
             return gdn_decode_triton(*args, start_positions.long().contiguous(), slots.long().contiguous(), cache)
-        return gdn_scan_triton(*args, cu_seqlens.contiguous(), start_positions.long().contiguous(),
+        return _prefill_triton(*args, cu_seqlens.contiguous(), start_positions.long().contiguous(),
                                slots.long().contiguous(), cache)
     if decode:
         return cpu.decode_step(q, k, v, g, beta, start_positions.long(), slots.long(), cache)
@@ -163,9 +166,23 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
                        slots=slots.tolist())
 
 
+def _prefill_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache):
+    """A non-decode Triton call: the chunk-parallel kernel or the row scan, whose bits are the same
+    (the gpu tests of ``tests/test_gdn_chunk.py``).  The chunk kernel's time follows the call's
+    tokens, the scan's its longest sequence (H200, Qwen3.5's 32 value heads: 6.5 us a token against
+    25-37 us a row), so a call of a few sequences no longer than a quarter of it runs the scan."""
+    from .chunk_kernel import gdn_chunk_triton
+    from .kernel import gdn_scan_triton
+
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    fn = gdn_chunk_triton if int(lens.sum()) < 4 * int(lens.max()) else gdn_scan_triton
+    return fn(q, k, v, g, beta, cu_seqlens, starts, slots, cache)
+
+
 class _GDNTritonFn(torch.autograd.Function):
-    """Forward: the Triton scan.  Backward: the torch path (the same arithmetic,
-    the same bits where the device's exp agrees) recomputed under autograd."""
+    """Forward: the Triton prefill path (``_prefill_triton``).  Backward: the torch path (the
+    same arithmetic, the same bits where the device's exp agrees) recomputed
+    under autograd."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, cu_seqlens):
@@ -188,8 +205,8 @@ def gdn(q, k, v, g, beta, cu_seqlens, *, backend: str | None = None):
     cache, shapes as there -> o (T, Hv, V) fp32.  torch backend: the forward is
     element-wise torch ops, slices and gathers, so autograd differentiates the
     very arithmetic that ran (gradients w.r.t. q, k, v, g and beta).  triton
-    (CUDA's default): the forward is the Triton scan, the backward recomputes
-    the torch path under autograd (``_GDNTritonFn``)."""
+    (CUDA's default): the forward is the Triton prefill path, the
+    backward recomputes the torch path under autograd (``_GDNTritonFn``)."""
     if _backend(backend, q) == "triton":
         _check(q, k, v, g, beta, cu_seqlens)
         return _GDNTritonFn.apply(q, k, v, g, beta, cu_seqlens)

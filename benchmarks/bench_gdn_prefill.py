@@ -1,0 +1,89 @@
+"""The Gated DeltaNet prefill / trainer forward on the GPU: the chunk-parallel kernel
+(``common/gdn/chunk_kernel.py``) against the row-by-row scan (``kernel.gdn_scan_triton``), at
+Qwen3.5-35B-A3B's GDN shapes (Hk 16, Hv 32, K = V = 128), with the chunk kernel's time split by
+kernel (torch.profiler) and a few launch knobs, each checked for the default's bits first.
+
+    python benchmarks/bench_gdn_prefill.py [--shapes 8x512,1x4096] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_primitives import commit  # noqa: E402
+
+KNOBS = [dict(), dict(bv=16, br=1), dict(bks=8, state_warps=4)]
+
+
+def inputs(B, L, Hk=16, Hv=32, K=128, V=128, seed=0):
+    from alignzoo.common.gdn import l2norm_fwd
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    T = B * L
+    q = l2norm_fwd(torch.randn(T, Hk, K, generator=g, device="cuda")) * K ** -0.5
+    k = l2norm_fwd(torch.randn(T, Hk, K, generator=g, device="cuda"))
+    v = torch.randn(T, Hv, V, generator=g, device="cuda")
+    gg = -torch.rand(T, Hv, generator=g, device="cuda") * 0.5
+    beta = torch.rand(T, Hv, generator=g, device="cuda")
+    cu = torch.arange(0, T + 1, L, device="cuda")
+    return q, k, v, gg, beta, cu
+
+
+def timed(fn, reps=5):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+def main() -> int:
+    from alignzoo.common.gdn import gdn_cache
+    from alignzoo.common.gdn.chunk_kernel import gdn_chunk_triton
+    from alignzoo.common.gdn.kernel import gdn_scan_triton
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="8x512,1x4096")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    for shape in args.shapes.split(","):
+        B, L = map(int, shape.split("x"))
+        q, k, v, g, beta, cu = inputs(B, L)
+        z, ar = torch.zeros(B, dtype=torch.long, device="cuda"), torch.arange(B, device="cuda")
+
+        def run(fn, **kw):
+            return fn(q, k, v, g, beta, cu, z, ar, gdn_cache(B, 16, 32, 128, 128, "cuda"), **kw)
+
+        ref = run(gdn_scan_triton)
+        scan_ms = timed(lambda: run(gdn_scan_triton))
+        for knobs in KNOBS:
+            same = torch.equal(run(gdn_chunk_triton, **knobs), ref)
+            ms = timed(lambda: run(gdn_chunk_triton, **knobs)) if same else float("nan")
+            rows.append({"shape": shape, "knobs": knobs, "chunk_ms": ms, "scan_ms": scan_ms, "bits_equal": same})
+            print(json.dumps(rows[-1]), flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run(gdn_chunk_triton)
+            torch.cuda.synchronize()
+        print(f"-- {shape}: chunk kernel's default call by kernel")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gdn_prefill.json"), "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "commit": commit(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""Triton gated delta rule for the trainer / prefill, chunk-parallel: the
+bits of ``kernel.gdn_scan_triton`` (and so of ``cpu.chunked``), with the
+work that does not read the state spread over every 64-row chunk at once.
+
+The arithmetic is ``cpu.py``'s row functions, written with ``kernel.py``'s
+jit helpers: every sum the fixed pairwise tree (``_tree_last`` /
+``_tree_first``: pairs of adjacent elements, level by level, -0.0 for a K
+lane past K or a row j not present), G a left-to-right running sum, every
+product rounded on its own (``enable_fp_fusion=False``), exp from libdevice
+on CUDA.  A chunk piece is 64 aligned rows of one sequence (the last one may
+be shorter); the launches, in order:
+
+* the head: a sequence that starts mid-chunk (start % 64 != 0) first runs
+  its rows up to the next 64 boundary through ``gdn_scan_triton`` (those
+  rows mix the slot's cached rows with new ones), which leaves the slot's
+  state at that boundary.
+* ``_chunk_rows_kernel``, grid (pieces, Hv): G_i = G_{i-1} + g_i over the
+  piece's rows in order, then BI rows i at a time: kk_i, qk_i = tree_K
+  (``_tree_last`` over the K lanes of a (BI * 64, BK) tile, as ``kernel._row``
+  over its (64, BK) one), E_i, L_i = (beta_i kk_i) E_i, A_i = qk_i E_i,
+  written to scratch.
+* ``_chunk_solve_kernel``, grid (pieces, Hv, (V + K) / BW): the 64
+  substitution steps x_i = b_i - tree_j(where(j < i, L_ij x_j, -0.0)) on a
+  (64, BW) tile of x = [u | w] held in registers (a column of x needs only
+  its own column; a row holds b_i until its step), written to scratch.
+* ``_chunk_state_kernel``, grid (sequences, Hv, V / BV): the chunks of a
+  sequence in order, from a (K, BV) tile of S0 in registers: v_new_i = u_i -
+  tree_K(w_i S0), o_i = tree_K((q_i exp(G_i)) S0) + tree_j(where(j <= i,
+  A_ij v_new_j, -0.0)) (``_tree_first`` over K or the 64 rows, BR rows at a
+  time), then at a complete chunk ``kernel._state_tile`` (the 64-leaf tree
+  as eight ``_leaf8`` subtrees) on the slot's state in place, a barrier, and
+  the next S0 read back.  V columns never need each other.
+* ``kernel._k_rows_kernel``: the open chunk's k rows.
+
+Cache: as the scan leaves it.  The slot's state is the state after the last
+complete chunk (zeros at position 0 before one); a sequence's last piece
+writes its rows' g_cum, x, v_new (all 64 rows of a chunk that closes at the
+call's end, as the scan does); n = (start + len) % 64.  Rows past the last
+piece's end are stale (``op.py``: never read) and not written (the scan
+leaves an earlier chunk's rows of the call there, ``cpu.chunked`` zeros).  A
+padding row (slot -1) gets o = 0 and writes nothing.
+
+The launcher reads cu_seqlens, starts and slots on the host (one copy) to
+lay out the pieces: prefill and the trainer are not captured in CUDA graphs
+(decode, ``kernel.gdn_decode_triton``, reads nothing).  Scratch per call:
+(T rounded up to 64 per sequence) x Hv x (2 x 64 + 2 V + K + 1) fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._host import cdiv, next_power_of_2
+from .cpu import CHUNK
+from .kernel import _exp, _k_rows_kernel, _launch_opts, _state_tile, _tree_first, _tree_last, gdn_scan_triton
+
+BW = 32  # x columns per substitution program (a launch knob: columns are independent)
+# state / output columns per scan program, and rows per step of its v_new and o (launch knobs; rows
+# and columns are element-wise): 16 / 1 ran the H200's state kernel 3.5x faster than 32 / 2
+BV = 16
+BR = 1
+BKS = 16  # K rows per state-update tile (a launch knob)
+STATE_WARPS = 8  # the state kernel at K = V = 128: 220 registers, no spills (4 warps: 255 and spills, ptxas sm_90)
+BI = 1  # rows per step of the rows kernel's (BI, 64, K) products (a launch knob)
+
+
+@triton.jit
+def _chunk_rows_kernel(
+    p_q, p_k, p_g, p_beta, p_tok, p_rows, p_wslot,
+    p_G, p_L, p_A, p_gc,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BI: tl.constexpr, C: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    """Grid (pieces, Hv): G (left to right), then BI rows i at a time kk_i, qk_i
+    (tree_K), E_i = exp(where(j <= i, G_i - G_j, -inf)), L_i = (beta_i kk_i) E_i
+    and A_i = qk_i E_i, as ``kernel._row`` forms them.  Rows past the piece's
+    end are not formed (nothing reads them)."""
+    i_p, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_hk = i_h // (Hv // Hk)
+    t0 = tl.load(p_tok + i_p)
+    nr = tl.load(p_rows + i_p)
+    ws = tl.load(p_wslot + i_p)
+    o_j = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    G_i = tl.load(p_g + t0 * Hv + i_h)  # G_0 = -0.0 + g_0 == g_0 for every g_0
+    b_G = tl.where(o_j == 0, G_i, 0.0)  # (C,)
+    for i in range(1, nr):
+        G_i = G_i + tl.load(p_g + (t0 + i) * Hv + i_h)
+        b_G = tl.where(o_j == i, G_i, b_G)
+    tl.store(p_G + (i_p * C + o_j) * Hv + i_h, b_G)
+    s = tl.maximum(ws, 0)
+    tl.store(p_gc + (s * C + o_j) * Hv + i_h, b_G, mask=o_j < tl.where(ws >= 0, nr, 0))
+    tl.debug_barrier()  # G of a row block is read back below
+    b_kc = tl.load(p_k + ((t0 + o_j) * Hk + i_hk)[:, None] * K + o_k[None, :],
+                   mask=(o_j < nr)[:, None] & m_k[None, :], other=0.0)  # (C, BK) the rows j
+    for i0 in range(0, nr, BI):
+        o_i = i0 + tl.arange(0, BI)
+        m_i = o_i < nr
+        p_i = ((t0 + o_i) * Hk + i_hk)[:, None] * K + o_k[None, :]
+        m_ik = m_i[:, None] & m_k[None, :]
+        b_k = tl.load(p_k + p_i, mask=m_ik, other=0.0)  # (BI, BK)
+        b_q = tl.load(p_q + p_i, mask=m_ik, other=0.0)
+        b_beta = tl.load(p_beta + (t0 + o_i) * Hv + i_h, mask=m_i, other=0.0)
+        b_Gi = tl.load(p_G + (i_p * C + o_i) * Hv + i_h, mask=m_i, other=0.0)
+        x = tl.where(m_k[None, None, :], b_k[:, None, :] * b_kc[None, :, :], -0.0)  # (BI, C, BK)
+        b_kk = tl.reshape(_tree_last(tl.reshape(x, (BI * C, BK)), BI * C, BK), (BI, C))
+        x = tl.where(m_k[None, None, :], b_q[:, None, :] * b_kc[None, :, :], -0.0)
+        b_qk = tl.reshape(_tree_last(tl.reshape(x, (BI * C, BK)), BI * C, BK), (BI, C))
+        b_E = _exp(tl.where(o_j[None, :] <= o_i[:, None], b_Gi[:, None] - b_G[None, :], float("-inf")), LIBDEVICE)
+        p_row = ((i_p * Hv + i_h) * C + o_i[:, None]) * C + o_j[None, :]
+        tl.store(p_L + p_row, (b_beta[:, None] * b_kk) * b_E, mask=m_i[:, None])
+        tl.store(p_A + p_row, b_qk * b_E, mask=m_i[:, None])
+
+
+@triton.jit
+def _chunk_solve_kernel(
+    p_k, p_v, p_beta, p_tok, p_rows, p_wslot,
+    p_G, p_L, p_X, p_xc,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BW: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    """Grid (pieces, Hv, (V + K) / BW): columns c of x = [u | w], row by row,
+    x_i = b_i - tree_j(where(j < i, L_ij x_j, -0.0)) with b_i = v_i beta_i
+    (c < V) or (k_i beta_i) exp(G_i) (c >= V), ``kernel._row``'s terms."""
+    W: tl.constexpr = V + K
+    i_p, i_h, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (Hv // Hk)
+    t0 = tl.load(p_tok + i_p)
+    nr = tl.load(p_rows + i_p)
+    ws = tl.load(p_wslot + i_p)
+    o_j = tl.arange(0, C)
+    o_c = i_c * BW + tl.arange(0, BW)
+    is_u = o_c < V
+    is_w = (o_c >= V) & (o_c < W)
+    m_j = o_j < nr
+    t = t0 + o_j
+    b_beta = tl.load(p_beta + t * Hv + i_h, mask=m_j, other=0.0)  # (C,)
+    e_G = _exp(tl.load(p_G + (i_p * C + o_j) * Hv + i_h, mask=m_j, other=0.0), LIBDEVICE)
+    b_v = tl.load(p_v + (t * Hv + i_h)[:, None] * V + o_c[None, :], mask=m_j[:, None] & is_u[None, :], other=0.0)
+    b_k = tl.load(p_k + (t * Hk + i_hk)[:, None] * K + o_c[None, :] - V, mask=m_j[:, None] & is_w[None, :],
+                  other=0.0)
+    # rows >= i hold b_i until step i, which turns row i into x_i (b_i minus the tree): no row is read out
+    b_X = tl.where(is_u[None, :], b_v * b_beta[:, None], (b_k * b_beta[:, None]) * e_G[:, None])  # (C, BW)
+    for i in range(nr):
+        b_L = tl.load(p_L + ((i_p * Hv + i_h) * C + i) * C + o_j)  # (C,)
+        b_t = _tree_first(tl.where((o_j < i)[:, None], b_L[:, None] * b_X, -0.0), C, BW)
+        b_X = tl.where((o_j == i)[:, None], b_X - b_t[None, :], b_X)
+    m = (o_j < nr)[:, None] & (o_c < W)[None, :]
+    tl.store(p_X + ((i_p * C + o_j[:, None]) * Hv + i_h) * W + o_c[None, :], b_X, mask=m)
+    s = tl.maximum(ws, 0)
+    tl.store(p_xc + ((s * C + o_j[:, None]) * Hv + i_h) * W + o_c[None, :], b_X,
+             mask=m & (o_j < tl.where(ws >= 0, nr, 0))[:, None])
+
+
+@triton.jit
+def _chunk_state_kernel(
+    p_q, p_k, p_o, p_tok, p_rows, p_seq, p_sslot, p_fresh, p_nend,
+    p_G, p_A, p_X, p_VN, p_state, p_kc, p_vc, p_nc,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    """Grid (sequences, Hv, V / BV): the sequence's pieces in order from S0 (the
+    slot's state, zeros at position 0).  Per piece: v_new_i = u_i - tree_K(w_i
+    S0) for every row, a barrier, o_i = tree_K((q_i exp(G_i)) S0) +
+    tree_j(where(j <= i, A_ij v_new_j, -0.0)); at a complete piece the state
+    tiles S0 exp(G_63) + tree_j(k'_j v_new_j^T) in place (``_state_tile``),
+    a barrier, and S0 read back.  The last piece's v_new rows go to the slot."""
+    W: tl.constexpr = V + K
+    NV: tl.constexpr = (V + BV - 1) // BV
+    NK: tl.constexpr = (K + BKS - 1) // BKS
+    i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (Hv // Hk)
+    p0 = tl.load(p_seq + i_b)
+    p1 = tl.load(p_seq + i_b + 1)
+    s = tl.load(p_sslot + i_b)
+    fresh = tl.load(p_fresh + i_b)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_j = tl.arange(0, C)
+    o_r = tl.arange(0, BR)
+    p_S = p_state + ((s * Hv + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+    m_S = m_k[:, None] & m_v[None, :]
+    if fresh != 0:  # position 0: S0 = 0, and the slot's state with it
+        tl.store(p_S, tl.zeros([BK, BV], dtype=tl.float32), mask=m_S)
+        tl.debug_barrier()
+    b_S = tl.load(p_S, mask=m_S, other=0.0)  # (BK, BV)
+    for i_p in range(p0, p1):
+        t0 = tl.load(p_tok + i_p)
+        nr = tl.load(p_rows + i_p)
+        n_last = tl.where(i_p == p1 - 1, nr, 0)  # rows that go to the slot's open chunk
+        for r0 in range(0, nr, BR):
+            o_i = r0 + o_r
+            m_i = o_i < nr
+            p_x = p_X + ((i_p * C + o_i) * Hv + i_h) * W  # (BR,)
+            b_wT = tl.load(p_x[None, :] + V + o_k[:, None], mask=m_k[:, None] & m_i[None, :], other=0.0)  # (BK, BR)
+            b_u = tl.load(p_x[:, None] + o_v[None, :], mask=m_i[:, None] & m_v[None, :], other=0.0)  # (BR, BV)
+            x = tl.where(m_k[:, None, None], b_wT[:, :, None] * b_S[:, None, :], -0.0)  # (BK, BR, BV)
+            b_vn = b_u - tl.reshape(_tree_first(tl.reshape(x, (BK, BR * BV)), BK, BR * BV), (BR, BV))
+            p_vn = ((i_p * C + o_i[:, None]) * Hv + i_h) * V + o_v[None, :]
+            tl.store(p_VN + p_vn, b_vn, mask=m_i[:, None] & m_v[None, :])
+            tl.store(p_vc + ((s * C + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_vn,
+                     mask=(o_i < n_last)[:, None] & m_v[None, :])
+        tl.debug_barrier()
+        b_VN = tl.load(p_VN + ((i_p * C + o_j[:, None]) * Hv + i_h) * V + o_v[None, :],
+                       mask=(o_j < nr)[:, None] & m_v[None, :], other=0.0)  # (C, BV)
+        for r0 in range(0, nr, BR):
+            o_i = r0 + o_r
+            m_i = o_i < nr
+            t = t0 + o_i
+            b_qT = tl.load(p_q + (t[None, :] * Hk + i_hk) * K + o_k[:, None], mask=m_k[:, None] & m_i[None, :],
+                           other=0.0)  # (BK, BR)
+            e_G = _exp(tl.load(p_G + (i_p * C + o_i) * Hv + i_h, mask=m_i, other=0.0), LIBDEVICE)  # (BR,)
+            x = tl.where(m_k[:, None, None], (b_qT * e_G[None, :])[:, :, None] * b_S[:, None, :], -0.0)
+            b_inter = tl.reshape(_tree_first(tl.reshape(x, (BK, BR * BV)), BK, BR * BV), (BR, BV))
+            b_AT = tl.load(p_A + ((i_p * Hv + i_h) * C + o_i[None, :]) * C + o_j[:, None],
+                           mask=m_i[None, :], other=0.0)  # (C, BR): A_ij at [j, i]
+            y = tl.where(o_j[:, None, None] <= o_i[None, :, None], b_AT[:, :, None] * b_VN[:, None, :], -0.0)
+            b_intra = tl.reshape(_tree_first(tl.reshape(y, (C, BR * BV)), C, BR * BV), (BR, BV))
+            tl.store(p_o + (t[:, None] * Hv + i_h) * V + o_v[None, :], b_inter + b_intra,
+                     mask=m_i[:, None] & m_v[None, :])
+        if nr == C:
+            # _state_tile indexes the state by its s argument (here the piece: G and v_new are
+            # scratch rows laid out as the cache's), so the slot's state is passed shifted
+            p_Sp = p_state + (s - i_p) * (Hv * K * V)
+            for i_kt in range(NK):
+                _state_tile(p_k, p_kc, p_G, p_VN, p_Sp, i_p, t0, 0, C - 1, i_kt * NV + i_v, i_h, i_hk,
+                            Hk, Hv, K, V, BKS, BV, C, LIBDEVICE)
+            tl.debug_barrier()
+            b_S = tl.load(p_S, mask=m_S, other=0.0)
+    o_1 = tl.arange(0, 2)  # a scalar store as a masked 2-lane store (the interpreter refuses scalar masks)
+    tl.store(p_nc + s + o_1, tl.zeros([2], tl.int64) + tl.load(p_nend + i_b),
+             mask=o_1 < tl.where((i_h == 0) & (i_v == 0), 1, 0))
+
+
+def _layout(cu, starts, slots):
+    """Host lists -> the head rows (a sequence's rows before its first 64 boundary
+    when it starts mid-chunk: (sequence, rows)), the pieces (token of row 0, rows,
+    slot to write or -1) and the sequences of the chunk-parallel part (first piece,
+    slot, from position 0, (start + len) % 64)."""
+    heads, pieces, seqs = [], [], []
+    for b in range(len(cu) - 1):
+        s, n, slot = starts[b], cu[b + 1] - cu[b], slots[b]
+        if n <= 0 or slot < 0:
+            continue
+        h = min(n, -s % CHUNK)
+        if h:
+            heads.append((b, h))
+        if n == h:
+            continue
+        seqs.append((len(pieces), slot, int(s == 0), (s + n) % CHUNK))
+        for r in range(h, n, CHUNK):
+            pieces.append([cu[b] + r, min(CHUNK, n - r), -1])
+        pieces[-1][2] = slot
+    return heads, pieces, seqs
+
+
+def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: int = BW, bv: int = BV,
+                     br: int = BR, bks: int = BKS, bi: int = BI, state_warps: int = STATE_WARPS):
+    """``gdn_scan_triton``'s contract (shapes, cache writes, bits), chunk-parallel.
+    q, k (T, Hk, K), v (T, Hv, V), g, beta (T, Hv) fp32 contiguous; cu_seqlens
+    (B + 1,), starts, slots (B,) int64 device tensors, read on the host (not
+    graph-capturable); ``cache``: ``op.gdn_cache``'s dict (the trainer passes a
+    fresh one, slots 0..B-1) -> o (T, Hv, V) fp32 (0 on padding rows).
+    ``bw``, ``bv``, ``br``, ``bks``, ``bi``, ``state_warps``: launch knobs that
+    cannot change bits."""
+    T, Hk, K = k.shape
+    Hv, V = v.shape[1], v.shape[2]
+    B = cu_seqlens.shape[0] - 1
+    dev = q.device
+    o = torch.zeros(T, Hv, V, dtype=torch.float32, device=dev)
+    if B == 0 or T == 0:
+        return o
+    host = torch.cat([cu_seqlens.long(), starts.long(), slots.long()]).tolist()
+    cu, st, sl = host[: B + 1], host[B + 1 : 2 * B + 1], host[2 * B + 1 :]
+    heads, pieces, seqs = _layout(cu, st, sl)
+    if heads:
+        idx = torch.cat([torch.arange(cu[b], cu[b] + h) for b, h in heads]).to(dev)
+        hcu = torch.tensor([0] + [h for _, h in heads], device=dev).cumsum(0)
+        bs = torch.tensor([b for b, _ in heads], device=dev)
+        o_h = gdn_scan_triton(*(t.index_select(0, idx) for t in (q, k, v, g, beta)), hcu, starts.long()[bs],
+                              slots.long()[bs], cache)
+        o.index_copy_(0, idx, o_h)
+    P, NB = len(pieces), len(seqs)
+    if P:
+        meta = torch.tensor([p[0] for p in pieces] + [p[1] for p in pieces] + [p[2] for p in pieces]
+                            + [x[0] for x in seqs] + [P] + [x[1] for x in seqs] + [x[2] for x in seqs]
+                            + [x[3] for x in seqs], dtype=torch.int64).to(dev)
+        tok, rows, wslot = meta[:P], meta[P : 2 * P], meta[2 * P : 3 * P]
+        seq, sslot, fresh, nend = (meta[3 * P : 3 * P + NB + 1], meta[3 * P + NB + 1 : 3 * P + 2 * NB + 1],
+                                   meta[3 * P + 2 * NB + 1 : 3 * P + 3 * NB + 1], meta[3 * P + 3 * NB + 1 :])
+        lib, opts = _launch_opts(q)
+        BK = max(2, next_power_of_2(K))
+        G = torch.empty(P, CHUNK, Hv, dtype=torch.float32, device=dev)
+        L = torch.empty(P, Hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)
+        A = torch.empty_like(L)
+        X = torch.empty(P, CHUNK, Hv, V + K, dtype=torch.float32, device=dev)
+        VN = torch.empty(P, CHUNK, Hv, V, dtype=torch.float32, device=dev)
+        bi = min(next_power_of_2(max(1, bi)), CHUNK)
+        _chunk_rows_kernel[(P, Hv)](q, k, g, beta, tok, rows, wslot, G, L, A, cache["g_cum"],
+                                    Hk, Hv, K, BK, bi, CHUNK, lib, **opts)
+        bw = max(2, min(bw, next_power_of_2(V + K)))
+        _chunk_solve_kernel[(P, Hv, cdiv(V + K, bw))](k, v, beta, tok, rows, wslot, G, L, X, cache["x"],
+                                                       Hk, Hv, K, V, bw, CHUNK, lib, **opts)
+        bv = max(2, min(bv, next_power_of_2(V)))
+        br = min(next_power_of_2(max(1, br)), CHUNK)
+        bks = max(2, min(bks, BK))
+        _chunk_state_kernel[(NB, Hv, cdiv(V, bv))](
+            q, k, o, tok, rows, seq, sslot, fresh, nend, G, A, X, VN,
+            cache["state"], cache["k"], cache["v_new"], cache["n"],
+            Hk, Hv, K, V, BK, bv, br, bks, CHUNK, lib, num_warps=state_warps, **opts,
+        )
+    _k_rows_kernel[(B, CHUNK, Hk)](k, cu_seqlens, starts, slots, cache["k"], Hk, K, max(2, next_power_of_2(K)),
+                                   CHUNK, **_launch_opts(q)[1])
+    return o

@@ -1,0 +1,208 @@
+"""The chunk-parallel Triton forward (``chunk_kernel.gdn_chunk_triton``, the GPU
+trainer / prefill) gives the row-by-row scan's bits and the torch path's: the
+output and every cache field it writes, under Triton's interpreter on the CPU
+(mixed lengths, continuations from mid-chunk, padding, GVA, odd K and V, the
+trainer form, other launch knobs) and, gpu-marked, at Qwen3.5-35B-A3B's shapes."""
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import run_interpreted
+from test_gdn import _INTERPRETED_PRELUDE, Inputs
+
+from alignzoo.common.gdn import gdn_cache, gdn_fwd
+
+_INTERPRETED_CHUNK = _INTERPRETED_PRELUDE + r"""
+import inspect
+
+import triton.language as tl
+
+from alignzoo.common.gdn import cpu
+from alignzoo.common.gdn.chunk_kernel import gdn_chunk_triton
+from alignzoo.common.gdn.kernel import gdn_scan_triton
+
+# The interpreter re-patches triton.language on every nested jit call (a tree level's tl.sum):
+# 60-80% of this script's time.  Within one launch a module once patched stays patched, so
+# patch each once per launch (the values computed are the same).
+_patched, _patch_lang, _grid_call = set(), _it._patch_lang, _it.GridExecutor.__call__
+
+
+def _patch_once(fn):
+    langs = {id(m) for m in fn.__globals__.values() if inspect.ismodule(m) and m in (tl, tl.core)}
+    if langs <= _patched:
+        return _it._LangPatchScope()
+    _patched.update(langs)
+    return _patch_lang(fn)
+
+
+def _grid_once(self, *a, **kw):
+    _patched.clear()
+    return _grid_call(self, *a, **kw)
+
+
+_it._patch_lang, _it.GridExecutor.__call__ = _patch_once, _grid_once
+# rows of several at a time (a launch knob: the same bits, fewer interpreted steps)
+FAST = dict(bi=64, bw=64, br=64)
+FIELDS = ("k", "g_cum", "x", "v_new")
+
+
+def same(a, b):
+    return torch.equal(a.nan_to_num(1e30), b.nan_to_num(1e30)) and torch.equal(a.isnan(), b.isnan())
+
+
+def case(Hk, Hv, K, V, lens, calls, seed, scan=True, **knobs):
+    # calls: engine steps of items (sequence, start, rows, slot); slot -1: a padding sequence.
+    # scan=False: against cpu.chunked only (test_gdn.py's scan test holds scan == cpu)
+    xs = inputs(seed, sum(lens), Hk, Hv, K, V)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    o_ref = cpu.chunked(*xs, cu, [0] * len(lens))
+    nslots = 1 + max(x[3] for items in calls for x in items)
+    caches = {be: nan_cache(Hk, Hv, K, V) for be in ("cpu", "scan", "chunk")}
+    for c in caches.values():
+        for name, t in c.items():
+            c[name] = t[:1].expand(nslots, *t.shape[1:]).clone()
+    rows_ok = {}  # slot -> rows of its open chunk that hold values
+    for items in calls:
+        idx = torch.cat([torch.arange(cu[b] + s, cu[b] + s + n) for b, s, n, _ in items])
+        ncu = [0]
+        for _, _, n, _ in items:
+            ncu.append(ncu[-1] + n)
+        st = [s for _, s, _, _ in items]
+        sl = [x for *_, x in items]
+        args = [t[idx].contiguous() for t in xs]
+        dev = [torch.tensor(ncu), torch.tensor(st), torch.tensor(sl)]
+        o_cpu = cpu.chunked(*args, ncu, st, cache=caches["cpu"], slots=sl)
+        o_chunk = gdn_chunk_triton(*args, *dev, caches["chunk"], **knobs)
+        if scan:
+            assert torch.equal(o_chunk, gdn_scan_triton(*args, *dev, caches["scan"])), items
+        for i, (b, s, n, slot) in enumerate(items):
+            a, e = ncu[i], ncu[i + 1]
+            if slot < 0:
+                assert not o_chunk[a:e].any(), items
+                continue
+            assert torch.equal(o_chunk[a:e], o_cpu[a:e]) and torch.equal(o_chunk[a:e], o_ref[cu[b] + s : cu[b] + s + n])
+            if n:
+                rows_ok[slot] = (s + n - 1) % 64 + 1
+        for slot in range(nslots):
+            if slot not in rows_ok:  # never written
+                assert all(same(caches["chunk"][f][slot], caches["cpu"][f][slot]) for f in caches["chunk"]), slot
+                continue
+            m = rows_ok[slot]
+            for be in ("cpu", "scan") if scan else ("cpu",):
+                ref = caches[be]
+                assert torch.equal(caches["chunk"]["state"][slot], ref["state"][slot]), (items, slot, be)
+                assert int(caches["chunk"]["n"][slot]) == int(ref["n"][slot]), (items, slot, be)
+                for f in FIELDS:
+                    assert torch.equal(caches["chunk"][f][slot, :m], ref[f][slot, :m]), (items, slot, be, f)
+    # the trainer form: a fresh scratch cache, every sequence from position 0
+    ar = torch.arange(len(lens))
+    o_tr = gdn_chunk_triton(*xs, torch.tensor(cu), torch.zeros_like(ar), ar, gdn_cache(len(lens), Hk, Hv, K, V),
+                            **knobs)
+    assert torch.equal(o_tr, o_ref)
+
+
+# mixed lengths across several chunks beside a padding sequence, then continuations from
+# mid-chunk (into the next chunk, within the chunk, from a boundary, empty) and more padding
+case(1, 2, 24, 20, [1, 63, 64, 65, 200], seed=2, calls=[
+    [(4, 0, 70, 2), (0, 0, 1, 4), (0, 0, 1, -1), (1, 0, 63, 0), (2, 0, 64, 1), (3, 0, 10, 3)],
+    [(3, 10, 55, 3), (4, 70, 3, 2), (1, 0, 1, -1), (2, 64, 0, 1)],
+    [(4, 73, 127, 2)],
+], **FAST)
+# one sequence split at several offsets in one batch, then the rest of each (GVA, Hv = 2 Hk)
+case(1, 2, 24, 20, [100], seed=3, scan=False, calls=[
+    [(0, 0, s, i) for i, s in enumerate((1, 37, 64, 65))],
+    [(0, s, 100 - s, i) for i, s in enumerate((1, 37, 64, 65))],
+], **FAST)
+# odd K and V (not powers of two: padded lanes, two V tiles, a column tile mixing u and w),
+# two qk heads; then the GPU's launch knobs, and others (two state K-tiles, four rows a step)
+case(2, 4, 24, 40, [70, 5], seed=4, calls=[[(0, 0, 40, 1), (1, 0, 5, 0)], [(0, 40, 30, 1)]], **FAST)
+case(1, 2, 24, 20, [130], seed=5, calls=[[(0, 0, 30, 0)], [(0, 30, 100, 0)]])
+case(1, 2, 24, 40, [100], seed=6, calls=[[(0, 0, 40, 0)], [(0, 40, 60, 0)]], bv=16, bw=16, br=4, bks=8, bi=8)
+print("ok")
+"""
+
+
+def test_chunk_kernel_interpreted():
+    """gdn_chunk_triton under the interpreter == gdn_scan_triton == cpu.chunked ==
+    the trainer's rows: o (padding rows 0) and, per slot, state, n and the open
+    chunk's k, g_cum, x, v_new rows from NaN-filled slots (slots never written
+    stay as the scan leaves them), then the trainer form."""
+    run_interpreted(_INTERPRETED_CHUNK, expect="ok")
+
+
+# ------------------------------------------------------------------ GPU (not run on the CPU CI)
+
+_QWEN35 = dict(Hk=16, Hv=32, K=128, V=128)
+
+
+def _engine_call(inp, items, cache, fn):
+    """items [(seq, start, n, slot)] through fn (gdn_chunk_triton / gdn_scan_triton)."""
+    dev = inp.device
+    idx = torch.cat([torch.arange(inp.cu[b] + s, inp.cu[b] + s + n) for b, s, n, _ in items]).to(dev)
+    cu = [0]
+    for _, _, n, _ in items:
+        cu.append(cu[-1] + n)
+    st = torch.tensor([s for _, s, _, _ in items], device=dev)
+    sl = torch.tensor([x for *_, x in items], device=dev)
+    args = [t[idx].contiguous() for t in (inp.q, inp.k, inp.v, inp.g, inp.beta)]
+    return fn(*args, torch.tensor(cu, device=dev), st, sl, cache)
+
+
+def _caches_equal(a, b, slot, m):
+    return (torch.equal(a["state"][slot], b["state"][slot]) and int(a["n"][slot]) == int(b["n"][slot])
+            and all(torch.equal(a[f][slot, :m], b[f][slot, :m]) for f in ("k", "g_cum", "x", "v_new")))
+
+
+@pytest.mark.gpu
+def test_gpu_chunk_equals_scan_qwen35_shapes():
+    """Qwen3.5-35B-A3B's GDN (Hk 16, Hv 32, K = V = 128): 4096 and 1500 tokens
+    beside a padding row, then a continuation from mid-chunk: the chunk kernel
+    and the scan give the same o and cache, bit for bit."""
+    from alignzoo.common.gdn.chunk_kernel import gdn_chunk_triton
+    from alignzoo.common.gdn.kernel import gdn_scan_triton
+
+    inp = Inputs([4096, 1500, 1], seed=11, device="cuda", **_QWEN35)
+    calls = [[(0, 0, 4096, 0), (2, 0, 1, -1), (1, 0, 1000, 1)], [(1, 1000, 500, 1)]]
+    caches = [inp.cache(2), inp.cache(2)]
+    for items in calls:
+        o_c = _engine_call(inp, items, caches[0], gdn_chunk_triton)
+        o_s = _engine_call(inp, items, caches[1], gdn_scan_triton)
+        assert torch.equal(o_c, o_s), items
+        for b, s, n, slot in items:
+            if slot >= 0:
+                assert _caches_equal(caches[0], caches[1], slot, (s + n - 1) % 64 + 1), (items, slot)
+    o_ref = gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_t(), backend="triton")
+    ar = torch.arange(3, device="cuda")
+    o_scan = gdn_scan_triton(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_t(), torch.zeros_like(ar), ar,
+                             gdn_cache(3, device="cuda", **_QWEN35))
+    assert torch.equal(o_ref, o_scan)
+
+
+@pytest.mark.gpu
+def test_gpu_chunk_equals_torch_path():
+    """On CUDA, smaller (Hk 2, Hv 4, K = V = 128, 700 and 130 tokens): the triton
+    trainer forward and a prefill split mid-chunk equal the torch path's rows,
+    states and open-chunk rows."""
+    inp = Inputs([700, 130], Hk=2, Hv=4, K=128, V=128, seed=12, device="cuda")
+    o_ref = gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_t(), backend="torch")
+    assert torch.equal(gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_t(), backend="triton"), o_ref)
+    caches = {be: inp.cache(2) for be in ("torch", "triton")}
+    for items in ([(0, 0, 300, 0), (1, 0, 70, 1)], [(0, 300, 400, 0), (1, 70, 60, 1)]):
+        outs = {be: inp.call(items, caches[be], backend=be) for be in caches}
+        for (b, s, n, slot), a, t in zip(items, outs["triton"], outs["torch"]):
+            assert torch.equal(a, t) and torch.equal(a, o_ref[inp.cu[b] + s : inp.cu[b] + s + n]), (items, b)
+            assert _caches_equal(caches["triton"], caches["torch"], slot, (s + n - 1) % 64 + 1), (items, slot)
+
+
+def test_layout_pieces():
+    """The host layout: a mid-chunk start runs its head rows through the scan, the
+    rest in 64-row pieces; padding and empty sequences make none."""
+    from alignzoo.common.gdn.chunk_kernel import _layout
+
+    heads, pieces, seqs = _layout([0, 10, 210, 211, 211, 300], [60, 0, 0, 5, 64], [0, 1, -1, 2, 3])
+    assert heads == [(0, 4)]
+    assert pieces == [[4, 6, 0], [10, 64, -1], [74, 64, -1], [138, 64, -1], [202, 8, 1], [211, 64, -1],
+                      [275, 25, 3]]
+    assert seqs == [(0, 0, 0, 6), (1, 1, 1, 8), (5, 3, 0, 25)]
