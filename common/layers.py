@@ -215,10 +215,14 @@ class MultiLoRALinear(Linear):
 LORA_MODES = ("merged", "separate", "multi")
 
 
-def check_lora_config(lora: LoRAConfig | Mapping, targets: Sequence[str], model: str) -> LoRAConfig:
+def check_lora_config(lora: LoRAConfig | Mapping, targets: Sequence[str], model: str,
+                      param_targets: Sequence[str] = ()) -> LoRAConfig:
     """A ``LoRAConfig`` (or a dict of its fields) checked against the
     projections ``targets`` of ``model`` (in layer order), with
-    ``target_modules`` as a list of them in that order ("all-linear": all)."""
+    ``target_modules`` as a list of them in that order ("all-linear": all),
+    and its ``target_parameters`` against the parameters ``param_targets``
+    (HF names under a layer, e.g. "mlp.experts.gate_up_proj"; a dotted suffix
+    of one names it, as in PEFT), as their full names in that order."""
     if isinstance(lora, Mapping):
         unknown = set(lora) - set(LoRAConfig.__dataclass_fields__)
         if unknown:
@@ -237,17 +241,25 @@ def check_lora_config(lora: LoRAConfig | Mapping, targets: Sequence[str], model:
         asked = known
     elif isinstance(asked, str):
         asked = [asked]
-    if not asked:
-        raise ValueError(f"LoRA target_modules is empty: name some of {', '.join(known)} (or 'all-linear')")
+    params = [lora.target_parameters] if isinstance(lora.target_parameters, str) else list(lora.target_parameters)
+    if not asked and not params:
+        extra = f"; or target_parameters, some of {', '.join(param_targets)}" if param_targets else ""
+        raise ValueError(f"LoRA target_modules is empty: name some of {', '.join(known)} (or 'all-linear'){extra}")
     unknown = [t for t in asked if t not in known]
     if unknown:
         raise ValueError(f"unknown LoRA target module {unknown[0]!r} for {model}; known: {', '.join(known)} "
                          f"(or 'all-linear')")
+    for t in params:
+        if not any(p == t or p.endswith("." + t) for p in param_targets):
+            have = ", ".join(param_targets) or "none (LoRA on parameters is for MoE experts)"
+            raise ValueError(f"unknown LoRA target parameter {t!r} for {model}; known: {have}")
     return LoRAConfig(r=r, lora_alpha=alpha, target_modules=[t for t in known if t in asked],
-                      use_rslora=lora.use_rslora, base_model_name_or_path=lora.base_model_name_or_path)
+                      use_rslora=lora.use_rslora, base_model_name_or_path=lora.base_model_name_or_path,
+                      target_parameters=[p for p in param_targets if any(p == t or p.endswith("." + t) for t in params)])
 
 
-def check_adapter_configs(adapters: Mapping, targets: Sequence[str], model: str) -> dict[str, LoRAConfig]:
+def check_adapter_configs(adapters: Mapping, targets: Sequence[str], model: str,
+                          param_targets: Sequence[str] = ()) -> dict[str, LoRAConfig]:
     """Multi mode: ``{adapter name: LoRAConfig or dict}``, each checked by
     ``check_lora_config``, in the given order (the adapters' indices)."""
     if not isinstance(adapters, Mapping) or not adapters:
@@ -257,7 +269,7 @@ def check_adapter_configs(adapters: Mapping, targets: Sequence[str], model: str)
         if not isinstance(name, str) or not name:
             raise ValueError(f"adapter names must be non-empty strings, got {name!r}")
         try:
-            out[name] = check_lora_config(lora, targets, model)
+            out[name] = check_lora_config(lora, targets, model, param_targets)
         except (TypeError, ValueError) as e:
             raise type(e)(f"adapter {name!r}: {e}") from None
     return out

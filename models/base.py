@@ -42,6 +42,7 @@ from ..common.layers import (
 from ..common.lm_head import lm_head_logits, lm_head_logits_fwd
 from ..common.lora import LoRAConfig, lora_add_fwd, lora_add_multi_fwd
 from ..common.matmul import matmul_fwd
+from ..common.moe.lora import ExpertsAdapter
 from ..common.rmsnorm import rmsnorm_fwd
 from ..common.rope import rope_table
 from ..common.sampling import SamplingParams, params_to_tensors, sampling_logprobs
@@ -79,6 +80,9 @@ class TrainerBase(nn.Module):
     model_name: str = ""
     lora_targets: tuple[str, ...] = ()
     lora_slices_of = staticmethod(_no_lora_slices)  # the model's ``weights.lora_slices``
+    # LoRA on parameters (an MoE layer's stacked experts): {HF parameter under a layer: (our module
+    # holding ``gate_up`` / ``down`` experts, which of them)}, e.g. {"mlp.experts.down_proj": ("moe", "down")}
+    lora_param_slots: dict[str, tuple[str, str]] = {}
     tap = staticmethod(no_tap)  # capture points (``models/capture.py``): off unless a Recorder attaches
 
     def __init__(self, cfg, *, activation_checkpointing: bool = False, fp8: bool = False):
@@ -104,11 +108,11 @@ class TrainerBase(nn.Module):
     @classmethod
     def check_lora(cls, lora: LoRAConfig | Mapping) -> LoRAConfig:
         """``lora`` checked against this model's projections (``check_lora_config``)."""
-        return check_lora_config(lora, cls.lora_targets, cls.model_name)
+        return check_lora_config(lora, cls.lora_targets, cls.model_name, tuple(cls.lora_param_slots))
 
     @classmethod
     def check_adapters(cls, adapters: Mapping) -> dict[str, LoRAConfig]:
-        return check_adapter_configs(adapters, cls.lora_targets, cls.model_name)
+        return check_adapter_configs(adapters, cls.lora_targets, cls.model_name, tuple(cls.lora_param_slots))
 
     def add_lora(self, lora: LoRAConfig | Mapping, mode: str = "merged", seed: int = 0) -> None:
         """Freeze every parameter and give each targeted projection of every
@@ -125,6 +129,9 @@ class TrainerBase(nn.Module):
             raise RuntimeError("this trainer already has LoRA adapters")
         check_lora_mode(mode, self.fp8)
         configs = self.check_adapters(lora) if mode == "multi" else {None: self.check_lora(lora)}
+        if mode == "multi" and any(c.target_parameters for c in configs.values()):
+            raise NotImplementedError("LoRA on the experts (target_parameters) runs in the merged and separate modes; "
+                                      "multi-mode adapters target projections (target_modules) only")
         for p in self.parameters():
             p.requires_grad_(False)
         order, L = list(self.lora_targets), len(self.layers)
@@ -144,11 +151,33 @@ class TrainerBase(nn.Module):
                     ((cfg, seeds),) = ads
                     m = LoRALinear(getattr(owner, attr), layer_slices, cfg.r, cfg.scale, mode, seeds)
                 setattr(owner, attr, m)
+        if mode != "multi" and configs[None].target_parameters:
+            self._add_experts_lora(configs[None], mode, seed)
         if mode == "multi":
             self.adapter_configs = configs
         else:
             self.lora = configs[None]
         self.lora_mode = mode
+
+    def _experts_slots(self, targets) -> dict[str, list[str]]:
+        """{our experts module path: [its targeted keys]} for HF parameter names ``targets``."""
+        out: dict[str, list[str]] = {}
+        for hf, (path, key) in self.lora_param_slots.items():
+            if hf in targets:
+                out.setdefault(path, []).append(key)
+        return out
+
+    def _add_experts_lora(self, cfg: LoRAConfig, mode: str, seed: int) -> None:
+        """An ``ExpertsAdapter`` on every layer's targeted experts (a seed per layer and projection)."""
+        for i, block in enumerate(self.layers):
+            for path, keys in self._experts_slots(cfg.target_parameters).items():
+                owner, attr = _owner(block, path)
+                if owner is None:
+                    continue
+                experts = getattr(owner, attr)
+                seeds = {k: seed * 1_000_003 + 500_009 + 2 * i + ExpertsAdapter.KEYS.index(k) for k in keys}
+                experts.experts_lora = ExpertsAdapter(experts.gate_up.weight, experts.down.weight, keys, cfg.r,
+                                                      cfg.scale, mode, seeds)
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
@@ -176,6 +205,11 @@ class TrainerBase(nn.Module):
                 holder = m.adapters[j] if isinstance(m, MultiLoRALinear) else m if isinstance(m, LoRALinear) else None
                 if holder is not None:
                     out |= {f"layers.{i}.{p}": (holder, p) for p, _, _ in layer_slices if p in holder.lora_A}
+            for path in self._experts_slots(self.lora_param_slots):
+                owner, attr = _owner(block, path)
+                ad = None if owner is None else getattr(getattr(owner, attr), "experts_lora", None)
+                if ad is not None:
+                    out |= {f"layers.{i}.{path}.{p}": (ad, p) for p in ad.lora_A}
         return out
 
     def lora_config(self, adapter: str | None = None) -> LoRAConfig | None:
@@ -238,6 +272,10 @@ class TrainerBase(nn.Module):
                 out.update(module.forward_weights(prefix))
             elif isinstance(module, Weight):
                 out[prefix + "weight"] = module.weight.detach()
+            elif isinstance(module, ExpertsAdapter):  # after its experts' Weights: merged W' replaces them
+                experts = self.get_submodule(name.rsplit(".", 1)[0])
+                out.update(module.forward_weights(prefix[: -len("experts_lora.")], experts.gate_up.weight,
+                                                  experts.down.weight))
         return out
 
     def logits(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None,

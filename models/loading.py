@@ -15,6 +15,7 @@ import torch
 
 from ..common.layers import LoRALinear, MultiLoRALinear
 from ..common.lora import LoRAConfig
+from ..common.moe.lora import ExpertsAdapter, merge_experts
 from .base import check_lora_mode
 from .spec import ModelSpec
 
@@ -109,7 +110,7 @@ def read_lora_adapter(spec: ModelSpec, directory) -> tuple[dict[str, tuple[torch
     """A PEFT adapter directory of a model of ``spec`` -> ({``layers.{i}.<projection>``: (A, B)}, config)."""
     from ..common.lora import load_peft_adapter
 
-    adapters, lora = load_peft_adapter(directory, from_hf=spec.lora_from_hf)
+    adapters, lora = load_peft_adapter(directory, from_hf=spec.lora_from_hf, param_order=spec.lora_param_order)
     return adapters, spec.trainer_cls.check_lora(lora)
 
 
@@ -236,7 +237,8 @@ def save_pretrained(spec: ModelSpec, trainer, directory, *, max_shard_bytes: int
             raise ValueError("adapter_only=True needs a LoRA model (load_pair(..., lora=...))")
         from ..common.lora import save_peft_adapter
 
-        save_peft_adapter(directory, trainer.lora_adapters(adapter), lora, to_hf=spec.lora_to_hf)
+        save_peft_adapter(directory, trainer.lora_adapters(adapter), lora, to_hf=spec.lora_to_hf,
+                          param_order=spec.lora_param_order)
         return
     cfg = trainer.cfg
     wdtype = trainer.embed.weight.dtype
@@ -248,6 +250,11 @@ def save_pretrained(spec: ModelSpec, trainer, directory, *, max_shard_bytes: int
             tensors[name + ".weight"] = m.merge()
         elif isinstance(m, MultiLoRALinear):
             tensors[name + ".weight"] = m.merge(j)
+        elif isinstance(m, ExpertsAdapter):  # W' = W + s·B·A per expert, as merged mode serves it
+            parent = name.rsplit(".", 1)[0]
+            for p in m.lora_A:
+                w = trainer.get_submodule(f"{parent}.{p}").weight
+                tensors[f"{parent}.{p}.weight"] = merge_experts(w, m.lora_A[p], m.lora_B[p], m.scale)
     tensors = {n: t.to(wdtype) for n, t in tensors.items()}  # FP8 masters: fp32
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     save_hf_checkpoint(directory, cfg.to_hf(dtype), spec.to_hf(tensors, cfg), **kw)

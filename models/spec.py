@@ -28,7 +28,10 @@ class ModelSpec:
     from_hf:           (source, cfg, dtype, device) -> {our name: tensor}
     to_hf:             ({our name: tensor}, cfg) -> {HF name: tensor}
     lora_from_hf, lora_to_hf: PEFT module name <-> ``layers.{i}.<projection>``
+                       (an experts adapter: ``<module>:<parameter>`` <-> ``layers.{i}.moe.<gate_up|down>``)
     init_weights:      (trainer, seed) -> None, the seeded random init
+    lora_param_order:  the HF experts module's parameters in registration order (PEFT's nesting of
+                       their adapters; ``common/lora/peft.py``); () for a model without experts LoRA
     """
 
     name: str
@@ -42,3 +45,4 @@ class ModelSpec:
     lora_from_hf: Callable[[str], str | None]
     lora_to_hf: Callable[[str], str]
     init_weights: Callable[..., None]
+    lora_param_order: tuple[str, ...] = ()

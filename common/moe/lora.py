@@ -19,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
 from .._validate import FLOAT_DTYPES, check_tensor
+from ..lora.adapter import init_lora_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,3 +53,100 @@ class ExpertLoRA:
                                  f"rank {r} need {want[name]}")
             if t.dtype != dtype or t.device != device:
                 raise ValueError(f"lora.{name} is {t.dtype} on {t.device}; the activations are {dtype} on {device}")
+
+
+class ExpertsAdapter(nn.Module):
+    """The trainer's LoRA over one layer's stacked experts: ``lora_A[p]`` (E, r, in) and
+    ``lora_B[p]`` (E, out, r) for p in "gate_up" (in H, out 2I) and / or "down" (in I, out H);
+    A seeded per expert as ``init_lora_weights`` draws it, B = 0 (a no-op until it trains).
+
+    separate: the experts run on the base weights with the adapter inside (``expert_lora``:
+              an ``ExpertLoRA``, zeros for a projection not targeted; the server builds the
+              same from the shipped tensors).
+    merged:   the experts run on W'_e = dtype(W_e + s · B_e A_e) (fp32 product, one rounding),
+              built once per adapter version (``merged``), the very tensor the server is sent;
+              its gradient reaches A and B through ``_MergedExperts``.
+    """
+
+    KEYS = ("gate_up", "down")
+
+    def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, keys, r: int, scale: float, mode: str,
+                 seeds: dict[str, int]):
+        super().__init__()
+        self.mode, self.scale, self.r = mode, scale, r
+        self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
+        for p, w in (("gate_up", w_gate_up), ("down", w_down)):
+            if p in keys:
+                E, out, K = w.shape
+                ab = [init_lora_weights(out, K, r, seed=seeds[p] * 1_000_003 + e, dtype=w.dtype, device=w.device)
+                      for e in range(E)]
+                self.lora_A[p] = nn.Parameter(torch.stack([a for a, _ in ab]))
+                self.lora_B[p] = nn.Parameter(torch.stack([b for _, b in ab]))
+        self._key, self._merged = None, None
+
+    def invalidate(self) -> None:
+        self._key = None
+
+    def expert_lora(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> ExpertLoRA:
+        """separate mode: the ``ExpertLoRA`` the experts add (a projection not targeted: zeros)."""
+        return expert_lora_of({p: (self.lora_A[p], self.lora_B[p]) for p in self.lora_A}, w_gate_up, w_down,
+                              self.r, self.scale)
+
+    def merged(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> dict[str, torch.Tensor]:
+        """merged mode: {p: W'} of the targeted projections (differentiable in A and B when grad is on)."""
+        base = {"gate_up": w_gate_up, "down": w_down}
+        key = tuple((t._version, t.data_ptr()) for t in (*base.values(), *self.lora_A.values(), *self.lora_B.values()))
+        if key != self._key:
+            self._key = key
+            self._merged = {p: merge_experts(base[p], self.lora_A[p], self.lora_B[p], self.scale) for p in self.lora_A}
+        if not torch.is_grad_enabled():
+            return self._merged
+        return {p: _MergedExperts.apply(m, self.lora_A[p], self.lora_B[p], self.scale) for p, m in self._merged.items()}
+
+    def forward_weights(self, prefix: str, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the server reads, under the experts' ``prefix`` ("layers.{i}.moe."): merged, the W' as
+        ``<prefix><p>.weight``; separate, ``<prefix>lora_A.<p>`` and ``<prefix>lora_B.<p>``."""
+        if self.mode == "merged":
+            return {f"{prefix}{p}.weight": w for p, w in self.merged(w_gate_up, w_down).items()}
+        out = {}
+        for p in self.lora_A:
+            out[f"{prefix}lora_A.{p}"] = self.lora_A[p].detach()
+            out[f"{prefix}lora_B.{p}"] = self.lora_B[p].detach()
+        return out
+
+
+@torch.no_grad()
+def merge_experts(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W' = dtype(W + s · B A) per expert: w (E, out, in), a (E, r, in), b (E, out, r)."""
+    s = torch.tensor(float(scale), dtype=torch.float32).item()
+    return (w.detach().float() + s * torch.bmm(b.detach().float(), a.detach().float())).to(w.dtype)
+
+
+class _MergedExperts(torch.autograd.Function):
+    """The cached W' as the forward's weight, with W' = W + s·B·A's gradient to A and B (W is frozen)."""
+
+    @staticmethod
+    def forward(ctx, merged, a, b, scale):
+        ctx.save_for_backward(a, b)
+        ctx.scale = scale
+        return merged.view_as(merged)
+
+    @staticmethod
+    def backward(ctx, dw):
+        a, b = ctx.saved_tensors
+        g = dw.float() * ctx.scale
+        return None, torch.bmm(b.float().transpose(1, 2), g).to(a.dtype), torch.bmm(g, a.float().transpose(1, 2)).to(b.dtype), None
+
+
+def expert_lora_of(ab: dict[str, tuple[torch.Tensor, torch.Tensor]], w_gate_up, w_down, r: int,
+                   scale: float) -> ExpertLoRA:
+    """An ``ExpertLoRA`` from {"gate_up" and / or "down": (A, B)}, zeros (rank r) for a projection
+    without an adapter (B = 0 adds exactly nothing: the base's bits)."""
+    out = []
+    for p, w in (("gate_up", w_gate_up), ("down", w_down)):
+        if p in ab:
+            out += list(ab[p])
+        else:
+            E, o, K = w.shape
+            out += [w.new_zeros(E, r, K), w.new_zeros(E, o, r)]
+    return ExpertLoRA(*out, scale=scale)

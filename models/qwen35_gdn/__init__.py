@@ -14,7 +14,7 @@ from ..spec import ModelSpec
 from .config import PRESETS, Qwen35GdnConfig
 from .serve import Qwen35GdnServer
 from .train import NAME, Qwen35GdnTrainer
-from .weights import from_hf, lora_from_hf, lora_to_hf, to_hf
+from .weights import LORA_PARAM_ORDER, from_hf, lora_from_hf, lora_to_hf, to_hf
 
 
 def _a_log(p: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def _vendor_server():
 SPEC = ModelSpec(
     name=NAME, config_cls=Qwen35GdnConfig, presets=PRESETS, trainer_cls=Qwen35GdnTrainer,
     server_cls=Qwen35GdnServer, vendor_server_cls=_vendor_server, from_hf=from_hf, to_hf=to_hf,
-    lora_from_hf=lora_from_hf, lora_to_hf=lora_to_hf, init_weights=init_weights,
+    lora_from_hf=lora_from_hf, lora_to_hf=lora_to_hf, init_weights=init_weights, lora_param_order=LORA_PARAM_ORDER,
 )
 
 load = functools.partial(loading.load, SPEC)

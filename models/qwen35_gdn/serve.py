@@ -23,6 +23,7 @@ from ...common.gdn import conv1d_fwd, conv1d_state_fields, gdn_fwd, gdn_state_fi
 from ...common.kv_cache import PagedPool, StatePool, write_kv_fwd
 from ...common.matmul import matmul_fwd
 from ...common.moe import experts_fwd, softmax_topk_fwd
+from ...common.moe.lora import expert_lora_of
 from ...common.moe.router import sigmoid_fp32
 from ...common.rmsnorm import rmsnorm_fwd
 from ...common.rope import rope_fwd
@@ -44,6 +45,23 @@ class Qwen35GdnServer(ServerBase):
                  lora_adapters: tuple[tuple[str, float], ...] = ()):
         super().__init__(cfg, weights, lora_scale, lora_adapters)
         self._slot = {i: n for n, i in enumerate(cfg.gdn_layers)} | {i: n for n, i in enumerate(cfg.attn_layers)}
+        self._experts_lora = self._experts_adapters()
+
+    def _experts_adapters(self) -> dict:
+        """{layer: ``ExpertLoRA``} of the layers whose experts carry a separate-mode adapter
+        (``layers.{i}.moe.lora_A.<gate_up|down>``); its tensors are the weight dict's, which sync
+        writes in place, so one is built per layer for the server's life."""
+        out = {}
+        for i in range(self.cfg.num_layers):
+            p = f"layers.{i}.moe."
+            ab = {k: (self.weights[f"{p}lora_A.{k}"], self.weights[f"{p}lora_B.{k}"])
+                  for k in ("gate_up", "down") if f"{p}lora_A.{k}" in self.weights}
+            if ab:
+                if self.lora_scale is None:
+                    raise ValueError("the weights hold experts' LoRA adapters (moe.lora_A.*) but no lora_scale was given")
+                r = next(iter(ab.values()))[0].shape[1]
+                out[i] = expert_lora_of(ab, self.w(p + "gate_up.weight"), self.w(p + "down.weight"), r, self.lora_scale)
+        return out
 
     def cache_pools(self) -> dict:
         c = self.cfg
@@ -116,7 +134,8 @@ class Qwen35GdnServer(ServerBase):
         w, ids = softmax_topk_fwd(matmul_fwd(h, self.w(p + "moe.gate.weight")), c.experts_per_token)
         self.tap("moe.router.ids", ids, L)
         self.tap("moe.router.weights", w, L)
-        routed = experts_fwd(h, ids, w, self.w(p + "moe.gate_up.weight"), self.w(p + "moe.down.weight"))
+        routed = experts_fwd(h, ids, w, self.w(p + "moe.gate_up.weight"), self.w(p + "moe.down.weight"),
+                             lora=self._experts_lora.get(L))
         self.tap("moe.routed", routed, L)
         gu = self.linear(h, p + "moe.shared_gate_up.", batch.adapter_ids)
         shared = self.linear(swiglu_fwd(gu[:, :Is], gu[:, Is:]), p + "moe.shared_down.", batch.adapter_ids)

@@ -26,7 +26,7 @@ from ...common.swiglu import swiglu_gate_up
 from ..base import TrainerBase
 from ..capture import no_tap
 from .config import Qwen35GdnConfig
-from .weights import LORA_TARGETS, lora_slices
+from .weights import LORA_PARAM_SLOTS, LORA_TARGETS, lora_slices
 
 NAME = "qwen35_gdn"
 
@@ -129,7 +129,8 @@ class AttnMixer(nn.Module):
 
 
 class MoE(nn.Module):
-    """Softmax top-k router, the routed experts and the sigmoid-gated shared expert."""
+    """Softmax top-k router, the routed experts and the sigmoid-gated shared expert;
+    ``experts_lora``: LoRA on the routed experts (``add_lora`` with target_parameters)."""
 
     def __init__(self, cfg: Qwen35GdnConfig, index: int, **kw):
         super().__init__()
@@ -141,6 +142,7 @@ class MoE(nn.Module):
         self.shared_gate_up = Linear(2 * Is, H, **kw)
         self.shared_down = Linear(H, Is, **kw)
         self.shared_gate = Weight(1, H, **kw)
+        self.experts_lora = None  # an ExpertsAdapter once add_lora targets the experts
 
     tap = staticmethod(no_tap)
 
@@ -156,7 +158,13 @@ class MoE(nn.Module):
             w, ids = router_replay(logits, ids_r, w_r, mode=mode, scoring="softmax")
         self.tap("moe.router.ids", ids, L)
         self.tap("moe.router.weights", w, L)
-        routed = moe_experts(h, ids, w, self.gate_up.weight, self.down.weight)
+        gu, d, lora, ad = self.gate_up.weight, self.down.weight, None, self.experts_lora
+        if ad is not None and ad.mode == "merged":
+            merged = ad.merged(gu, d)
+            gu, d = merged.get("gate_up", gu), merged.get("down", d)
+        elif ad is not None:
+            lora = ad.expert_lora(gu, d)
+        routed = moe_experts(h, ids, w, gu, d, lora=lora)
         self.tap("moe.routed", routed, L)
         shared = self.shared_down(swiglu_gate_up(self.shared_gate_up(h, adapters)), adapters)
         sg = sigmoid_fp32(matmul(h, self.shared_gate.weight).float())  # (T, 1)
@@ -205,6 +213,7 @@ class Qwen35GdnTrainer(TrainerBase):
     model_name = NAME
     lora_targets = tuple(LORA_TARGETS)
     lora_slices_of = staticmethod(lora_slices)
+    lora_param_slots = LORA_PARAM_SLOTS
 
     def __init__(self, cfg: Qwen35GdnConfig, *, device=None, dtype=torch.bfloat16, activation_checkpointing=False,
                  fp8: bool = False):

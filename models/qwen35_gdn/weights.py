@@ -36,6 +36,12 @@ LORA_TARGETS = {
 }
 
 
+# LoRA on the routed experts (PEFT's target_parameters): HF parameter -> (our experts module, which)
+LORA_PARAM_SLOTS = {"mlp.experts.gate_up_proj": ("moe", "gate_up"), "mlp.experts.down_proj": ("moe", "down")}
+# transformers' Qwen3_5MoeExperts registers gate_up_proj before down_proj: PEFT nests their adapters in that order
+LORA_PARAM_ORDER = ("gate_up_proj", "down_proj")
+
+
 def text_config(config: dict) -> dict:
     """The language model's config dict (the multimodal config keeps it under text_config)."""
     return config.get("text_config", config) if config.get("model_type") == "qwen3_5_moe" else config
@@ -62,9 +68,14 @@ def lora_slices(cfg) -> dict[str, tuple[tuple[str, int, int], ...]]:
 
 
 def lora_to_hf(name: str) -> str:
-    """Our adapter name ``layers.{i}.<projection>`` -> its HF module (as ``Qwen3_5MoeForCausalLM`` names it)."""
-    _, i, proj = name.split(".")
-    return f"model.layers.{i}.{LORA_TARGETS[proj]}"
+    """Our adapter name ``layers.{i}.<projection>`` -> its HF module (as ``Qwen3_5MoeForCausalLM`` names it);
+    an experts adapter ``layers.{i}.moe.<gate_up|down>`` -> ``model.layers.{i}.mlp.experts:<parameter>``."""
+    _, i, *rest = name.split(".")
+    if len(rest) == 2:
+        hf = next(h for h, slot in LORA_PARAM_SLOTS.items() if slot == tuple(rest))
+        module, param = hf.rsplit(".", 1)
+        return f"model.layers.{i}.{module}:{param}"
+    return f"model.layers.{i}.{LORA_TARGETS[rest[0]]}"
 
 
 def lora_from_hf(module: str) -> str | None:
@@ -72,6 +83,9 @@ def lora_from_hf(module: str) -> str | None:
         if module.startswith(prefix + "layers."):
             rest = module[len(prefix) + len("layers."):].split(".", 1)
             if len(rest) == 2 and rest[0].isdigit():
+                if ":" in rest[1]:
+                    slot = LORA_PARAM_SLOTS.get(rest[1].replace(":", "."))
+                    return None if slot is None else f"layers.{int(rest[0])}.{slot[0]}.{slot[1]}"
                 proj = next((p for p, m in LORA_TARGETS.items() if m == rest[1]), None)
                 return None if proj is None else f"layers.{int(rest[0])}.{proj}"
     return None
