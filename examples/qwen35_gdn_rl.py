@@ -6,7 +6,7 @@ trainer's chunk arithmetic; the check before each update compares every
 sampled token's FP32 log-probability bit for bit.
 
     python examples/qwen35_gdn_rl.py --steps 30
-    python examples/qwen35_gdn_rl.py --lora 8 --lora-mode separate
+    python examples/qwen35_gdn_rl.py --lora 8 --lora-mode separate   # attention, GDN projections and experts
 """
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ from rl_common import (  # noqa: E402
 
 import alignzoo  # noqa: E402
 from alignzoo import SamplingParams  # noqa: E402
+from alignzoo.models import model_module  # noqa: E402
 
 BOS, SEP, EOS, VOCAB = 10, 11, 12, 16  # digits are tokens 0..9
 
@@ -74,7 +75,11 @@ def parse(argv=None):
     ap.add_argument("--stream", action="store_true", help="forward/backward group by group as groups complete")
     ap.add_argument("--unaligned", action="store_true", help="serve with vendor kernels: K3 > 0 is logged, not fatal")
     ap.add_argument("--lora", type=int, default=0, metavar="R",
-                    help="train LoRA adapters of rank R (lora_alpha 2R) on all seven projections of a frozen base; 0: off")
+                    help="train LoRA adapters of rank R (lora_alpha 2R) on every projection of a frozen base (an MoE "
+                         "model's experts too: --no-lora-experts); 0: off")
+    ap.add_argument("--no-lora-experts", action="store_true",
+                    help="with --lora on an MoE model: leave the routed experts without adapters (by default merged "
+                         "and separate LoRA also adapt every expert's gate_up and down; multi mode never does)")
     ap.add_argument("--lora-mode", choices=("merged", "separate", "multi"), default="merged",
                     help="with --lora: merged: W + s·B·A is what the trainer reads and the sync ships; separate: "
                          "base + branch; multi: two adapters (tasks reverse and copy) on one frozen base")
@@ -104,6 +109,8 @@ def build_pair(args, **kw):
     cfg = args.config or {"vocab_size": VOCAB, "max_position": 64}
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     lora = {"r": args.lora, "lora_alpha": 2 * args.lora, "target_modules": "all-linear"}
+    if args.lora and not multi_lora(args) and not args.no_lora_experts:  # an MoE model's experts too
+        lora["target_parameters"] = list(model_module(args.model).SPEC.trainer_cls.lora_param_slots)
     if multi_lora(args):
         kw.setdefault("lora_adapters", {t: lora for t in TASKS})
     elif args.lora:
@@ -238,7 +245,9 @@ def main(argv=None) -> int:
     log_path = os.path.join(args.out, "log.jsonl")
     mode = "unaligned (vendor kernels)" if args.unaligned else "aligned"
     if args.lora:
-        mode += f", LoRA r={args.lora} {args.lora_mode}"
+        experts = not multi_lora(args) and not args.no_lora_experts and bool(
+            model_module(args.model).SPEC.trainer_cls.lora_param_slots)
+        mode += f", LoRA r={args.lora} {args.lora_mode}" + (" (experts too)" if experts else "")
     task = "/".join(TASKS) if multi_lora(args) else "reverse"
     print(f"{args.model} RL: {task} {args.digits} digits; {args.prompts} prompts x {args.group_size} samples per step; "
           f"{args.objective}; {mode}; {args.dtype}; {'streaming' if args.stream else 'one batch'} -> {log_path}")
