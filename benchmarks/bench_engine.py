@@ -7,7 +7,9 @@ aligned pair at real shapes with random weights.
 Prefill: B prompts of --prompt tokens with max_new_tokens=1 (prompt tokens / s;
 the median of 5 runs while B x prompt <= 4096 tokens, of 3 up to 8192, else one run).
 Decode: the same prompts with --new tokens each; decode tok/s = B * (new - 1) /
-(total time - the prefill time measured alone).  Writes engine.json and engine.md
+(total time - the prefill time measured alone); steady decode: B / the step time
+of the last new // 2 steps (that run minus the same run stopped halfway), where
+a prefill chunked past one step's token budget no longer counts.  Writes engine.json and engine.md
 (engine_vendor.* with --server-kernels vendor; *_no_overlap.* with --overlap off).
 
 The model's max_position is cut to what the benchmark uses (prompt + new,
@@ -110,9 +112,20 @@ def measure(eng, vocab: int, batch: int, prompt: int, new: int, seed: int = 0) -
     t_pre = sorted(timed(lambda: eng.generate(prompts, sp1), dev)[1] for _ in range(reps))[reps // 2]
     outs, t_all = timed(lambda: eng.generate(prompts, spn), dev)
     n_dec = sum(len(o.tokens) - 1 for o in outs)
+    # steady decode: the same run stopped halfway; the difference is the last new // 2 steps at
+    # the full batch, after every prompt's prefill (which, past one step's token budget, is chunked
+    # into the first decode steps and counted in decode_tok_s above)
+    half = new // 2
+    steady = None
+    if half >= 1 and new - half >= 1:
+        sph = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=new - half, seed=1, stop_token_ids=())
+        t_half = timed(lambda: eng.generate(prompts, sph), dev)[1]
+        steady = (t_all - t_half) / half
     return {"batch": batch, "prompt": prompt, "new": new, "prefill_s": t_pre, "total_s": t_all,
             "prefill_tok_s": batch * prompt / t_pre, "decode_tok_s": n_dec / max(t_all - t_pre, 1e-9),
             "decode_step_ms": 1e3 * (t_all - t_pre) / max(new - 1, 1),
+            "steady_decode_step_ms": None if steady is None else 1e3 * steady,
+            "steady_decode_tok_s": None if steady is None else batch / max(steady, 1e-9),
             "preemptions": eng.num_preemptions - pre0}
 
 
@@ -153,9 +166,11 @@ def main() -> int:
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({**head, "rows": rows}, f, indent=1)
     lines = [f"# Engine throughput: {args.config}", "", *(f"- {k}: {v}" for k, v in head.items()), "",
-             "| batch | prompt | new | prefill tok/s | decode tok/s | decode step ms |", "|---|---|---|---|---|---|"]
+             "| batch | prompt | new | prefill tok/s | decode tok/s | decode step ms | steady decode tok/s | steady step ms |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['prompt']} | {r['new']} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.0f} | "
-              f"{r['decode_step_ms']:.2f} |" for r in rows]
+              f"{r['decode_step_ms']:.2f} | {r['steady_decode_tok_s'] or float('nan'):.0f} | "
+              f"{r['steady_decode_step_ms'] or float('nan'):.2f} |" for r in rows]
     with open(os.path.join(args.out, stem + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

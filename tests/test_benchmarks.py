@@ -199,3 +199,13 @@ def test_trainer_step_smoke_on_cpu(tmp_path):
     assert "## Trainer" in page and "| tiny | 2 | 80 | aligned |" in page and "| tiny | 2 | 80 | hf | " in page
     with pytest.raises(SystemExit):
         run_suite.parse_args(["--device", "cpu", "--trainer-shapes", "tiny:2by40"])
+
+
+def test_engine_rows_of_qwen35_on_cpu():
+    """bench_engine's load takes MODEL/PRESET; a row has the steady decode beside the old measure."""
+    import bench_engine
+
+    pair = bench_engine.load("qwen35_gdn/tiny", max_batch_size=3, cuda_graphs=False, device="cpu")
+    row = bench_engine.measure(pair.server, pair.config.vocab_size, 3, 20, 6)
+    assert row["batch"] == 3 and row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+    assert row["steady_decode_step_ms"] is not None and row["steady_decode_tok_s"] > 0
