@@ -2,7 +2,7 @@
 non-invariant grouped path the device's torch has, at the three real expert
 shapes, decode and prefill token counts, side by side in one run.
 
-    python benchmarks/bench_moe.py --out DIR [--tokens 1,8,64,256,4096,16384]
+    python benchmarks/bench_moe.py --out DIR [--tokens 1,8,64,256,4096,16384] [--formats bf16,fp8,mxfp4]
 
 Vendor (``common/moe/vendor.py``): sort the (token, slot) rows by expert, ``torch._grouped_mm`` for gate/up
 and down (bf16, fp32 accumulate inside), SiLU·up in bf16, the routing weight
@@ -56,6 +56,32 @@ def time_graph(fn, reps=20):
     return statistics.median(times)
 
 
+def quantize(fmt: str, w_gu, w_d) -> dict:
+    """The experts in ``fmt`` ("fp8": 128x128 blocks; "mxfp4": E2M1 + E8M0 per 32) and their bf16
+    dequantized weights, the vendor's side."""
+    from alignzoo.common.moe.op import (dequantize_experts_fp8, dequantize_experts_mxfp4, quantize_experts_fp8,
+                                        quantize_experts_mxfp4)
+
+    q, dq = {"fp8": (quantize_experts_fp8, dequantize_experts_fp8),
+             "mxfp4": (quantize_experts_mxfp4, dequantize_experts_mxfp4)}[fmt]
+    codes = q(w_gu, w_d)
+    return {"codes": codes, "bf16": dq(*codes, dtype=torch.bfloat16)}
+
+
+def quantized_row(name, fmt, T, x, ids, w, qd, limit) -> dict:
+    """Our ``fmt`` experts (computed on their codes) against the vendor on the dequantized bf16 weights."""
+    from alignzoo.common.moe.op import experts_fp8_fwd, experts_mxfp4_fwd
+
+    fwd = {"fp8": experts_fp8_fwd, "mxfp4": experts_mxfp4_fwd}[fmt]
+    ref = fwd(x, ids, w, *qd["codes"], limit)
+    exact = torch.equal(fwd(x, ids, w, *qd["codes"], limit), ref)  # run to run
+    ms = time_graph(lambda: fwd(x, ids, w, *qd["codes"], limit))
+    v_ms = time_graph(lambda: vendor(x, ids, w, *qd["bf16"], limit))
+    err = float((vendor(x, ids, w, *qd["bf16"], limit).float() - ref).abs().max())
+    return {"shape": name, "format": fmt, "tokens": T, "ours_ms": ms, "config": "default", "repeats": exact,
+            "vendor_ms": v_ms, "ratio": v_ms / ms, "max_abs_vs_vendor": err}
+
+
 def main(argv=None):
     from alignzoo.common.moe.kernel import experts_fwd_triton
 
@@ -63,6 +89,8 @@ def main(argv=None):
     ap.add_argument("--out", default="gpu_out")
     ap.add_argument("--tokens", default="1,8,64,256,4096,16384")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--formats", default="bf16", help="bf16,fp8,mxfp4: the quantized experts against the vendor "
+                                                       "on their bf16 dequantized weights (the default launch config)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     rows = []
@@ -71,6 +99,7 @@ def main(argv=None):
         H, I, E, k, limit = SHAPES[name]
         w_gu = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
         w_d = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
+        quantized = {fmt: quantize(fmt, w_gu, w_d) for fmt in a.formats.split(",") if fmt != "bf16"}
         for T in map(int, a.tokens.split(",")):
             x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
             p = torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1)
@@ -91,17 +120,20 @@ def main(argv=None):
                     best = (ms, cfg)
             v_ms = time_graph(lambda: vendor(x, ids, w, w_gu, w_d, limit))
             err = float((vendor(x, ids, w, w_gu, w_d, limit).float() - ref).abs().max())
-            rows.append({"shape": name, "tokens": T, "ours_ms": best[0], "config": best[1], "vendor_ms": v_ms,
-                         "ratio": v_ms / best[0], "max_abs_vs_vendor": err})
+            rows.append({"shape": name, "format": "bf16", "tokens": T, "ours_ms": best[0], "config": best[1],
+                         "vendor_ms": v_ms, "ratio": v_ms / best[0], "max_abs_vs_vendor": err})
             print(json.dumps(rows[-1]), flush=True)
+            for fmt in [f for f in a.formats.split(",") if f != "bf16"]:
+                rows.append(quantized_row(name, fmt, T, x, ids, w, quantized[fmt], limit))
+                print(json.dumps(rows[-1]), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
             "command": " ".join(sys.argv), "vendor": "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "loop"}
     with open(os.path.join(a.out, "moe.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [f"# Routed experts: ours vs {meta['vendor']} ({meta['gpu']}, torch {meta['torch']}, `{meta['commit']}`)", "",
-             "| shape | tokens | ours ms | config | vendor ms | ratio |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['shape']} | {r['tokens']} | {r['ours_ms']:.4f} | {r['config']} | {r['vendor_ms']:.4f} | "
-              f"{r['ratio']:.2f}x |" for r in rows]
+             "| shape | format | tokens | ours ms | config | vendor ms | ratio |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['format']} | {r['tokens']} | {r['ours_ms']:.4f} | {r['config']} | "
+              f"{r['vendor_ms']:.4f} | {r['ratio']:.2f}x |" for r in rows]
     with open(os.path.join(a.out, "moe.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
