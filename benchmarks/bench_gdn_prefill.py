@@ -55,6 +55,8 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="8x512,1x4096")
+    ap.add_argument("--knobs", default=None, help='a JSON list of gdn_chunk_triton knob dicts to sweep, e.g. '
+                                                  '\'[{"bv": 4, "br": 16}, {"bv": 2, "br": 64}]\' (default: KNOBS)')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
@@ -68,7 +70,7 @@ def main() -> int:
 
         ref = run(gdn_scan_triton)
         scan_ms = timed(lambda: run(gdn_scan_triton))
-        for knobs in KNOBS:
+        for knobs in json.loads(args.knobs) if args.knobs else KNOBS:
             same = torch.equal(run(gdn_chunk_triton, **knobs), ref)
             ms = timed(lambda: run(gdn_chunk_triton, **knobs)) if same else float("nan")
             rows.append({"shape": shape, "knobs": knobs, "chunk_ms": ms, "scan_ms": scan_ms, "bits_equal": same})
