@@ -17,6 +17,7 @@ from torch import nn
 
 from .fp8 import Fp8WeightCache, fp8_linear
 from .lora import LoRAConfig, init_lora_weights, lora_add, lora_add_multi, lora_merge, lora_merge_fwd
+from .lora.peft import matches_target
 from .matmul import matmul
 
 
@@ -250,12 +251,12 @@ def check_lora_config(lora: LoRAConfig | Mapping, targets: Sequence[str], model:
         raise ValueError(f"unknown LoRA target module {unknown[0]!r} for {model}; known: {', '.join(known)} "
                          f"(or 'all-linear')")
     for t in params:
-        if not any(p == t or p.endswith("." + t) for p in param_targets):
+        if not any(matches_target(p, t) for p in param_targets):
             have = ", ".join(param_targets) or "none (LoRA on parameters is for MoE experts)"
             raise ValueError(f"unknown LoRA target parameter {t!r} for {model}; known: {have}")
     return LoRAConfig(r=r, lora_alpha=alpha, target_modules=[t for t in known if t in asked],
                       use_rslora=lora.use_rslora, base_model_name_or_path=lora.base_model_name_or_path,
-                      target_parameters=[p for p in param_targets if any(p == t or p.endswith("." + t) for t in params)])
+                      target_parameters=[p for p in param_targets if any(matches_target(p, t) for t in params)])
 
 
 def check_adapter_configs(adapters: Mapping, targets: Sequence[str], model: str,

@@ -105,12 +105,19 @@ def multi_lora(args) -> bool:
     return bool(args.lora) and args.lora_mode == "multi"
 
 
+def lora_experts(args) -> list[str]:
+    """The routed experts' parameters merged / separate LoRA adapts (an MoE model's; else none)."""
+    if not args.lora or multi_lora(args) or args.no_lora_experts:
+        return []
+    return list(model_module(args.model).SPEC.trainer_cls.lora_param_slots)
+
+
 def build_pair(args, **kw):
     cfg = args.config or {"vocab_size": VOCAB, "max_position": 64}
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     lora = {"r": args.lora, "lora_alpha": 2 * args.lora, "target_modules": "all-linear"}
-    if args.lora and not multi_lora(args) and not args.no_lora_experts:  # an MoE model's experts too
-        lora["target_parameters"] = list(model_module(args.model).SPEC.trainer_cls.lora_param_slots)
+    if lora_experts(args):
+        lora["target_parameters"] = lora_experts(args)
     if multi_lora(args):
         kw.setdefault("lora_adapters", {t: lora for t in TASKS})
     elif args.lora:
@@ -245,9 +252,7 @@ def main(argv=None) -> int:
     log_path = os.path.join(args.out, "log.jsonl")
     mode = "unaligned (vendor kernels)" if args.unaligned else "aligned"
     if args.lora:
-        experts = not multi_lora(args) and not args.no_lora_experts and bool(
-            model_module(args.model).SPEC.trainer_cls.lora_param_slots)
-        mode += f", LoRA r={args.lora} {args.lora_mode}" + (" (experts too)" if experts else "")
+        mode += f", LoRA r={args.lora} {args.lora_mode}" + (" (experts too)" if lora_experts(args) else "")
     task = "/".join(TASKS) if multi_lora(args) else "reverse"
     print(f"{args.model} RL: {task} {args.digits} digits; {args.prompts} prompts x {args.group_size} samples per step; "
           f"{args.objective}; {mode}; {args.dtype}; {'streaming' if args.stream else 'one batch'} -> {log_path}")

@@ -176,8 +176,8 @@ class TrainerBase(nn.Module):
                     continue
                 experts = getattr(owner, attr)
                 seeds = {k: seed * 1_000_003 + 500_009 + 2 * i + ExpertsAdapter.KEYS.index(k) for k in keys}
-                experts.experts_lora = ExpertsAdapter(experts.gate_up.weight, experts.down.weight, keys, cfg.r,
-                                                      cfg.scale, mode, seeds)
+                setattr(experts, ExpertsAdapter.ATTR, ExpertsAdapter(experts.gate_up.weight, experts.down.weight,
+                                                                     keys, cfg.r, cfg.scale, mode, seeds))
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
@@ -205,9 +205,9 @@ class TrainerBase(nn.Module):
                 holder = m.adapters[j] if isinstance(m, MultiLoRALinear) else m if isinstance(m, LoRALinear) else None
                 if holder is not None:
                     out |= {f"layers.{i}.{p}": (holder, p) for p, _, _ in layer_slices if p in holder.lora_A}
-            for path in self._experts_slots(self.lora_param_slots):
+            for path in {path for path, _ in self.lora_param_slots.values()}:
                 owner, attr = _owner(block, path)
-                ad = None if owner is None else getattr(getattr(owner, attr), "experts_lora", None)
+                ad = None if owner is None else getattr(getattr(owner, attr), ExpertsAdapter.ATTR, None)
                 if ad is not None:
                     out |= {f"layers.{i}.{path}.{p}": (ad, p) for p in ad.lora_A}
         return out
@@ -273,9 +273,7 @@ class TrainerBase(nn.Module):
             elif isinstance(module, Weight):
                 out[prefix + "weight"] = module.weight.detach()
             elif isinstance(module, ExpertsAdapter):  # after its experts' Weights: merged W' replaces them
-                experts = self.get_submodule(name.rsplit(".", 1)[0])
-                out.update(module.forward_weights(prefix[: -len("experts_lora.")], experts.gate_up.weight,
-                                                  experts.down.weight))
+                out.update(module.forward_weights(prefix[: -len(ExpertsAdapter.ATTR) - 1]))
         return out
 
     def logits(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None,

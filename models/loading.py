@@ -15,7 +15,7 @@ import torch
 
 from ..common.layers import LoRALinear, MultiLoRALinear
 from ..common.lora import LoRAConfig
-from ..common.moe.lora import ExpertsAdapter, merge_experts
+from ..common.moe.lora import ExpertsAdapter
 from .base import check_lora_mode
 from .spec import ModelSpec
 
@@ -252,9 +252,7 @@ def save_pretrained(spec: ModelSpec, trainer, directory, *, max_shard_bytes: int
             tensors[name + ".weight"] = m.merge(j)
         elif isinstance(m, ExpertsAdapter):  # W' = W + s·B·A per expert, as merged mode serves it
             parent = name.rsplit(".", 1)[0]
-            for p in m.lora_A:
-                w = trainer.get_submodule(f"{parent}.{p}").weight
-                tensors[f"{parent}.{p}.weight"] = merge_experts(w, m.lora_A[p], m.lora_B[p], m.scale)
+            tensors |= {f"{parent}.{p}.weight": w for p, w in m.merge().items()}
     tensors = {n: t.to(wdtype) for n, t in tensors.items()}  # FP8 masters: fp32
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     save_hf_checkpoint(directory, cfg.to_hf(dtype), spec.to_hf(tensors, cfg), **kw)

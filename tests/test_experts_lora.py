@@ -9,7 +9,8 @@ from alignzoo.common.moe.lora import ExpertsAdapter, _MergedExperts, merge_exper
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "in_proj_qkv"],
         "target_parameters": ["experts.gate_up_proj", "mlp.experts.down_proj"]}
-PROMPTS = [[(7 * i + 3) % 151 for i in range(150)], [5, 9, 2], [(3 * i) % 151 for i in range(70)]]  # across 64-row chunks
+# prompts across 64-row GDN chunks, and a short one
+PROMPTS = [[(7 * i + 3) % 151 for i in range(150)], [5, 9, 2], [(3 * i) % 151 for i in range(70)]]
 SP = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=24, seed=5, stop_token_ids=())
 
 

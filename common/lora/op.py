@@ -56,7 +56,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _Matmul.apply(x, w)
 
 
-def _fp32(scale: float) -> float:
+def fp32_scale(scale: float) -> float:
     """The Python float holding fp32(scale): what every side multiplies by."""
     return torch.tensor(float(scale), dtype=torch.float32).item()
 
@@ -73,7 +73,7 @@ def lora_merge_fwd(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: flo
     (``fixed_order_dot``), so W' has the same bits on CPU and CUDA.
     """
     d = fixed_order_dot(b, a.t())  # (N, K) fp32
-    d.mul_(_fp32(scale))
+    d.mul_(fp32_scale(scale))
     w32 = w.float()
     return torch.where(d == 0, w32, w32 + d).to(w.dtype)
 
@@ -81,7 +81,7 @@ def lora_merge_fwd(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: flo
 def _merge_bwd(dw_m: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float):
     """dA = s·Bᵀ·dW' (sum over N), dB = s·dW'·Aᵀ (sum over K): each product
     rounded to dtype by ``matmul_fwd``, then fp32(s ·) and one more rounding."""
-    s = _fp32(scale)
+    s = fp32_scale(scale)
     da = (matmul_fwd(b.t(), dw_m.t()).float() * s).to(a.dtype)  # (r, N)·(K, N)ᵀ -> (r, K)
     db = (matmul_fwd(dw_m, a).float() * s).to(b.dtype)  # (N, K)·(r, K)ᵀ -> (N, r)
     return da, db
@@ -168,14 +168,14 @@ def lora_add_fwd(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     base: (M, N) (may be a column slice of a fused projection), x: (M, K)
     contiguous, a: (r, K), b: (N, r) -> (M, N) in base.dtype.
     """
-    return _add_body(base, x, a, b, _fp32(scale), matmul_fwd)
+    return _add_body(base, x, a, b, fp32_scale(scale), matmul_fwd)
 
 
 @torch.no_grad()
 def lora_linear_separate_fwd(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                              scale: float) -> torch.Tensor:
     """Server launcher of ``lora_linear_separate``.  x: (M, K) -> (M, N)."""
-    return _add_body(matmul_fwd(x, w), x, a, b, _fp32(scale), matmul_fwd)
+    return _add_body(matmul_fwd(x, w), x, a, b, fp32_scale(scale), matmul_fwd)
 
 
 def _check_rows(x: torch.Tensor, w: torch.Tensor) -> None:
@@ -205,7 +205,7 @@ def lora_add(base: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     _check_base(base, x, base.shape[1])
     check_same_device(x=x, lora_A=a)
     _check_scale(scale)
-    return _add_body(base, x, a, b, _fp32(scale), _linear)
+    return _add_body(base, x, a, b, fp32_scale(scale), _linear)
 
 
 def lora_linear_separate(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -218,7 +218,7 @@ def lora_linear_separate(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: t
     """
     _check_adapter(w, a, b, scale)
     _check_rows(x, w)
-    return _add_body(_linear(x, w), x, a, b, _fp32(scale), _linear)
+    return _add_body(_linear(x, w), x, a, b, fp32_scale(scale), _linear)
 
 
 # --------------------------------------------------------------------------- multi
@@ -240,7 +240,7 @@ def _scales(scales, n: int) -> list[float]:
         raise ValueError(f"scales has {len(vals)} entries, expected one per adapter ({n})")
     for v in vals:
         _check_scale(v)
-    return [_fp32(v) for v in vals]
+    return [fp32_scale(v) for v in vals]
 
 
 @torch.no_grad()

@@ -109,7 +109,7 @@ def _param_from_peft(module: str, a, b, config: LoRAConfig, order, where: str):
     depth = 0
     while module.endswith(".base_layer"):
         module, depth = module[: -len(".base_layer")], depth + 1
-    ps = [p for p in order if any(_matches(f"{module}.{p}", t) for t in config.target_parameters)]
+    ps = [p for p in order if any(matches_target(f"{module}.{p}", t) for t in config.target_parameters)]
     if not ps:
         return None
     if depth >= len(ps):
@@ -123,7 +123,7 @@ def _param_from_peft(module: str, a, b, config: LoRAConfig, order, where: str):
             b.reshape(b.shape[0], r, E).permute(2, 0, 1).contiguous())
 
 
-def _matches(full: str, target: str) -> bool:
+def matches_target(full: str, target: str) -> bool:
     """PEFT's target_parameters match a parameter's full name or a dotted suffix of it."""
     return full == target or full.endswith("." + target)
 
@@ -139,13 +139,13 @@ def save_peft_adapter(path: str | os.PathLike, adapters: Mapping[str, tuple[torc
     """
     tensors: dict[str, torch.Tensor] = {}
     modules = []
+    hf_of = {name: to_hf(name) for name in adapters}
     params = {}  # {hf module: [targeted parameters]} of the parameter adapters
-    for name in adapters:
-        hf = to_hf(name)
+    for hf in hf_of.values():
         if ":" in hf:
             params.setdefault(hf.split(":")[0], []).append(hf.split(":")[1])
     for name, (a, b) in adapters.items():
-        hf = to_hf(name)
+        hf = hf_of[name]
         if ":" in hf:
             hf, a, b = _param_to_peft(hf, a, b, config.r, params, param_order, name)
         elif a.dim() != 2 or b.dim() != 2 or a.shape[0] != config.r or b.shape[1] != config.r:

@@ -23,6 +23,7 @@ from torch import nn
 
 from .._validate import FLOAT_DTYPES, check_tensor
 from ..lora.adapter import init_lora_weights
+from ..lora.op import fp32_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +39,7 @@ class ExpertLoRA:
     @property
     def s(self) -> float:
         """fp32(scale) as a Python float: what every side multiplies by."""
-        return torch.tensor(float(self.scale), dtype=torch.float32).item()
+        return fp32_scale(self.scale)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.a_gate_up, self.b_gate_up, self.a_down, self.b_down
@@ -56,9 +57,10 @@ class ExpertLoRA:
 
 
 class ExpertsAdapter(nn.Module):
-    """The trainer's LoRA over one layer's stacked experts: ``lora_A[p]`` (E, r, in) and
-    ``lora_B[p]`` (E, out, r) for p in "gate_up" (in H, out 2I) and / or "down" (in I, out H);
-    A seeded per expert as ``init_lora_weights`` draws it, B = 0 (a no-op until it trains).
+    """The trainer's LoRA over one layer's stacked experts ``w_gate_up`` (E, 2I, H) and ``w_down``
+    (E, H, I), held as the experts module's ``ATTR``: ``lora_A[p]`` (E, r, in) and ``lora_B[p]``
+    (E, out, r) for p in ``KEYS`` targeted; A seeded per expert as ``init_lora_weights`` draws it,
+    B = 0 (a no-op until it trains).
 
     separate: the experts run on the base weights with the adapter inside (``expert_lora``:
               an ``ExpertLoRA``, zeros for a projection not targeted; the server builds the
@@ -68,14 +70,16 @@ class ExpertsAdapter(nn.Module):
               its gradient reaches A and B through ``_MergedExperts``.
     """
 
+    ATTR = "experts_lora"
     KEYS = ("gate_up", "down")
 
     def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, keys, r: int, scale: float, mode: str,
                  seeds: dict[str, int]):
         super().__init__()
         self.mode, self.scale, self.r = mode, scale, r
+        self._base = {"gate_up": w_gate_up, "down": w_down}  # the frozen experts (a dict: not registered again)
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
-        for p, w in (("gate_up", w_gate_up), ("down", w_down)):
+        for p, w in self._base.items():
             if p in keys:
                 E, out, K = w.shape
                 ab = [init_lora_weights(out, K, r, seed=seeds[p] * 1_000_003 + e, dtype=w.dtype, device=w.device)
@@ -87,27 +91,30 @@ class ExpertsAdapter(nn.Module):
     def invalidate(self) -> None:
         self._key = None
 
-    def expert_lora(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> ExpertLoRA:
+    def expert_lora(self) -> ExpertLoRA:
         """separate mode: the ``ExpertLoRA`` the experts add (a projection not targeted: zeros)."""
-        return expert_lora_of({p: (self.lora_A[p], self.lora_B[p]) for p in self.lora_A}, w_gate_up, w_down,
-                              self.r, self.scale)
+        return expert_lora_of({p: (self.lora_A[p], self.lora_B[p]) for p in self.lora_A}, self._base["gate_up"],
+                              self._base["down"], self.r, self.scale)
 
-    def merged(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> dict[str, torch.Tensor]:
-        """merged mode: {p: W'} of the targeted projections (differentiable in A and B when grad is on)."""
-        base = {"gate_up": w_gate_up, "down": w_down}
-        key = tuple((t._version, t.data_ptr()) for t in (*base.values(), *self.lora_A.values(), *self.lora_B.values()))
+    def merge(self) -> dict[str, torch.Tensor]:
+        """{p: a new W'} of the targeted projections (not cached)."""
+        return {p: merge_experts(self._base[p], self.lora_A[p], self.lora_B[p], self.scale) for p in self.lora_A}
+
+    def merged(self) -> dict[str, torch.Tensor]:
+        """merged mode: {p: the cached W'} (differentiable in A and B when grad is on)."""
+        tensors = (*self._base.values(), *self.lora_A.values(), *self.lora_B.values())
+        key = tuple((t._version, t.data_ptr()) for t in tensors)
         if key != self._key:
-            self._key = key
-            self._merged = {p: merge_experts(base[p], self.lora_A[p], self.lora_B[p], self.scale) for p in self.lora_A}
+            self._key, self._merged = key, self.merge()
         if not torch.is_grad_enabled():
             return self._merged
         return {p: _MergedExperts.apply(m, self.lora_A[p], self.lora_B[p], self.scale) for p, m in self._merged.items()}
 
-    def forward_weights(self, prefix: str, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What the server reads, under the experts' ``prefix`` ("layers.{i}.moe."): merged, the W' as
-        ``<prefix><p>.weight``; separate, ``<prefix>lora_A.<p>`` and ``<prefix>lora_B.<p>``."""
+    def forward_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+        """What the server reads, under the experts module's ``prefix`` ("layers.{i}.moe."): merged,
+        the W' as ``<prefix><p>.weight``; separate, ``<prefix>lora_A.<p>`` and ``<prefix>lora_B.<p>``."""
         if self.mode == "merged":
-            return {f"{prefix}{p}.weight": w for p, w in self.merged(w_gate_up, w_down).items()}
+            return {f"{prefix}{p}.weight": w for p, w in self.merged().items()}
         out = {}
         for p in self.lora_A:
             out[f"{prefix}lora_A.{p}"] = self.lora_A[p].detach()
@@ -118,8 +125,7 @@ class ExpertsAdapter(nn.Module):
 @torch.no_grad()
 def merge_experts(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W' = dtype(W + s · B A) per expert: w (E, out, in), a (E, r, in), b (E, out, r)."""
-    s = torch.tensor(float(scale), dtype=torch.float32).item()
-    return (w.detach().float() + s * torch.bmm(b.detach().float(), a.detach().float())).to(w.dtype)
+    return (w.detach().float() + fp32_scale(scale) * torch.bmm(b.detach().float(), a.detach().float())).to(w.dtype)
 
 
 class _MergedExperts(torch.autograd.Function):
@@ -134,8 +140,10 @@ class _MergedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dw):
         a, b = ctx.saved_tensors
-        g = dw.float() * ctx.scale
-        return None, torch.bmm(b.float().transpose(1, 2), g).to(a.dtype), torch.bmm(g, a.float().transpose(1, 2)).to(b.dtype), None
+        g = dw.float() * fp32_scale(ctx.scale)
+        da = torch.bmm(b.float().transpose(1, 2), g).to(a.dtype)
+        db = torch.bmm(g, a.float().transpose(1, 2)).to(b.dtype)
+        return None, da, db, None
 
 
 def expert_lora_of(ab: dict[str, tuple[torch.Tensor, torch.Tensor]], w_gate_up, w_down, r: int,

@@ -23,7 +23,7 @@ from ...common.gdn import conv1d_fwd, conv1d_state_fields, gdn_fwd, gdn_state_fi
 from ...common.kv_cache import PagedPool, StatePool, write_kv_fwd
 from ...common.matmul import matmul_fwd
 from ...common.moe import experts_fwd, softmax_topk_fwd
-from ...common.moe.lora import expert_lora_of
+from ...common.moe.lora import ExpertsAdapter, expert_lora_of
 from ...common.moe.router import sigmoid_fp32
 from ...common.rmsnorm import rmsnorm_fwd
 from ...common.rope import rope_fwd
@@ -55,10 +55,11 @@ class Qwen35GdnServer(ServerBase):
         for i in range(self.cfg.num_layers):
             p = f"layers.{i}.moe."
             ab = {k: (self.weights[f"{p}lora_A.{k}"], self.weights[f"{p}lora_B.{k}"])
-                  for k in ("gate_up", "down") if f"{p}lora_A.{k}" in self.weights}
+                  for k in ExpertsAdapter.KEYS if f"{p}lora_A.{k}" in self.weights}
             if ab:
                 if self.lora_scale is None:
-                    raise ValueError("the weights hold experts' LoRA adapters (moe.lora_A.*) but no lora_scale was given")
+                    raise ValueError("the weights hold experts' LoRA adapters (moe.lora_A.*) but no lora_scale "
+                                     "was given")
                 r = next(iter(ab.values()))[0].shape[1]
                 out[i] = expert_lora_of(ab, self.w(p + "gate_up.weight"), self.w(p + "down.weight"), r, self.lora_scale)
         return out

@@ -142,7 +142,7 @@ class MoE(nn.Module):
         self.shared_gate_up = Linear(2 * Is, H, **kw)
         self.shared_down = Linear(H, Is, **kw)
         self.shared_gate = Weight(1, H, **kw)
-        self.experts_lora = None  # an ExpertsAdapter once add_lora targets the experts
+        self.experts_lora = None  # ExpertsAdapter.ATTR: the adapter once add_lora targets the experts
 
     tap = staticmethod(no_tap)
 
@@ -160,10 +160,10 @@ class MoE(nn.Module):
         self.tap("moe.router.weights", w, L)
         gu, d, lora, ad = self.gate_up.weight, self.down.weight, None, self.experts_lora
         if ad is not None and ad.mode == "merged":
-            merged = ad.merged(gu, d)
+            merged = ad.merged()
             gu, d = merged.get("gate_up", gu), merged.get("down", d)
         elif ad is not None:
-            lora = ad.expert_lora(gu, d)
+            lora = ad.expert_lora()
         routed = moe_experts(h, ids, w, gu, d, lora=lora)
         self.tap("moe.routed", routed, L)
         shared = self.shared_down(swiglu_gate_up(self.shared_gate_up(h, adapters)), adapters)
