@@ -166,8 +166,8 @@ def main() -> int:
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({**head, "rows": rows}, f, indent=1)
     lines = [f"# Engine throughput: {args.config}", "", *(f"- {k}: {v}" for k, v in head.items()), "",
-             "| batch | prompt | new | prefill tok/s | decode tok/s | decode step ms | steady decode tok/s | steady step ms |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| batch | prompt | new | prefill tok/s | decode tok/s | decode step ms | steady decode tok/s "
+             "| steady step ms |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['prompt']} | {r['new']} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.0f} | "
               f"{r['decode_step_ms']:.2f} | {r['steady_decode_tok_s'] or float('nan'):.0f} | "
               f"{r['steady_decode_step_ms'] or float('nan'):.2f} |" for r in rows]

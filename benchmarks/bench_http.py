@@ -46,8 +46,9 @@ def _time(fn, repeats: int):
     for _ in range(repeats):
         t0 = time.perf_counter()
         res = fn()
-        if time.perf_counter() - t0 < best:
-            best, out = time.perf_counter() - t0, res
+        t = time.perf_counter() - t0
+        if t < best:
+            best, out = t, res
     return best, out
 
 

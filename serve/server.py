@@ -498,7 +498,8 @@ def create_app(server: AlignedServer) -> FastAPI:
     async def body_of(request: Request, model):
         return api.validated(model, api.parse_json(await request.body()))
 
-    app = FastAPI(title="alignzoo serve", default_response_class=JSONResponse, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="alignzoo serve", default_response_class=JSONResponse, docs_url=None, redoc_url=None,
+                  openapi_url=None)
 
     # ---------------------------------------------------------- generate
     @app.post("/generate")

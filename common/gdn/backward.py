@@ -2,10 +2,10 @@
 
 The trainer's forward runs the exact kernels (``kernel.py`` / ``chunk_kernel.py``); its gradient
 only has to be the true gradient of that function and repeat run to run (it is not part of the
-K3 contract).  Recomputing the exact torch path under autograd does that with thousands of small
-element-wise launches per layer (the qwen35 trainer at 0.065x transformers on the H200); the same
-function written with matmuls and a triangular solve, as transformers' and fla's chunked forms
-are, has a few hundred.  Same chunks (64 rows aligned to each sequence's start), in fp32:
+K3 contract).  The exact torch path (``cpu.py``) would give it too, under autograd, but as
+thousands of small element-wise launches per layer; the same function written with matmuls and a
+triangular solve, as transformers' and fla's chunked forms are, is a few hundred.  Same chunks
+(64 rows aligned to each sequence's start), in fp32:
 
     G = cumsum(g) within the chunk,  E_ij = exp(G_i - G_j) (j <= i, masked before the exp)
     (I + L) [u | w] = [v * beta | k * beta * exp(G)],  L_ij = beta_i (k_i . k_j) E_ij  (j < i)
@@ -13,7 +13,7 @@ are, has a few hundred.  Same chunks (64 rows aligned to each sequence's start),
     S_next = S0 * exp(G_63) + (k * exp(G_63 - G))^T v_new
 
 Sequences are padded to whole chunks (zero k, v, beta and g past the end: the rows before are
-causal and never see them).  fp32 matmuls at torch's default "highest" precision (TF32 would not be fp32).
+causal and never see them).  fp32 matmuls at torch's default "highest" precision (TF32 is not fp32).
 """
 from __future__ import annotations
 
@@ -41,8 +41,7 @@ def gdn_matmul(q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
         x = torch.cat([x.float(), x.new_zeros(1, *x.shape[1:], dtype=torch.float32)])[idx]
         if heads_rep > 1:
             x = x.repeat_interleave(heads_rep, 2)
-        x = x.reshape(N, nc, C, *x.shape[2:]).movedim(3, 1)
-        return x
+        return x.reshape(N, nc, C, *x.shape[2:]).movedim(3, 1)
 
     rep = Hv // Hk
     qc, kc, vc = chunks(q, rep), chunks(k, rep), chunks(v)
@@ -66,5 +65,5 @@ def gdn_matmul(q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
         outs.append(qe[:, :, c] @ S + A[:, :, c] @ vn)
         S = S * torch.exp(G[:, :, c, -1])[..., None, None] + kd[:, :, c].transpose(-1, -2) @ vn
     o = torch.stack(outs, 2).movedim(1, 3).reshape(N * nc * C, Hv, V)  # (N, nc, C, Hv, V) flattened
-    pos = torch.cat([torch.arange(n) + b * nc * C for b, n in enumerate(lens)]) if N else torch.zeros(0, dtype=torch.long)
-    return o[pos.to(dev)]
+    pos = [torch.arange(n) + b * nc * C for b, n in enumerate(lens)]
+    return o[torch.cat(pos).to(dev)] if pos else o[:0]

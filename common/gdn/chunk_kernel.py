@@ -57,11 +57,11 @@ from .kernel import _exp, _k_rows_kernel, _launch_opts, _state_tile, _tree_first
 
 BW = 32  # x columns per substitution program (a launch knob: columns are independent)
 # state / output columns per scan program, and rows per step of its v_new and o (launch knobs; rows
-# and columns are element-wise): 16 / 1 ran the H200's state kernel 3.5x faster than 32 / 2
+# and columns are element-wise): narrow tiles, many programs (benchmarks/bench_gdn_prefill.py sweeps them)
 BV = 16
 BR = 1
 BKS = 16  # K rows per state-update tile (a launch knob)
-STATE_WARPS = 8  # the state kernel at K = V = 128: 220 registers, no spills (4 warps: 255 and spills, ptxas sm_90)
+STATE_WARPS = 8  # warps of the state kernel (a launch knob; at BV 32, K = V = 128, 4 spill on sm_90)
 BI = 1  # rows per step of the rows kernel's (BI, 64, K) products (a launch knob)
 
 

@@ -124,7 +124,7 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
     start_positions and slots on the host to lay out its chunks, as
     ``cpu.chunked`` does, or, for a call of few short sequences, where it is
     the faster (``_prefill_triton``), ``kernel.gdn_scan_triton`` (the decode's
-    row function over each sequence's rows in order): the same bits.  Every path
+    row function over each sequence's rows in order).  Every path
     gives a row the same bits (``cpu.py``); on CUDA, the Triton bits against
     the torch path's are checked on the device (the gpu tests of
     ``tests/test_gdn.py`` and ``tests/test_gdn_chunk.py``)."""

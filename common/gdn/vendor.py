@@ -16,6 +16,7 @@ of the slot's cache is kept; the aligned open-chunk rows are neither read nor wr
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from .op import gdn_fwd
 
 
+@functools.cache
 def has_fla() -> bool:
     return importlib.util.find_spec("fla") is not None
 
@@ -43,13 +45,15 @@ def gdn_vendor_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions, cache, slot
         return gdn_fwd(q, k, v, g, beta, cu_seqlens, start_positions=start_positions, cache=cache, slots=slots)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    sl = slots.long().clamp(min=0)
-    h0 = torch.where((start_positions > 0)[:, None, None, None], state[sl], 0.0)
+    cont = start_positions > 0
+    h0 = None  # every sequence from position 0: fla starts from zeros, no state is read
+    if bool(cont.any()):  # a prefill is not captured: the host read is fine
+        h0 = torch.where(cont[:, None, None, None], state[slots.long().clamp(min=0)], 0.0)
     dt = torch.bfloat16
     with torch.no_grad():
         o, ht = chunk_gated_delta_rule(q.to(dt)[None], k.to(dt)[None], v.to(dt)[None], g.float()[None],
                                        beta.float()[None], scale=1.0, initial_state=h0, output_final_state=True,
                                        cu_seqlens=cu_seqlens.long())
     keep = slots >= 0
-    state[slots[keep].long()] = ht[keep].float()  # a prefill is not captured: the host read is fine
+    state[slots[keep].long()] = ht[keep].float()
     return o[0].float()
