@@ -1,9 +1,13 @@
 """The Gated DeltaNet prefill / trainer forward on the GPU: the chunk-parallel kernel
 (``common/gdn/chunk_kernel.py``) against the row-by-row scan (``kernel.gdn_scan_triton``), at
 Qwen3.5-35B-A3B's GDN shapes (Hk 16, Hv 32, K = V = 128), with the chunk kernel's time split by
-kernel (torch.profiler) and a few launch knobs, each checked for the default's bits first.
+kernel (torch.profiler) and a few launch knobs, each checked for the default's bits first; and the
+decode step (``kernel.gdn_decode_triton``) at a few batch sizes and knob sets, each sequence at row
+37 of an open chunk after a 293-token prefill (the step writes that row again with the same bits, so
+repeats time the same work).
 
-    python benchmarks/bench_gdn_prefill.py [--shapes 8x512,1x4096] [--out DIR]
+    python benchmarks/bench_gdn_prefill.py [--shapes 8x512,1x4096] [--knobs JSON]
+        [--decode-batches 1,64,256] [--decode-knobs JSON] [--out DIR]
 """
 from __future__ import annotations
 
@@ -48,6 +52,40 @@ def timed(fn, reps=5):
     return sorted(ts)[len(ts) // 2]
 
 
+def decode_rows(B, knob_sets, L=293):
+    """The decode step at batch B, each knob set's o and cache checked equal to the default's."""
+    from alignzoo.common.gdn import gdn_cache
+    from alignzoo.common.gdn.chunk_kernel import gdn_chunk_triton
+    from alignzoo.common.gdn.kernel import gdn_decode_triton
+
+    q, k, v, g, beta, cu = inputs(B, L + 1, seed=1)
+    last = cu[1:] - 1
+    pre = torch.ones(B * (L + 1), dtype=torch.bool, device="cuda")
+    pre[last] = False
+    cache = gdn_cache(B, 16, 32, 128, 128, "cuda")
+    ar, z = torch.arange(B, device="cuda"), torch.zeros(B, dtype=torch.long, device="cuda")
+    gdn_chunk_triton(*(t[pre].contiguous() for t in (q, k, v, g, beta)), torch.arange(0, B * L + 1, L, device="cuda"),
+                     z, ar, cache)
+    step = [t[last].contiguous() for t in (q, k, v, g, beta)]
+    pos = torch.full((B,), L, dtype=torch.long, device="cuda")
+    base = {n: t.clone() for n, t in cache.items()}
+
+    def run(**kw):
+        for n, t in cache.items():
+            t.copy_(base[n])
+        return gdn_decode_triton(*step, pos, ar, cache, **kw)
+
+    ref = run()
+    ref_cache = {n: t.clone() for n, t in cache.items()}
+    out = []
+    for knobs in knob_sets:
+        same = torch.equal(run(**knobs), ref) and all(torch.equal(cache[n], ref_cache[n]) for n in cache)
+        ms = timed(lambda: gdn_decode_triton(*step, pos, ar, cache, **knobs), reps=21) if same else float("nan")
+        out.append({"decode_batch": B, "knobs": knobs, "decode_ms": ms, "bits_equal": same})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main() -> int:
     from alignzoo.common.gdn import gdn_cache
     from alignzoo.common.gdn.chunk_kernel import gdn_chunk_triton
@@ -57,10 +95,14 @@ def main() -> int:
     ap.add_argument("--shapes", default="8x512,1x4096")
     ap.add_argument("--knobs", default=None, help='a JSON list of gdn_chunk_triton knob dicts to sweep, e.g. '
                                                   '\'[{"bv": 4, "br": 16}, {"bv": 2, "br": 64}]\' (default: KNOBS)')
+    ap.add_argument("--decode-batches", default="1,64,256", help="decode batch sizes ('' for none)")
+    ap.add_argument("--decode-knobs", default='[{}]', help="a JSON list of gdn_decode_triton knob dicts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
-    for shape in args.shapes.split(","):
+    for B in [int(b) for b in args.decode_batches.split(",") if b]:
+        rows += decode_rows(B, json.loads(args.decode_knobs))
+    for shape in filter(None, args.shapes.split(",")):
         B, L = map(int, shape.split("x"))
         q, k, v, g, beta, cu = inputs(B, L)
         z, ar = torch.zeros(B, dtype=torch.long, device="cuda"), torch.arange(B, device="cuda")

@@ -361,6 +361,18 @@ def test_mxfp4_codes_decode_as_the_ocp_table_and_round_to_nearest_even():
     assert bool((err <= bound).all())
 
 
+def test_mxfp4_encoder_goes_by_row_blocks_with_the_same_codes():
+    """A stack past the encoder's 2^22-element step (here 3 x 50,000 x 64) gets each row's codes."""
+    from alignzoo.common.moe.mxfp4 import quantize_mxfp4
+
+    w = torch.randn(3, 50_000, 64, generator=torch.Generator().manual_seed(3))
+    c, s = quantize_mxfp4(w)
+    assert c.shape == (3, 50_000, 32) and s.shape == (3, 50_000, 2)
+    for i in (0, 2):
+        ci, si = quantize_mxfp4(w[i, 49_990:])
+        assert torch.equal(c[i, 49_990:], ci) and torch.equal(s[i, 49_990:], si)
+
+
 def test_mxfp4_experts_are_the_bf16_experts_at_the_decoded_weights(device):
     """The contract: bit for bit ``experts_fwd`` on the exactly decoded weights, and so batch-invariant."""
     from alignzoo.common.moe.op import dequantize_experts_mxfp4, experts_mxfp4_fwd
@@ -443,13 +455,61 @@ for T, H, I, E, k, skew in ((37, 96, 64, 5, 3, False), (70, 160, 96, 7, 2, True)
     x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device="cpu", skew=skew, seed=1, dtype=torch.float32)
     q = quantize_experts_mxfp4(w_gu, w_d)
     gu, d = dequantize_experts_mxfp4(*q)
-    assert torch.equal(experts_fwd_mxfp4_triton(x, ids, w, *q), experts_fwd_triton(x, ids, w, gu, d)), (T, H, I)
+    want = experts_fwd_triton(x, ids, w, gu, d)
+    for mode in (1, 2, 3, 4):
+        assert torch.equal(experts_fwd_mxfp4_triton(x, ids, w, *q, mx_decode=mode), want), (T, H, I, mode)
+print("ok")
+"""
+
+_INTERPRETED_MX_TILE = """
+import os, torch, triton, triton.language as tl
+from alignzoo.common.moe.kernel import _w_tile
+from alignzoo.common.moe.mxfp4 import dequantize_mxfp4
+
+@triton.jit
+def tile(p_w, p_s, p_o, K: tl.constexpr, N: tl.constexpr, MX: tl.constexpr, DT: tl.constexpr):
+    rows = tl.arange(0, N).to(tl.int64)
+    t = _w_tile(p_w, p_s, rows, rows < N, 0, K, DT, MX, N, K)  # (K, N): W transposed
+    o_k = tl.arange(0, K)
+    tl.store(p_o + rows[None, :] * K + o_k[:, None], t)
+
+interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+dev = "cpu" if interpreted else "cuda"
+# every nibble pair under every scale byte but 255 (E8M0's NaN): row n has scale n in both groups
+codes = torch.arange(256, dtype=torch.int32).repeat(256, 1)[:, :32].clone()
+codes = ((codes + torch.arange(256)[:, None] * 7) % 256).to(torch.uint8)[:255].to(dev)
+scales = torch.arange(255, dtype=torch.uint8)[:, None].repeat(1, 2).to(dev)
+for dt, tdt in ((torch.float32, tl.float32), (torch.bfloat16, tl.bfloat16)):
+    want = dequantize_mxfp4(codes, scales, dtype=dt)
+    for mode in (1, 2, 3, 4):
+        out = torch.empty(256, 64, dtype=dt, device=dev)
+        tile[(1,)](torch.cat([codes, codes[:1]]), torch.cat([scales, scales[:1]]), out, 64, 256, mode, tdt)
+        # modes 1 and 4 cast fp32 to bf16, which flushes row 1's 2^-127 under the interpreter (numpy's cast)
+        rows = slice(2, 255) if mode in (1, 4) and dt == torch.bfloat16 and interpreted else slice(0, 255)
+        got, ref = out[rows], want[rows]
+        bits = (lambda t: t.view(torch.int16) if dt == torch.bfloat16 else t.view(torch.int32))
+        bad = (bits(got) != bits(ref)).nonzero()
+        assert bad.numel() == 0, (dt, mode, bad[:4].tolist(), got[bad[0, 0], bad[0, 1]], ref[bad[0, 0], bad[0, 1]])
 print("ok")
 """
 
 
 def test_mxfp4_triton_kernels_decode_in_registers_interpreted():
     run_interpreted(_INTERPRETED_MX, expect="ok")
+
+
+def test_mxfp4_tile_decodes_give_dequantize_bits_interpreted():
+    """Each of ``_w_tile``'s decodes gives ``dequantize_mxfp4``'s bits (fp32 and bf16, -0.0 and
+    subnormals included) for every code under every scale byte but 255."""
+    run_interpreted(_INTERPRETED_MX_TILE, expect="ok")
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp4_tile_decodes_give_dequantize_bits():
+    """The same on the GPU, compiled (subnormals, the fp32 -> bf16 cast and the products as sm_90 runs them)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    run_interpreted(_INTERPRETED_MX_TILE, expect="ok", interpret=False)
 
 
 # ------------------------------------------------------------------ LoRA inside the experts

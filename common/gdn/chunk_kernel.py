@@ -55,14 +55,17 @@ from .._host import cdiv, next_power_of_2
 from .cpu import CHUNK
 from .kernel import _exp, _k_rows_kernel, _launch_opts, _state_tile, _tree_first, _tree_last, gdn_scan_triton
 
-BW = 32  # x columns per substitution program (a launch knob: columns are independent)
+BW = 16  # x columns per substitution program (a launch knob: columns are independent)
 # state / output columns per scan program, and rows per step of its v_new and o (launch knobs; rows
 # and columns are element-wise): narrow tiles, many programs (benchmarks/bench_gdn_prefill.py sweeps them)
-BV = 16
+BV = 4
 BR = 1
 BKS = 16  # K rows per state-update tile (a launch knob)
-STATE_WARPS = 8  # warps of the state kernel (a launch knob; at BV 32, K = V = 128, 4 spill on sm_90)
+# warps of the state kernel (a launch knob): one warp holds the (K, BV) tile, so no tree level
+# crosses warps (H200, 1 x 4096: 14.8 ms against 27.3 at BV 16 / 8 warps)
+STATE_WARPS = 1
 BI = 1  # rows per step of the rows kernel's (BI, 64, K) products (a launch knob)
+ROWS_WARPS = SOLVE_WARPS = 2  # warps of the rows and solve kernels (launch knobs)
 
 
 @triton.jit
@@ -260,14 +263,15 @@ def _layout(cu, starts, slots):
 
 
 def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: int = BW, bv: int = BV,
-                     br: int = BR, bks: int = BKS, bi: int = BI, state_warps: int = STATE_WARPS):
+                     br: int = BR, bks: int = BKS, bi: int = BI, state_warps: int = STATE_WARPS,
+                     rows_warps: int = ROWS_WARPS, solve_warps: int = SOLVE_WARPS):
     """``gdn_scan_triton``'s contract (shapes, cache writes, bits), chunk-parallel.
     q, k (T, Hk, K), v (T, Hv, V), g, beta (T, Hv) fp32 contiguous; cu_seqlens
     (B + 1,), starts, slots (B,) int64 device tensors, read on the host (not
     graph-capturable); ``cache``: ``op.gdn_cache``'s dict (the trainer passes a
     fresh one, slots 0..B-1) -> o (T, Hv, V) fp32 (0 on padding rows).
-    ``bw``, ``bv``, ``br``, ``bks``, ``bi``, ``state_warps``: launch knobs that
-    cannot change bits."""
+    ``bw``, ``bv``, ``br``, ``bks``, ``bi`` and the three kernels' warps: launch
+    knobs that cannot change bits."""
     T, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     B = cu_seqlens.shape[0] - 1
@@ -302,10 +306,11 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         VN = torch.empty(P, CHUNK, Hv, V, dtype=torch.float32, device=dev)
         bi = min(next_power_of_2(max(1, bi)), CHUNK)
         _chunk_rows_kernel[(P, Hv)](q, k, g, beta, tok, rows, wslot, G, L, A, cache["g_cum"],
-                                    Hk, Hv, K, BK, bi, CHUNK, lib, **opts)
+                                    Hk, Hv, K, BK, bi, CHUNK, lib, num_warps=rows_warps, **opts)
         bw = max(2, min(bw, next_power_of_2(V + K)))
         _chunk_solve_kernel[(P, Hv, cdiv(V + K, bw))](k, v, beta, tok, rows, wslot, G, L, X, cache["x"],
-                                                       Hk, Hv, K, V, bw, CHUNK, lib, **opts)
+                                                       Hk, Hv, K, V, bw, CHUNK, lib, num_warps=solve_warps,
+                                                       **opts)
         bv = max(2, min(bv, next_power_of_2(V)))
         br = min(next_power_of_2(max(1, br)), CHUNK)
         bks = max(2, min(bks, BK))

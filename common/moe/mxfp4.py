@@ -59,9 +59,23 @@ def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., N, K) float -> (codes (..., N, K/2) uint8, scales (..., N, K/32) uint8) (module docstring)."""
+    """(..., N, K) float -> (codes (..., N, K/2) uint8, scales (..., N, K/32) uint8) (module docstring).
+    Rows go 2^22 elements at a time (each group is its own): the encoder's temporaries take ~40
+    bytes an element, 240 GiB for GLM-5's gate/up stack in one go."""
     K = w.shape[-1]
     check_mx_shape("w", K)
+    rows = w.reshape(-1, K)
+    step = max(1, (1 << 22) // K)
+    if rows.shape[0] > step:
+        parts = [_quantize_rows(rows[i : i + step]) for i in range(0, rows.shape[0], step)]
+        return (torch.cat([p[0] for p in parts]).reshape(*w.shape[:-1], K // 2),
+                torch.cat([p[1] for p in parts]).reshape(*w.shape[:-1], K // GROUP))
+    codes, scales = _quantize_rows(rows)
+    return codes.reshape(*w.shape[:-1], K // 2), scales.reshape(*w.shape[:-1], K // GROUP)
+
+
+def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    K = w.shape[-1]
     g = w.detach().float().reshape(*w.shape[:-1], K // GROUP, GROUP)
     amax = g.abs().amax(-1)
     top = ((amax.view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2(amax)) for normal amax
