@@ -70,9 +70,8 @@ def quantize(fmt: str, w_gu, w_d) -> dict:
     return {"codes": codes, "bf16": tuple(torch.cat(p) for p in zip(*parts))}
 
 
-# MXFP4's weight-tile decodes (``kernel._w_tile``), each checked for the default's bits first
-MX_CONFIGS = [dict(), dict(mx_decode=2), dict(mx_decode=4), dict(mx_decode=4, block_m=128, block_n=128, num_warps=8),
-              dict(mx_decode=2, block_m=128, block_n=128, num_warps=8)]
+# MXFP4's launch configs, each checked for the default's bits first
+MX_CONFIGS = [dict(), dict(block_m=128, block_n=128, num_warps=8), dict(block_n=32)]
 
 
 def quantized_row(name, fmt, T, x, ids, w, qd, limit) -> dict:
