@@ -57,8 +57,8 @@ from .cpu import CHUNK
 BV_ROW = 32  # V columns per step of the row kernel (a launch knob: columns are independent)
 BKS, BVS = 32, 32  # state tile of the state kernel (a launch knob)
 STATE_WARPS = 4  # warps of the decode's state kernel (a launch knob)
-# the decode row kernel's warps and V columns a step, by batch (launch knobs): one warp on 8-column
-# steps while the batch leaves SMs idle, two on 32 past it (H200, 32 heads: B 1 0.107 ms against
+# the decode row kernel's warps and V columns a step, by programs (launch knobs): one warp on
+# 8-column steps up to 8 x 32 programs, two on 32 past it (H200, 32 heads: B 1 0.107 ms against
 # 0.129 at 4 warps, B 64 0.292 against 0.415, B 256 0.970 against 1.438)
 ROW_SMALL, ROW_LARGE = (1, 8), (2, 32)
 
