@@ -402,6 +402,10 @@ def test_mxfp4_gpu_at_deepseek_v4_shapes(skew):
         idx = torch.randperm(1024, generator=g)[:n].cuda()
         assert bitwise_equal(experts_mxfp4_fwd(x[idx], ids[idx], w[idx], *q, 10.0), full[idx])
     _replays_from_a_cuda_graph(experts_mxfp4_fwd, x[:64], ids[:64], w[:64], *q)
+    from alignzoo.common.moe.kernel import experts_fwd_mxfp4_triton
+
+    for knobs in (dict(swap=True), dict(swap=True, block_m=128, block_n=128, num_warps=8), dict(block_m=128)):
+        assert bitwise_equal(experts_fwd_mxfp4_triton(x, ids, w, *q, 10.0, **knobs), full), knobs
 
 
 def test_mxfp4_gradients(device):
@@ -455,7 +459,10 @@ for T, H, I, E, k, skew in ((37, 96, 64, 5, 3, False), (70, 160, 96, 7, 2, True)
     x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device="cpu", skew=skew, seed=1, dtype=torch.float32)
     q = quantize_experts_mxfp4(w_gu, w_d)
     gu, d = dequantize_experts_mxfp4(*q)
-    assert torch.equal(experts_fwd_mxfp4_triton(x, ids, w, *q), experts_fwd_triton(x, ids, w, gu, d)), (T, H, I)
+    got = experts_fwd_mxfp4_triton(x, ids, w, *q)
+    assert torch.equal(got, experts_fwd_triton(x, ids, w, gu, d)), (T, H, I)
+    # the swapped dots (W · xT) are numpy's other product here: the same values to fp32 accumulation
+    assert torch.allclose(experts_fwd_mxfp4_triton(x, ids, w, *q, swap=True), got, rtol=1e-5, atol=1e-6), (T, H, I)
 print("ok")
 """
 
