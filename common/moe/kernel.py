@@ -327,14 +327,16 @@ def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, lora=N
 
 def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None, *, lora=None,
                              block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
-                             num_stages: int = 3, swap: bool = False):
+                             num_stages: int = 3, swap: bool | None = None):
     """MXFP4 experts computed packed: each K step decodes its (64 x BLOCK_N) weight tile from the
     codes and scales in registers (nothing unpacked in memory) and runs the bf16 path's dot on it,
     so the bits are ``experts_fwd_triton``'s at the exactly decoded weights (``cpu.experts_fwd_mxfp4_cpu``
     on the CPU).  Same knobs, and ``swap``: the dots as Wᵀ-side first operand (accᵀ = W · inᵀ), so
-    the decoded tile feeds the tensor cores from registers (the same bits).  ``block_m`` by default:
+    the decoded tile feeds the tensor cores from registers; the same bits, on by default on CUDA (H200,
+    1-4096 tokens: 3-15% faster at the three real shapes).  ``block_m`` by default:
     128-row tiles from 64 rows an expert on average, where each decoded tile then meets twice the rows
     (H200, 16384 tokens: GLM-5 56.2 -> 49.6 ms, DeepSeek-V4-Flash 28.2 -> 25.2)."""
+    swap = x.is_cuda if swap is None else swap
     if block_m is None:
         block_m = 128 if ids.numel() >= 64 * gu_codes.shape[0] else BLOCK_M
     return _launch("mxfp4", x, ids, weights, (gu_codes, gu_scales), (d_codes, d_scales), limit, lora,
