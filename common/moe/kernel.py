@@ -165,7 +165,7 @@ def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, 
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
     row_g = e.to(tl.int64) * (2 * I) + o_n  # gate's weight rows; up's are I further
-    if SWAP:
+    if MX and SWAP:  # the swapped chain decodes MXFP4 tiles only
         b_gt = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         b_ut = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -199,7 +199,7 @@ def _down_kernel(p_a, p_w, p_s, p_wt, p_dst, p_te, p_r0, p_r1, p_c, p_delta, H, 
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
     rows = e.to(tl.int64) * H + o_n
-    if SWAP:
+    if MX and SWAP:  # the swapped chain decodes MXFP4 tiles only
         b_ct = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             b_ct = _mx_dot_t(b_ct, p_w, p_s, rows, m_n, p_a, o_r.to(tl.int64), m_r, k0, I, PRECISION, BLOCK_N,
@@ -332,10 +332,9 @@ def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_sc
     codes and scales in registers (nothing unpacked in memory) and runs the bf16 path's dot on it,
     so the bits are ``experts_fwd_triton``'s at the exactly decoded weights (``cpu.experts_fwd_mxfp4_cpu``
     on the CPU).  Same knobs, and ``swap``: the dots as Wᵀ-side first operand (accᵀ = W · inᵀ), so
-    the decoded tile feeds the tensor cores from registers; the same bits, on by default on CUDA (H200,
-    1-4096 tokens: 3-15% faster at the three real shapes).  ``block_m`` by default:
-    128-row tiles from 64 rows an expert on average, where each decoded tile then meets twice the rows
-    (H200, 16384 tokens: GLM-5 56.2 -> 49.6 ms, DeepSeek-V4-Flash 28.2 -> 25.2)."""
+    the decoded tile feeds the tensor cores from registers; the same bits, on by default on CUDA (the
+    faster on the H200 up to 4096 tokens).  ``block_m`` by default: 128-row tiles from 64 rows an expert
+    on average, so each decoded tile meets twice the rows (12% less time at 16384 tokens on the H200)."""
     swap = x.is_cuda if swap is None else swap
     if block_m is None:
         block_m = 128 if ids.numel() >= 64 * gu_codes.shape[0] else BLOCK_M
