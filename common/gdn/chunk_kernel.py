@@ -24,12 +24,15 @@ be shorter); the launches, in order:
   (64, BW) tile of x = [u | w] held in registers (a column of x needs only
   its own column; a row holds b_i until its step), written to scratch.
 * ``_chunk_state_kernel``, grid (sequences, Hv, V / BV): the chunks of a
-  sequence in order, from a (K, BV) tile of S0 in registers: v_new_i = u_i -
-  tree_K(w_i S0), o_i = tree_K((q_i exp(G_i)) S0) + tree_j(where(j <= i,
-  A_ij v_new_j, -0.0)) (``_tree_first`` over K or the 64 rows, BR rows at a
-  time), then at a complete chunk ``kernel._state_tile`` (the 64-leaf tree
-  as eight ``_leaf8`` subtrees) on the slot's state in place, a barrier, and
-  the next S0 read back.  V columns never need each other.
+  sequence in order, on a (K, BV) column tile of the slot's state: v_new_i =
+  u_i - tree_K(w_i S0), o_i = tree_K((q_i exp(G_i)) S0) + tree_j(where(j <= i,
+  A_ij v_new_j, -0.0)), BR rows at a time, then at a complete chunk S0
+  exp(G_63) + tree_j(k'_j v_new_j^T) (``kernel._state_tile``'s sum, k'_j from
+  the rows kernel) in place, a barrier.  Each tree is unrolled over its leaves
+  (the recursive ``_ws_tree``, ``_av_tree``, ``_kv_tree``): a leaf is the outer
+  product of a loaded row and column, so a level adds two (BR, BV) tiles
+  element by element in registers, never across lanes.  V columns never need
+  each other.
 * ``kernel._k_rows_kernel``: the open chunk's k rows.
 
 Cache: as the scan leaves it.  The slot's state is the state after the last
@@ -43,7 +46,7 @@ padding row (slot -1) gets o = 0 and writes nothing.
 The launcher reads cu_seqlens, starts and slots on the host (one copy) to
 lay out the pieces: prefill and the trainer are not captured in CUDA graphs
 (decode, ``kernel.gdn_decode_triton``, reads nothing).  Scratch per call:
-(T rounded up to 64 per sequence) x Hv x (2 x 64 + 2 V + K + 1) fp32.
+(T rounded up to 64 per sequence) x Hv x (2 x 64 + 2 V + 4 K + 1) fp32.
 """
 from __future__ import annotations
 
@@ -53,17 +56,16 @@ import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
 from .cpu import CHUNK
-from .kernel import _exp, _k_rows_kernel, _launch_opts, _state_tile, _tree_first, _tree_last, gdn_scan_triton
+from .kernel import _exp, _k_rows_kernel, _launch_opts, _tree_first, _tree_last, gdn_scan_triton
 
 BW = 16  # x columns per substitution program (a launch knob: columns are independent)
-# state / output columns per scan program, and rows per step of its v_new and o (launch knobs; rows
-# and columns are element-wise): narrow tiles, many programs (benchmarks/bench_gdn_prefill.py sweeps them)
-BV = 4
-BR = 1
-BKS = 16  # K rows per state-update tile (a launch knob)
-# warps of the state kernel (a launch knob): one warp holds the (K, BV) tile, so no tree level
-# crosses warps (H200, 1 x 4096: 14.8 ms against 27.3 at BV 16 / 8 warps)
-STATE_WARPS = 1
+# state / output columns per state program, rows per step of its v_new and o, K rows per
+# state-update tile, and its warps (launch knobs; rows and columns are element-wise;
+# benchmarks/bench_gdn_prefill.py sweeps them)
+BV = 16
+BR = 8
+BKS = 16
+STATE_WARPS = 2  # two (BR, BV) elements a thread: at four, ptxas spills (sm_90a, 255 registers)
 BI = 1  # rows per step of the rows kernel's (BI, 64, K) products (a launch knob)
 ROWS_WARPS = SOLVE_WARPS = 2  # warps of the rows and solve kernels (launch knobs)
 
@@ -71,14 +73,17 @@ ROWS_WARPS = SOLVE_WARPS = 2  # warps of the rows and solve kernels (launch knob
 @triton.jit
 def _chunk_rows_kernel(
     p_q, p_k, p_g, p_beta, p_tok, p_rows, p_wslot,
-    p_G, p_L, p_A, p_gc,
+    p_G, p_L, p_AT, p_QT, p_KD, p_gc,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BI: tl.constexpr, C: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
     """Grid (pieces, Hv): G (left to right), then BI rows i at a time kk_i, qk_i
     (tree_K), E_i = exp(where(j <= i, G_i - G_j, -inf)), L_i = (beta_i kk_i) E_i
-    and A_i = qk_i E_i, as ``kernel._row`` forms them.  Rows past the piece's
-    end are not formed (nothing reads them)."""
+    and A_i = qk_i E_i, as ``kernel._row`` forms them, and for the state kernel's
+    leaves q_i exp(G_i) and k'_j = k_j exp(G_last - G_j) (read only at a complete
+    piece, where G_last = G_63); A and q exp(G) stored transposed (a leaf reads
+    BR rows i of one column).  Rows past the piece's end are not formed
+    (nothing reads them)."""
     i_p, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_hk = i_h // (Hv // Hk)
     t0 = tl.load(p_tok + i_p)
@@ -98,6 +103,8 @@ def _chunk_rows_kernel(
     tl.debug_barrier()  # G of a row block is read back below
     b_kc = tl.load(p_k + ((t0 + o_j) * Hk + i_hk)[:, None] * K + o_k[None, :],
                    mask=(o_j < nr)[:, None] & m_k[None, :], other=0.0)  # (C, BK) the rows j
+    tl.store(p_KD + ((i_p * C + o_j[:, None]) * Hv + i_h) * K + o_k[None, :],
+             b_kc * _exp(G_i - b_G, LIBDEVICE)[:, None], mask=(o_j < nr)[:, None] & m_k[None, :])
     for i0 in range(0, nr, BI):
         o_i = i0 + tl.arange(0, BI)
         m_i = o_i < nr
@@ -112,21 +119,24 @@ def _chunk_rows_kernel(
         x = tl.where(m_k[None, None, :], b_q[:, None, :] * b_kc[None, :, :], -0.0)
         b_qk = tl.reshape(_tree_last(tl.reshape(x, (BI * C, BK)), BI * C, BK), (BI, C))
         b_E = _exp(tl.where(o_j[None, :] <= o_i[:, None], b_Gi[:, None] - b_G[None, :], float("-inf")), LIBDEVICE)
-        p_row = ((i_p * Hv + i_h) * C + o_i[:, None]) * C + o_j[None, :]
-        tl.store(p_L + p_row, (b_beta[:, None] * b_kk) * b_E, mask=m_i[:, None])
-        tl.store(p_A + p_row, b_qk * b_E, mask=m_i[:, None])
+        p_hd = (i_p * Hv + i_h) * C
+        tl.store(p_L + (p_hd + o_i[:, None]) * C + o_j[None, :], (b_beta[:, None] * b_kk) * b_E, mask=m_i[:, None])
+        tl.store(p_AT + (p_hd + o_j[None, :]) * C + o_i[:, None], b_qk * b_E, mask=m_i[:, None])
+        tl.store(p_QT + ((i_p * Hv + i_h) * K + o_k[None, :]) * C + o_i[:, None],
+                 b_q * _exp(b_Gi, LIBDEVICE)[:, None], mask=m_ik)
 
 
 @triton.jit
 def _chunk_solve_kernel(
     p_k, p_v, p_beta, p_tok, p_rows, p_wslot,
-    p_G, p_L, p_X, p_xc,
+    p_G, p_L, p_X, p_WT, p_xc,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BW: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     """Grid (pieces, Hv, (V + K) / BW): columns c of x = [u | w], row by row,
     x_i = b_i - tree_j(where(j < i, L_ij x_j, -0.0)) with b_i = v_i beta_i
-    (c < V) or (k_i beta_i) exp(G_i) (c >= V), ``kernel._row``'s terms."""
+    (c < V) or (k_i beta_i) exp(G_i) (c >= V), ``kernel._row``'s terms; w also
+    transposed, for the state kernel's leaves."""
     W: tl.constexpr = V + K
     i_p, i_h, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (Hv // Hk)
@@ -152,89 +162,141 @@ def _chunk_solve_kernel(
         b_X = tl.where((o_j == i)[:, None], b_X - b_t[None, :], b_X)
     m = (o_j < nr)[:, None] & (o_c < W)[None, :]
     tl.store(p_X + ((i_p * C + o_j[:, None]) * Hv + i_h) * W + o_c[None, :], b_X, mask=m)
+    tl.store(p_WT + ((i_p * Hv + i_h) * K + o_c[None, :] - V) * C + o_j[:, None], b_X,
+             mask=m & is_w[None, :])
     s = tl.maximum(ws, 0)
     tl.store(p_xc + ((s * C + o_j[:, None]) * Hv + i_h) * W + o_c[None, :], b_X,
              mask=m & (o_j < tl.where(ws >= 0, nr, 0))[:, None])
 
 
 @triton.jit
+def _ws_tree(p_S, p_w, p_q, m_i, m_v, k0, N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
+    """Leaves k0..k0+N-1 (N a power of two) of the K trees of v_new and o's inter term, (w_ik S0_kv,
+    (q_ik exp(G_i)) S0_kv) and -0.0 past K, by the pairwise tree: tile-wise adds, in registers.  w and
+    q exp(G) come from their transposes (row k: the tile's rows i, contiguous).  k0 is a runtime
+    value (a literal would make it a constexpr), so a tree compiles as one function a level, not
+    one a node."""
+    if N == 1:
+        k = tl.minimum(k0, K - 1)  # a lane past K reads row K - 1 and keeps -0.0
+        b_s = tl.load(p_S + k * V, mask=m_v, other=0.0)  # (BV,) row k of the S0 tile
+        b_w = tl.load(p_w + k * C, mask=m_i, other=0.0)  # (BR,)
+        b_q = tl.load(p_q + k * C, mask=m_i, other=0.0)
+        a = tl.where(k0 < K, b_w[:, None] * b_s[None, :], -0.0)
+        c = tl.where(k0 < K, b_q[:, None] * b_s[None, :], -0.0)
+    else:
+        a0, c0 = _ws_tree(p_S, p_w, p_q, m_i, m_v, k0, N // 2, K, V, C)
+        a1, c1 = _ws_tree(p_S, p_w, p_q, m_i, m_v, k0 + N // 2, N // 2, K, V, C)
+        a = a0 + a1
+        c = c0 + c1
+    return a, c
+
+
+@triton.jit
+def _av_tree(p_a, p_vn, o_i, m_i, m_v, j0, N: tl.constexpr, JE, RA: tl.constexpr, RV: tl.constexpr,
+             BR: tl.constexpr, BV: tl.constexpr):
+    """Leaves j0..j0+N-1 of where(j <= i, A_ij v_new_j, -0.0) by the pairwise tree; a subtree from row
+    JE on is -0.0 for every row of the tile (j > i), so not formed.  RA, RV: A^T's and v_new's row
+    strides."""
+    if j0 >= JE:
+        x = tl.full((BR, BV), -0.0, tl.float32)
+    else:
+        if N == 1:
+            b_a = tl.load(p_a + j0 * RA, mask=m_i, other=0.0)  # (BR,) A_ij
+            b_vn = tl.load(p_vn + j0 * RV, mask=m_v, other=0.0)  # (BV,)
+            x = tl.where(j0 <= o_i[:, None], b_a[:, None] * b_vn[None, :], -0.0)
+        else:
+            x = (_av_tree(p_a, p_vn, o_i, m_i, m_v, j0, N // 2, JE, RA, RV, BR, BV)
+                 + _av_tree(p_a, p_vn, o_i, m_i, m_v, j0 + N // 2, N // 2, JE, RA, RV, BR, BV))
+    return x
+
+
+@triton.jit
+def _kv_tree(p_kd, p_vn, m_k, m_v, j0, N: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr):
+    """Leaves j0..j0+N-1 of k'_j v_new_j^T (k'_j = k_j exp(G_63 - G_j)) by the pairwise tree:
+    ``kernel._state_tile``'s sum.  RK, RV: k' and v_new's row strides."""
+    if N == 1:
+        b_kd = tl.load(p_kd + j0 * RK, mask=m_k, other=0.0)  # (BKS,)
+        b_vn = tl.load(p_vn + j0 * RV, mask=m_v, other=0.0)  # (BV,)
+        x = b_kd[:, None] * b_vn[None, :]
+    else:
+        x = (_kv_tree(p_kd, p_vn, m_k, m_v, j0, N // 2, RK, RV)
+             + _kv_tree(p_kd, p_vn, m_k, m_v, j0 + N // 2, N // 2, RK, RV))
+    return x
+
+
+@triton.jit
 def _chunk_state_kernel(
-    p_q, p_k, p_o, p_tok, p_rows, p_seq, p_sslot, p_fresh, p_nend,
-    p_G, p_A, p_X, p_VN, p_state, p_kc, p_vc, p_nc,
-    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    p_o, p_tok, p_rows, p_seq, p_sslot, p_fresh, p_nend,
+    p_G, p_AT, p_QT, p_X, p_WT, p_KD, p_VN, p_state, p_vc, p_nc,
+    Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
     """Grid (sequences, Hv, V / BV): the sequence's pieces in order from S0 (the
-    slot's state, zeros at position 0).  Per piece: v_new_i = u_i - tree_K(w_i
-    S0) for every row, a barrier, o_i = tree_K((q_i exp(G_i)) S0) +
-    tree_j(where(j <= i, A_ij v_new_j, -0.0)); at a complete piece the state
-    tiles S0 exp(G_63) + tree_j(k'_j v_new_j^T) in place (``_state_tile``),
-    a barrier, and S0 read back.  The last piece's v_new rows go to the slot."""
+    slot's state, zeros at position 0), BR rows x BV columns a step.  Per piece:
+    v_new_i = u_i - tree_K(w_i S0) and inter_i = tree_K((q_i exp(G_i)) S0) for
+    every row (inter into o), a barrier, o_i = inter_i + tree_j(where(j <= i,
+    A_ij v_new_j, -0.0)); at a complete piece the state S0 exp(G_63) +
+    tree_j(k'_j v_new_j^T) in (BKS, BV) tiles, a barrier.  Each tree is unrolled
+    over its leaves (``_ws_tree``, ``_av_tree``, ``_kv_tree``), a leaf an outer
+    product of two loaded vectors, so every level adds whole tiles in registers.
+    The last piece's v_new rows go to the slot."""
     W: tl.constexpr = V + K
-    NV: tl.constexpr = (V + BV - 1) // BV
     NK: tl.constexpr = (K + BKS - 1) // BKS
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_hk = i_h // (Hv // Hk)
     p0 = tl.load(p_seq + i_b)
     p1 = tl.load(p_seq + i_b + 1)
     s = tl.load(p_sslot + i_b)
     fresh = tl.load(p_fresh + i_b)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    o_j = tl.arange(0, C)
     o_r = tl.arange(0, BR)
-    p_S = p_state + ((s * Hv + i_h) * K + o_k[:, None]) * V + o_v[None, :]
-    m_S = m_k[:, None] & m_v[None, :]
+    o_ks = tl.arange(0, BKS)
+    zero = tl.full([], 0, tl.int32)  # the trees' first leaf as a value, not a constexpr: see _ws_tree
+    p_S = p_state + (s * Hv + i_h) * K * V + o_v  # (BV,) row 0 of the slot's S0 tile
     if fresh != 0:  # position 0: S0 = 0, and the slot's state with it
-        tl.store(p_S, tl.zeros([BK, BV], dtype=tl.float32), mask=m_S)
+        for i_kt in range(NK):
+            o_kb = i_kt * BKS + o_ks
+            tl.store(p_S[None, :] + o_kb[:, None] * V, tl.zeros([BKS, BV], dtype=tl.float32),
+                     mask=(o_kb < K)[:, None] & m_v[None, :])
         tl.debug_barrier()
-    b_S = tl.load(p_S, mask=m_S, other=0.0)  # (BK, BV)
     for i_p in range(p0, p1):
         t0 = tl.load(p_tok + i_p)
         nr = tl.load(p_rows + i_p)
         n_last = tl.where(i_p == p1 - 1, nr, 0)  # rows that go to the slot's open chunk
-        for r0 in range(0, nr, BR):
-            o_i = r0 + o_r
-            m_i = o_i < nr
-            p_x = p_X + ((i_p * C + o_i) * Hv + i_h) * W  # (BR,)
-            b_wT = tl.load(p_x[None, :] + V + o_k[:, None], mask=m_k[:, None] & m_i[None, :], other=0.0)  # (BK, BR)
-            b_u = tl.load(p_x[:, None] + o_v[None, :], mask=m_i[:, None] & m_v[None, :], other=0.0)  # (BR, BV)
-            x = tl.where(m_k[:, None, None], b_wT[:, :, None] * b_S[:, None, :], -0.0)  # (BK, BR, BV)
-            b_vn = b_u - tl.reshape(_tree_first(tl.reshape(x, (BK, BR * BV)), BK, BR * BV), (BR, BV))
-            p_vn = ((i_p * C + o_i[:, None]) * Hv + i_h) * V + o_v[None, :]
-            tl.store(p_VN + p_vn, b_vn, mask=m_i[:, None] & m_v[None, :])
-            tl.store(p_vc + ((s * C + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_vn,
-                     mask=(o_i < n_last)[:, None] & m_v[None, :])
-        tl.debug_barrier()
-        b_VN = tl.load(p_VN + ((i_p * C + o_j[:, None]) * Hv + i_h) * V + o_v[None, :],
-                       mask=(o_j < nr)[:, None] & m_v[None, :], other=0.0)  # (C, BV)
+        p_vn = p_VN + (i_p * C * Hv + i_h) * V + o_v  # (BV,) row 0 of the piece's v_new tile
         for r0 in range(0, nr, BR):
             o_i = r0 + o_r
             m_i = o_i < nr
             t = t0 + o_i
-            b_qT = tl.load(p_q + (t[None, :] * Hk + i_hk) * K + o_k[:, None], mask=m_k[:, None] & m_i[None, :],
-                           other=0.0)  # (BK, BR)
-            e_G = _exp(tl.load(p_G + (i_p * C + o_i) * Hv + i_h, mask=m_i, other=0.0), LIBDEVICE)  # (BR,)
-            x = tl.where(m_k[:, None, None], (b_qT * e_G[None, :])[:, :, None] * b_S[:, None, :], -0.0)
-            b_inter = tl.reshape(_tree_first(tl.reshape(x, (BK, BR * BV)), BK, BR * BV), (BR, BV))
-            b_AT = tl.load(p_A + ((i_p * Hv + i_h) * C + o_i[None, :]) * C + o_j[:, None],
-                           mask=m_i[None, :], other=0.0)  # (C, BR): A_ij at [j, i]
-            y = tl.where(o_j[:, None, None] <= o_i[None, :, None], b_AT[:, :, None] * b_VN[:, None, :], -0.0)
-            b_intra = tl.reshape(_tree_first(tl.reshape(y, (C, BR * BV)), C, BR * BV), (BR, BV))
-            tl.store(p_o + (t[:, None] * Hv + i_h) * V + o_v[None, :], b_inter + b_intra,
-                     mask=m_i[:, None] & m_v[None, :])
+            p_x = p_X + ((i_p * C + o_i) * Hv + i_h) * W  # (BR,)
+            p_hk = (i_p * Hv + i_h) * K * C + o_i  # (BR,) column 0 of w^T, (q exp(G))^T
+            b_t, b_inter = _ws_tree(p_S, p_WT + p_hk, p_QT + p_hk, m_i, m_v, zero, BK, K, V, C)
+            m_iv = m_i[:, None] & m_v[None, :]
+            b_vn = tl.load(p_x[:, None] + o_v[None, :], mask=m_iv, other=0.0) - b_t  # u_i - tree
+            tl.store(p_vn[None, :] + o_i[:, None] * (Hv * V), b_vn, mask=m_iv)
+            tl.store(p_vc + ((s * C + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_vn,
+                     mask=(o_i < n_last)[:, None] & m_v[None, :])
+            tl.store(p_o + (t[:, None] * Hv + i_h) * V + o_v[None, :], b_inter, mask=m_iv)
+        tl.debug_barrier()
+        for r0 in range(0, nr, BR):  # rows r0.. see v_new rows j < r0 + BR only
+            o_i = r0 + o_r
+            m_i = o_i < nr
+            m_iv = m_i[:, None] & m_v[None, :]
+            p_oi = p_o + ((t0 + o_i[:, None]) * Hv + i_h) * V + o_v[None, :]
+            b_intra = _av_tree(p_AT + (i_p * Hv + i_h) * C * C + o_i, p_vn, o_i, m_i, m_v, zero, C, r0 + BR,
+                               C, Hv * V, BR, BV)
+            tl.store(p_oi, tl.load(p_oi, mask=m_iv, other=0.0) + b_intra, mask=m_iv)
         if nr == C:
-            # _state_tile indexes the state by its s argument (here the piece: G and v_new are
-            # scratch rows laid out as the cache's), so the slot's state is passed shifted
-            p_Sp = p_state + (s - i_p) * (Hv * K * V)
+            e_last = _exp(tl.load(p_G + (i_p * C + C - 1) * Hv + i_h), LIBDEVICE)
             for i_kt in range(NK):
-                _state_tile(p_k, p_kc, p_G, p_VN, p_Sp, i_p, t0, 0, C - 1, i_kt * NV + i_v, i_h, i_hk,
-                            Hk, Hv, K, V, BKS, BV, C, LIBDEVICE)
+                o_kb = i_kt * BKS + o_ks
+                m_k = o_kb < K
+                upd = _kv_tree(p_KD + (i_p * C * Hv + i_h) * K + o_kb, p_vn, m_k, m_v, zero, C, Hv * K, Hv * V)
+                p_s = p_S[None, :] + o_kb[:, None] * V
+                m_s = m_k[:, None] & m_v[None, :]
+                tl.store(p_s, tl.load(p_s, mask=m_s, other=0.0) * e_last + upd, mask=m_s)
             tl.debug_barrier()
-            b_S = tl.load(p_S, mask=m_S, other=0.0)
     o_1 = tl.arange(0, 2)  # a scalar store as a masked 2-lane store (the interpreter refuses scalar masks)
     tl.store(p_nc + s + o_1, tl.zeros([2], tl.int64) + tl.load(p_nend + i_b),
              mask=o_1 < tl.where((i_h == 0) & (i_v == 0), 1, 0))
@@ -301,23 +363,26 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         BK = max(2, next_power_of_2(K))
         G = torch.empty(P, CHUNK, Hv, dtype=torch.float32, device=dev)
         L = torch.empty(P, Hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)
-        A = torch.empty_like(L)
+        AT = torch.empty_like(L)
+        QT = torch.empty(P, Hv, K, CHUNK, dtype=torch.float32, device=dev)
+        WT = torch.empty_like(QT)
         X = torch.empty(P, CHUNK, Hv, V + K, dtype=torch.float32, device=dev)
+        KD = torch.empty(P, CHUNK, Hv, K, dtype=torch.float32, device=dev)
         VN = torch.empty(P, CHUNK, Hv, V, dtype=torch.float32, device=dev)
         bi = min(next_power_of_2(max(1, bi)), CHUNK)
-        _chunk_rows_kernel[(P, Hv)](q, k, g, beta, tok, rows, wslot, G, L, A, cache["g_cum"],
+        _chunk_rows_kernel[(P, Hv)](q, k, g, beta, tok, rows, wslot, G, L, AT, QT, KD, cache["g_cum"],
                                     Hk, Hv, K, BK, bi, CHUNK, lib, num_warps=rows_warps, **opts)
         bw = max(2, min(bw, next_power_of_2(V + K)))
-        _chunk_solve_kernel[(P, Hv, cdiv(V + K, bw))](k, v, beta, tok, rows, wslot, G, L, X, cache["x"],
+        _chunk_solve_kernel[(P, Hv, cdiv(V + K, bw))](k, v, beta, tok, rows, wslot, G, L, X, WT, cache["x"],
                                                        Hk, Hv, K, V, bw, CHUNK, lib, num_warps=solve_warps,
                                                        **opts)
         bv = max(2, min(bv, next_power_of_2(V)))
         br = min(next_power_of_2(max(1, br)), CHUNK)
         bks = max(2, min(bks, BK))
         _chunk_state_kernel[(NB, Hv, cdiv(V, bv))](
-            q, k, o, tok, rows, seq, sslot, fresh, nend, G, A, X, VN,
-            cache["state"], cache["k"], cache["v_new"], cache["n"],
-            Hk, Hv, K, V, BK, bv, br, bks, CHUNK, lib, num_warps=state_warps, **opts,
+            o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, X, WT, KD, VN,
+            cache["state"], cache["v_new"], cache["n"],
+            Hv, K, V, BK, bv, br, bks, CHUNK, lib, num_warps=state_warps, **opts,
         )
     _k_rows_kernel[(B, CHUNK, Hk)](k, cu_seqlens, starts, slots, cache["k"], Hk, K, max(2, next_power_of_2(K)),
                                    CHUNK, **_launch_opts(q)[1])
