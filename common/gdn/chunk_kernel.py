@@ -22,7 +22,7 @@ be shorter); the launches, in order:
 * ``_chunk_solve_kernel``, grid (pieces, Hv, (V + K) / BW): the 64
   substitution steps x_i = b_i - tree_j(where(j < i, L_ij x_j, -0.0)) on a
   (64, BW) tile of x = [u | w] held in registers (a column of x needs only
-  its own column; a row holds b_i until its step), written to scratch.
+  its own column; a row holds b_i until its step): u and w^T to scratch.
 * ``_chunk_state_kernel``, grid (sequences, Hv, V / BV): the chunks of a
   sequence in order, on a (K, BV) column tile of the slot's state: v_new_i =
   u_i - tree_K(w_i S0), o_i = tree_K((q_i exp(G_i)) S0) + tree_j(where(j <= i,
@@ -46,7 +46,7 @@ padding row (slot -1) gets o = 0 and writes nothing.
 The launcher reads cu_seqlens, starts and slots on the host (one copy) to
 lay out the pieces: prefill and the trainer are not captured in CUDA graphs
 (decode, ``kernel.gdn_decode_triton``, reads nothing).  Scratch per call:
-(T rounded up to 64 per sequence) x Hv x (2 x 64 + 2 V + 4 K + 1) fp32.
+(T rounded up to 64 per sequence) x Hv x (2 x 64 + 2 V + 3 K + 1) fp32.
 """
 from __future__ import annotations
 
@@ -129,14 +129,15 @@ def _chunk_rows_kernel(
 @triton.jit
 def _chunk_solve_kernel(
     p_k, p_v, p_beta, p_tok, p_rows, p_wslot,
-    p_G, p_L, p_X, p_WT, p_xc,
+    p_G, p_L, p_U, p_WT, p_xc,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BW: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     """Grid (pieces, Hv, (V + K) / BW): columns c of x = [u | w], row by row,
     x_i = b_i - tree_j(where(j < i, L_ij x_j, -0.0)) with b_i = v_i beta_i
-    (c < V) or (k_i beta_i) exp(G_i) (c >= V), ``kernel._row``'s terms; w also
-    transposed, for the state kernel's leaves."""
+    (c < V) or (k_i beta_i) exp(G_i) (c >= V), ``kernel._row``'s terms: u and w
+    transposed to scratch for the state kernel (its leaves read rows of w^T), and
+    x to the slot's open chunk."""
     W: tl.constexpr = V + K
     i_p, i_h, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (Hv // Hk)
@@ -161,7 +162,7 @@ def _chunk_solve_kernel(
         b_t = _tree_first(tl.where((o_j < i)[:, None], b_L[:, None] * b_X, -0.0), C, BW)
         b_X = tl.where((o_j == i)[:, None], b_X - b_t[None, :], b_X)
     m = (o_j < nr)[:, None] & (o_c < W)[None, :]
-    tl.store(p_X + ((i_p * C + o_j[:, None]) * Hv + i_h) * W + o_c[None, :], b_X, mask=m)
+    tl.store(p_U + ((i_p * C + o_j[:, None]) * Hv + i_h) * V + o_c[None, :], b_X, mask=m & is_u[None, :])
     tl.store(p_WT + ((i_p * Hv + i_h) * K + o_c[None, :] - V) * C + o_j[:, None], b_X,
              mask=m & is_w[None, :])
     s = tl.maximum(ws, 0)
@@ -227,7 +228,7 @@ def _kv_tree(p_kd, p_vn, m_k, m_v, j0, N: tl.constexpr, RK: tl.constexpr, RV: tl
 @triton.jit
 def _chunk_state_kernel(
     p_o, p_tok, p_rows, p_seq, p_sslot, p_fresh, p_nend,
-    p_G, p_AT, p_QT, p_X, p_WT, p_KD, p_VN, p_state, p_vc, p_nc,
+    p_G, p_AT, p_QT, p_U, p_WT, p_KD, p_VN, p_state, p_vc, p_nc,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -241,7 +242,6 @@ def _chunk_state_kernel(
     over its leaves (``_ws_tree``, ``_av_tree``, ``_kv_tree``), a leaf an outer
     product of two loaded vectors, so every level adds whole tiles in registers.
     The last piece's v_new rows go to the slot."""
-    W: tl.constexpr = V + K
     NK: tl.constexpr = (K + BKS - 1) // BKS
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p0 = tl.load(p_seq + i_b)
@@ -269,11 +269,11 @@ def _chunk_state_kernel(
             o_i = r0 + o_r
             m_i = o_i < nr
             t = t0 + o_i
-            p_x = p_X + ((i_p * C + o_i) * Hv + i_h) * W  # (BR,)
             p_hk = (i_p * Hv + i_h) * K * C + o_i  # (BR,) column 0 of w^T, (q exp(G))^T
             b_t, b_inter = _ws_tree(p_S, p_WT + p_hk, p_QT + p_hk, m_i, m_v, zero, BK, K, V, C)
             m_iv = m_i[:, None] & m_v[None, :]
-            b_vn = tl.load(p_x[:, None] + o_v[None, :], mask=m_iv, other=0.0) - b_t  # u_i - tree
+            b_u = tl.load(p_U + ((i_p * C + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], mask=m_iv, other=0.0)
+            b_vn = b_u - b_t
             tl.store(p_vn[None, :] + o_i[:, None] * (Hv * V), b_vn, mask=m_iv)
             tl.store(p_vc + ((s * C + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_vn,
                      mask=(o_i < n_last)[:, None] & m_v[None, :])
@@ -366,21 +366,21 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         AT = torch.empty_like(L)
         QT = torch.empty(P, Hv, K, CHUNK, dtype=torch.float32, device=dev)
         WT = torch.empty_like(QT)
-        X = torch.empty(P, CHUNK, Hv, V + K, dtype=torch.float32, device=dev)
+        U = torch.empty(P, CHUNK, Hv, V, dtype=torch.float32, device=dev)
         KD = torch.empty(P, CHUNK, Hv, K, dtype=torch.float32, device=dev)
         VN = torch.empty(P, CHUNK, Hv, V, dtype=torch.float32, device=dev)
         bi = min(next_power_of_2(max(1, bi)), CHUNK)
         _chunk_rows_kernel[(P, Hv)](q, k, g, beta, tok, rows, wslot, G, L, AT, QT, KD, cache["g_cum"],
                                     Hk, Hv, K, BK, bi, CHUNK, lib, num_warps=rows_warps, **opts)
         bw = max(2, min(bw, next_power_of_2(V + K)))
-        _chunk_solve_kernel[(P, Hv, cdiv(V + K, bw))](k, v, beta, tok, rows, wslot, G, L, X, WT, cache["x"],
+        _chunk_solve_kernel[(P, Hv, cdiv(V + K, bw))](k, v, beta, tok, rows, wslot, G, L, U, WT, cache["x"],
                                                        Hk, Hv, K, V, bw, CHUNK, lib, num_warps=solve_warps,
                                                        **opts)
         bv = max(2, min(bv, next_power_of_2(V)))
         br = min(next_power_of_2(max(1, br)), CHUNK)
         bks = max(2, min(bks, BK))
         _chunk_state_kernel[(NB, Hv, cdiv(V, bv))](
-            o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, X, WT, KD, VN,
+            o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, U, WT, KD, VN,
             cache["state"], cache["v_new"], cache["n"],
             Hv, K, V, BK, bv, br, bks, CHUNK, lib, num_warps=state_warps, **opts,
         )
