@@ -42,7 +42,7 @@ def _grid_once(self, *a, **kw):
 
 _it._patch_lang, _it.GridExecutor.__call__ = _patch_once, _grid_once
 # rows of several at a time (a launch knob: the same bits, fewer interpreted steps)
-FAST = dict(bi=64, bw=64, br=64)
+FAST = dict(bi=64, bw=64, br=64, bs=64)
 FIELDS = ("k", "g_cum", "x", "v_new")
 
 
@@ -116,10 +116,11 @@ case(1, 2, 24, 20, [100], seed=3, scan=False, calls=[
     [(0, s, 100 - s, i) for i, s in enumerate((1, 37, 64, 65))],
 ], **FAST)
 # odd K and V (not powers of two: padded lanes, two V tiles, a column tile mixing u and w),
-# two qk heads; then the GPU's launch knobs, and others (two state K-tiles, four rows a step)
+# two qk heads; then the GPU's launch knobs, and others (two state K-tiles, four rows a step,
+# solve blocks of two rows: every level of left siblings)
 case(2, 4, 24, 40, [70, 5], seed=4, calls=[[(0, 0, 40, 1), (1, 0, 5, 0)], [(0, 40, 30, 1)]], **FAST)
 case(1, 2, 24, 20, [130], seed=5, calls=[[(0, 0, 30, 0)], [(0, 30, 100, 0)]])
-case(1, 2, 24, 40, [100], seed=6, calls=[[(0, 0, 40, 0)], [(0, 40, 60, 0)]], bv=16, bw=16, br=4, bks=8, bi=8)
+case(1, 2, 24, 40, [100], seed=6, calls=[[(0, 0, 40, 0)], [(0, 40, 60, 0)]], bv=16, bw=16, br=4, bks=8, bi=8, bs=2)
 print("ok")
 """
 

@@ -20,9 +20,11 @@ be shorter); the launches, in order:
   over its (64, BK) one), E_i, L_i = (beta_i kk_i) E_i, A_i = qk_i E_i,
   written to scratch.
 * ``_chunk_solve_kernel``, grid (pieces, Hv, (V + K) / BW): the 64
-  substitution steps x_i = b_i - tree_j(where(j < i, L_ij x_j, -0.0)) on a
-  (64, BW) tile of x = [u | w] held in registers (a column of x needs only
-  its own column; a row holds b_i until its step): u and w^T to scratch.
+  substitution steps x_i = b_i - tree_j(where(j < i, L_ij x_j, -0.0)) on
+  (BS, BW) tiles of x = [u | w] (a column of x needs only its own column), a
+  block of BS rows at a time: the tree's subtrees left of the block are
+  finished rows, summed as whole tiles over their leaves, and only the
+  block's own subtree goes row by row: x and w^T to scratch.
 * ``_chunk_state_kernel``, grid (sequences, Hv, V / BV): the chunks of a
   sequence in order, on a (K, BV) column tile of the slot's state: v_new_i =
   u_i - tree_K(w_i S0), o_i = tree_K((q_i exp(G_i)) S0) + tree_j(where(j <= i,
@@ -46,7 +48,7 @@ padding row (slot -1) gets o = 0 and writes nothing.
 The launcher reads cu_seqlens, starts and slots on the host (one copy) to
 lay out the pieces: prefill and the trainer are not captured in CUDA graphs
 (decode, ``kernel.gdn_decode_triton``, reads nothing).  Scratch per call:
-(T rounded up to 64 per sequence) x Hv x (2 x 64 + 2 V + 3 K + 1) fp32.
+(T rounded up to 64 per sequence) x Hv x (2 x 64 + 2 V + 4 K + 1) fp32.
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ from .cpu import CHUNK
 from .kernel import _exp, _k_rows_kernel, _launch_opts, _tree_first, _tree_last, gdn_scan_triton
 
 BW = 16  # x columns per substitution program (a launch knob: columns are independent)
+BS = 8  # rows a block of the substitution (a launch knob, a power of two >= 2: the tree is the same)
 # state / output columns per state program, rows per step of its v_new and o, K rows per
 # state-update tile, and its warps (launch knobs; rows and columns are element-wise;
 # benchmarks/bench_gdn_prefill.py sweeps them)
@@ -127,47 +130,89 @@ def _chunk_rows_kernel(
 
 
 @triton.jit
+def _left_tile(p_li, p_xr, o_i, m_i, m_c, r0, S: tl.constexpr, RX: tl.constexpr, C: tl.constexpr,
+               BS: tl.constexpr, BW: tl.constexpr):
+    """The rows block at r0's left sibling at tree level S (leaves r0 - r0 % 2S .. + S - 1, every
+    one a finished row j < r0 <= i) as a (BS, BW) tile of tree_j(L_ij x_j); -0.0 where the block's
+    node is a left child (its sibling holds rows j >= i only) or the level is past the root."""
+    x = tl.full((BS, BW), -0.0, tl.float32)
+    if S < C:
+        if r0 % (2 * S) >= S:
+            x = _av_tree(p_li, p_xr, o_i, m_i, m_c, r0 - r0 % (2 * S), S, r0, 1, RX, BS, BW)
+    return x
+
+
+@triton.jit
 def _chunk_solve_kernel(
     p_k, p_v, p_beta, p_tok, p_rows, p_wslot,
-    p_G, p_L, p_U, p_WT, p_xc,
+    p_G, p_L, p_X, p_WT, p_xc,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BW: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BW: tl.constexpr, BS: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    """Grid (pieces, Hv, (V + K) / BW): columns c of x = [u | w], row by row,
-    x_i = b_i - tree_j(where(j < i, L_ij x_j, -0.0)) with b_i = v_i beta_i
-    (c < V) or (k_i beta_i) exp(G_i) (c >= V), ``kernel._row``'s terms: u and w
-    transposed to scratch for the state kernel (its leaves read rows of w^T), and
-    x to the slot's open chunk."""
+    """Grid (pieces, Hv, (V + K) / BW): columns c of x = [u | w], x_i = b_i -
+    tree_j(where(j < i, L_ij x_j, -0.0)) with b_i = v_i beta_i (c < V) or
+    (k_i beta_i) exp(G_i) (c >= V), ``kernel._row``'s terms, in blocks of BS
+    aligned rows.  Row i's tree over the 64 leaves is the subtree of its block
+    (rows j >= i there -0.0), then at each level up the left sibling added when
+    the block's node is a right child (a right sibling holds only -0.0 leaves,
+    and x + -0.0 == x): the siblings are finished rows, so whole (BS, BW) tiles
+    of leaves (``_left_tile``), and only the block's subtree (BS rows, not 64)
+    is summed a row at a time.  x to scratch (row-major, read back by later
+    blocks and the state kernel), w^T (the state kernel's leaves) and the slot's
+    open chunk."""
     W: tl.constexpr = V + K
     i_p, i_h, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (Hv // Hk)
     t0 = tl.load(p_tok + i_p)
     nr = tl.load(p_rows + i_p)
     ws = tl.load(p_wslot + i_p)
-    o_j = tl.arange(0, C)
+    n_slot = tl.where(ws >= 0, nr, 0)
+    s = tl.maximum(ws, 0)
+    o_r = tl.arange(0, BS)
     o_c = i_c * BW + tl.arange(0, BW)
     is_u = o_c < V
     is_w = (o_c >= V) & (o_c < W)
-    m_j = o_j < nr
-    t = t0 + o_j
-    b_beta = tl.load(p_beta + t * Hv + i_h, mask=m_j, other=0.0)  # (C,)
-    e_G = _exp(tl.load(p_G + (i_p * C + o_j) * Hv + i_h, mask=m_j, other=0.0), LIBDEVICE)
-    b_v = tl.load(p_v + (t * Hv + i_h)[:, None] * V + o_c[None, :], mask=m_j[:, None] & is_u[None, :], other=0.0)
-    b_k = tl.load(p_k + (t * Hk + i_hk)[:, None] * K + o_c[None, :] - V, mask=m_j[:, None] & is_w[None, :],
-                  other=0.0)
-    # rows >= i hold b_i until step i, which turns row i into x_i (b_i minus the tree): no row is read out
-    b_X = tl.where(is_u[None, :], b_v * b_beta[:, None], (b_k * b_beta[:, None]) * e_G[:, None])  # (C, BW)
-    for i in range(nr):
-        b_L = tl.load(p_L + ((i_p * Hv + i_h) * C + i) * C + o_j)  # (C,)
-        b_t = _tree_first(tl.where((o_j < i)[:, None], b_L[:, None] * b_X, -0.0), C, BW)
-        b_X = tl.where((o_j == i)[:, None], b_X - b_t[None, :], b_X)
-    m = (o_j < nr)[:, None] & (o_c < W)[None, :]
-    tl.store(p_U + ((i_p * C + o_j[:, None]) * Hv + i_h) * V + o_c[None, :], b_X, mask=m & is_u[None, :])
-    tl.store(p_WT + ((i_p * Hv + i_h) * K + o_c[None, :] - V) * C + o_j[:, None], b_X,
-             mask=m & is_w[None, :])
-    s = tl.maximum(ws, 0)
-    tl.store(p_xc + ((s * C + o_j[:, None]) * Hv + i_h) * W + o_c[None, :], b_X,
-             mask=m & (o_j < tl.where(ws >= 0, nr, 0))[:, None])
+    m_c = o_c < W
+    p_l0 = p_L + (i_p * Hv + i_h) * C * C  # L of the piece and head, row-major
+    p_xr = p_X + (i_p * C * Hv + i_h) * W + o_c  # (BW,) row 0 of x's column tile
+    for r0 in range(0, nr, BS):
+        o_i = r0 + o_r
+        m_i = o_i < nr
+        t = t0 + o_i
+        b_beta = tl.load(p_beta + t * Hv + i_h, mask=m_i, other=0.0)  # (BS,)
+        e_G = _exp(tl.load(p_G + (i_p * C + o_i) * Hv + i_h, mask=m_i, other=0.0), LIBDEVICE)
+        b_v = tl.load(p_v + (t * Hv + i_h)[:, None] * V + o_c[None, :], mask=m_i[:, None] & is_u[None, :],
+                      other=0.0)
+        b_k = tl.load(p_k + (t * Hk + i_hk)[:, None] * K + o_c[None, :] - V, mask=m_i[:, None] & is_w[None, :],
+                      other=0.0)
+        # rows hold b_i until their step, which turns row i into x_i (b_i minus the tree)
+        b_X = tl.where(is_u[None, :], b_v * b_beta[:, None], (b_k * b_beta[:, None]) * e_G[:, None])  # (BS, BW)
+        p_li = p_l0 + o_i * C  # (BS,) column 0 of L's rows i
+        a0 = _left_tile(p_li, p_xr, o_i, m_i, m_c, r0, BS, Hv * W, C, BS, BW)
+        a1 = _left_tile(p_li, p_xr, o_i, m_i, m_c, r0, BS * 2, Hv * W, C, BS, BW)
+        a2 = _left_tile(p_li, p_xr, o_i, m_i, m_c, r0, BS * 4, Hv * W, C, BS, BW)
+        a3 = _left_tile(p_li, p_xr, o_i, m_i, m_c, r0, BS * 8, Hv * W, C, BS, BW)
+        a4 = _left_tile(p_li, p_xr, o_i, m_i, m_c, r0, BS * 16, Hv * W, C, BS, BW)
+        for ii in range(tl.minimum(BS, nr - r0)):
+            b_l = tl.load(p_l0 + (r0 + ii) * C + o_i)  # (BS,) L_ij, j in the block
+            b_t = _tree_first(tl.where((o_r < ii)[:, None], b_l[:, None] * b_X, -0.0), BS, BW)
+            b_t = b_t[None, :] + a0  # a row's levels in order, bottom up (a level past the root: -0.0)
+            if BS * 2 < C:
+                b_t = b_t + a1
+            if BS * 4 < C:
+                b_t = b_t + a2
+            if BS * 8 < C:
+                b_t = b_t + a3
+            if BS * 16 < C:
+                b_t = b_t + a4
+            b_X = tl.where((o_r == ii)[:, None], b_X - b_t, b_X)
+        m = m_i[:, None] & m_c[None, :]
+        tl.store(p_xr[None, :] + o_i[:, None] * (Hv * W), b_X, mask=m)
+        tl.store(p_WT + ((i_p * Hv + i_h) * K + o_c[None, :] - V) * C + o_i[:, None], b_X,
+                 mask=m & is_w[None, :])
+        tl.store(p_xc + ((s * C + o_i[:, None]) * Hv + i_h) * W + o_c[None, :], b_X,
+                 mask=m & (o_i < n_slot)[:, None])
+        tl.debug_barrier()  # the block's rows are the next blocks' leaves
 
 
 @triton.jit
@@ -195,9 +240,9 @@ def _ws_tree(p_S, p_w, p_q, m_i, m_v, k0, N: tl.constexpr, K: tl.constexpr, V: t
 @triton.jit
 def _av_tree(p_a, p_vn, o_i, m_i, m_v, j0, N: tl.constexpr, JE, RA: tl.constexpr, RV: tl.constexpr,
              BR: tl.constexpr, BV: tl.constexpr):
-    """Leaves j0..j0+N-1 of where(j <= i, A_ij v_new_j, -0.0) by the pairwise tree; a subtree from row
-    JE on is -0.0 for every row of the tile (j > i), so not formed.  RA, RV: A^T's and v_new's row
-    strides."""
+    """Leaves j0..j0+N-1 of where(j <= i, A_ij v_new_j, -0.0) (or the solve's L_ij x_j) by the
+    pairwise tree; a subtree from row JE on is -0.0 for every row of the tile (j > i), so not formed.
+    RA, RV: the strides of A's column j (A^T's rows) and v_new's rows."""
     if j0 >= JE:
         x = tl.full((BR, BV), -0.0, tl.float32)
     else:
@@ -228,7 +273,7 @@ def _kv_tree(p_kd, p_vn, m_k, m_v, j0, N: tl.constexpr, RK: tl.constexpr, RV: tl
 @triton.jit
 def _chunk_state_kernel(
     p_o, p_tok, p_rows, p_seq, p_sslot, p_fresh, p_nend,
-    p_G, p_AT, p_QT, p_U, p_WT, p_KD, p_VN, p_state, p_vc, p_nc,
+    p_G, p_AT, p_QT, p_X, p_WT, p_KD, p_VN, p_state, p_vc, p_nc,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -243,6 +288,7 @@ def _chunk_state_kernel(
     product of two loaded vectors, so every level adds whole tiles in registers.
     The last piece's v_new rows go to the slot."""
     NK: tl.constexpr = (K + BKS - 1) // BKS
+    W: tl.constexpr = V + K
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p0 = tl.load(p_seq + i_b)
     p1 = tl.load(p_seq + i_b + 1)
@@ -272,7 +318,7 @@ def _chunk_state_kernel(
             p_hk = (i_p * Hv + i_h) * K * C + o_i  # (BR,) column 0 of w^T, (q exp(G))^T
             b_t, b_inter = _ws_tree(p_S, p_WT + p_hk, p_QT + p_hk, m_i, m_v, zero, BK, K, V, C)
             m_iv = m_i[:, None] & m_v[None, :]
-            b_u = tl.load(p_U + ((i_p * C + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], mask=m_iv, other=0.0)
+            b_u = tl.load(p_X + ((i_p * C + o_i[:, None]) * Hv + i_h) * W + o_v[None, :], mask=m_iv, other=0.0)
             b_vn = b_u - b_t
             tl.store(p_vn[None, :] + o_i[:, None] * (Hv * V), b_vn, mask=m_iv)
             tl.store(p_vc + ((s * C + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_vn,
@@ -324,7 +370,8 @@ def _layout(cu, starts, slots):
     return heads, pieces, seqs
 
 
-def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: int = BW, bv: int = BV,
+def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: int = BW, bs: int = BS,
+                     bv: int = BV,
                      br: int = BR, bks: int = BKS, bi: int = BI, state_warps: int = STATE_WARPS,
                      rows_warps: int = ROWS_WARPS, solve_warps: int = SOLVE_WARPS):
     """``gdn_scan_triton``'s contract (shapes, cache writes, bits), chunk-parallel.
@@ -332,8 +379,8 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
     (B + 1,), starts, slots (B,) int64 device tensors, read on the host (not
     graph-capturable); ``cache``: ``op.gdn_cache``'s dict (the trainer passes a
     fresh one, slots 0..B-1) -> o (T, Hv, V) fp32 (0 on padding rows).
-    ``bw``, ``bv``, ``br``, ``bks``, ``bi`` and the three kernels' warps: launch
-    knobs that cannot change bits."""
+    ``bw``, ``bs``, ``bv``, ``br``, ``bks``, ``bi`` and the three kernels' warps:
+    launch knobs that cannot change bits."""
     T, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     B = cu_seqlens.shape[0] - 1
@@ -347,9 +394,9 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
     if heads:
         idx = torch.cat([torch.arange(cu[b], cu[b] + h) for b, h in heads]).to(dev)
         hcu = torch.tensor([0] + [h for _, h in heads], device=dev).cumsum(0)
-        bs = torch.tensor([b for b, _ in heads], device=dev)
-        o_h = gdn_scan_triton(*(t.index_select(0, idx) for t in (q, k, v, g, beta)), hcu, starts.long()[bs],
-                              slots.long()[bs], cache)
+        hb = torch.tensor([b for b, _ in heads], device=dev)
+        o_h = gdn_scan_triton(*(t.index_select(0, idx) for t in (q, k, v, g, beta)), hcu, starts.long()[hb],
+                              slots.long()[hb], cache)
         o.index_copy_(0, idx, o_h)
     P, NB = len(pieces), len(seqs)
     if P:
@@ -366,21 +413,22 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         AT = torch.empty_like(L)
         QT = torch.empty(P, Hv, K, CHUNK, dtype=torch.float32, device=dev)
         WT = torch.empty_like(QT)
-        U = torch.empty(P, CHUNK, Hv, V, dtype=torch.float32, device=dev)
+        X = torch.empty(P, CHUNK, Hv, V + K, dtype=torch.float32, device=dev)
         KD = torch.empty(P, CHUNK, Hv, K, dtype=torch.float32, device=dev)
         VN = torch.empty(P, CHUNK, Hv, V, dtype=torch.float32, device=dev)
         bi = min(next_power_of_2(max(1, bi)), CHUNK)
         _chunk_rows_kernel[(P, Hv)](q, k, g, beta, tok, rows, wslot, G, L, AT, QT, KD, cache["g_cum"],
                                     Hk, Hv, K, BK, bi, CHUNK, lib, num_warps=rows_warps, **opts)
         bw = max(2, min(bw, next_power_of_2(V + K)))
-        _chunk_solve_kernel[(P, Hv, cdiv(V + K, bw))](k, v, beta, tok, rows, wslot, G, L, U, WT, cache["x"],
-                                                       Hk, Hv, K, V, bw, CHUNK, lib, num_warps=solve_warps,
+        bs = max(2, min(next_power_of_2(bs), CHUNK))
+        _chunk_solve_kernel[(P, Hv, cdiv(V + K, bw))](k, v, beta, tok, rows, wslot, G, L, X, WT, cache["x"],
+                                                       Hk, Hv, K, V, bw, bs, CHUNK, lib, num_warps=solve_warps,
                                                        **opts)
         bv = max(2, min(bv, next_power_of_2(V)))
         br = min(next_power_of_2(max(1, br)), CHUNK)
         bks = max(2, min(bks, BK))
         _chunk_state_kernel[(NB, Hv, cdiv(V, bv))](
-            o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, U, WT, KD, VN,
+            o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, X, WT, KD, VN,
             cache["state"], cache["v_new"], cache["n"],
             Hv, K, V, BK, bv, br, bks, CHUNK, lib, num_warps=state_warps, **opts,
         )
