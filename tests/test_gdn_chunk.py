@@ -42,7 +42,7 @@ def _grid_once(self, *a, **kw):
 
 _it._patch_lang, _it.GridExecutor.__call__ = _patch_once, _grid_once
 # rows of several at a time (a launch knob: the same bits, fewer interpreted steps)
-FAST = dict(bi=64, bw=64, br=64, bs=64)
+FAST = dict(bi=64, bw=64, br=64, bs=64, bro=64, bvo=64)
 FIELDS = ("k", "g_cum", "x", "v_new")
 
 
@@ -120,7 +120,7 @@ case(1, 2, 24, 20, [100], seed=3, scan=False, calls=[
 # solve blocks of two rows: every level of left siblings)
 case(2, 4, 24, 40, [70, 5], seed=4, calls=[[(0, 0, 40, 1), (1, 0, 5, 0)], [(0, 40, 30, 1)]], **FAST)
 case(1, 2, 24, 20, [130], seed=5, calls=[[(0, 0, 30, 0)], [(0, 30, 100, 0)]])
-case(1, 2, 24, 40, [100], seed=6, calls=[[(0, 0, 40, 0)], [(0, 40, 60, 0)]], bv=16, bw=16, br=4, bks=8, bi=8, bs=2)
+case(1, 2, 24, 40, [100], seed=6, calls=[[(0, 0, 40, 0)], [(0, 40, 60, 0)]], bv=16, bw=16, br=4, bks=8, bi=8, bs=2, bro=4, bvo=8)
 print("ok")
 """
 

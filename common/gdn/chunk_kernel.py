@@ -26,15 +26,19 @@ be shorter); the launches, in order:
   finished rows, summed as whole tiles over their leaves, and only the
   block's own subtree goes row by row: x and w^T to scratch.
 * ``_chunk_state_kernel``, grid (sequences, Hv, V / BV): the chunks of a
-  sequence in order, on a (K, BV) column tile of the slot's state: v_new_i =
-  u_i - tree_K(w_i S0), o_i = tree_K((q_i exp(G_i)) S0) + tree_j(where(j <= i,
-  A_ij v_new_j, -0.0)), BR rows at a time, then at a complete chunk S0
-  exp(G_63) + tree_j(k'_j v_new_j^T) (``kernel._state_tile``'s sum, k'_j from
-  the rows kernel) in place, a barrier.  Each tree is unrolled over its leaves
-  (the recursive ``_ws_tree``, ``_av_tree``, ``_kv_tree``): a leaf is the outer
-  product of a loaded row and column, so a level adds two (BR, BV) tiles
-  element by element in registers, never across lanes.  V columns never need
-  each other.
+  sequence in order, on a (K, BV) column tile of the slot's state: the
+  piece's S0 to scratch, v_new_i = u_i - tree_K(w_i S0), BR rows at a time,
+  then at a complete chunk S0 exp(G_63) + tree_j(k'_j v_new_j^T)
+  (``kernel._state_tile``'s sum, k'_j from the rows kernel) in place, a
+  barrier.  Each tree is unrolled over its leaves (the recursive ``_ks_tree``,
+  ``_kv_tree``): a leaf is the outer product of a loaded row and column, so a
+  level adds two tiles element by element in registers, never across lanes.
+  V columns never need each other.
+* ``_chunk_out_kernel``, grid (pieces, Hv, (V / BVO) x (64 / BRO)): o_i =
+  tree_K((q_i exp(G_i)) S0) + tree_j(where(j <= i, A_ij v_new_j, -0.0)) from
+  each piece's S0 and v_new, every piece at once (no later piece reads o, so
+  the order-bound kernel above leaves it out: at 1 x 4096 tokens it has only
+  Hv x V / BV programs).
 * ``kernel._k_rows_kernel``: the open chunk's k rows.
 
 Cache: as the scan leaves it.  The slot's state is the state after the last
@@ -62,13 +66,14 @@ from .kernel import _exp, _k_rows_kernel, _launch_opts, _tree_first, _tree_last,
 
 BW = 16  # x columns per substitution program (a launch knob: columns are independent)
 BS = 8  # rows a block of the substitution (a launch knob, a power of two >= 2: the tree is the same)
-# state / output columns per state program, rows per step of its v_new and o, K rows per
-# state-update tile, and its warps (launch knobs; rows and columns are element-wise;
+# state columns per state program, rows per step of its v_new, K rows per state-update
+# tile, and its warps (launch knobs; rows and columns are element-wise;
 # benchmarks/bench_gdn_prefill.py sweeps them)
 BV = 16
 BR = 8
 BKS = 16
 STATE_WARPS = 2  # two (BR, BV) elements a thread: at four, ptxas spills (sm_90a, 255 registers)
+BVO, BRO, OUT_WARPS = 16, 8, 2  # the output kernel's tile (BRO rows x BVO columns) and warps (launch knobs)
 BI = 1  # rows per step of the rows kernel's (BI, 64, K) products (a launch knob)
 ROWS_WARPS = SOLVE_WARPS = 2  # warps of the rows and solve kernels (launch knobs)
 
@@ -216,25 +221,20 @@ def _chunk_solve_kernel(
 
 
 @triton.jit
-def _ws_tree(p_S, p_w, p_q, m_i, m_v, k0, N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
-    """Leaves k0..k0+N-1 (N a power of two) of the K trees of v_new and o's inter term, (w_ik S0_kv,
-    (q_ik exp(G_i)) S0_kv) and -0.0 past K, by the pairwise tree: tile-wise adds, in registers.  w and
-    q exp(G) come from their transposes (row k: the tile's rows i, contiguous).  k0 is a runtime
-    value (a literal would make it a constexpr), so a tree compiles as one function a level, not
-    one a node."""
+def _ks_tree(p_S, p_a, m_i, m_v, k0, N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
+    """Leaves k0..k0+N-1 (N a power of two) of a K tree over a_ik S0_kv (v_new's w_i S0 or o's inter
+    term (q_i exp(G_i)) S0), -0.0 past K, by the pairwise tree: tile-wise adds, in registers.  a comes
+    from its transpose (row k: the tile's rows i, contiguous).  k0 is a runtime value (a literal
+    would make it a constexpr), so a tree compiles as one function a level, not one a node."""
     if N == 1:
         k = tl.minimum(k0, K - 1)  # a lane past K reads row K - 1 and keeps -0.0
         b_s = tl.load(p_S + k * V, mask=m_v, other=0.0)  # (BV,) row k of the S0 tile
-        b_w = tl.load(p_w + k * C, mask=m_i, other=0.0)  # (BR,)
-        b_q = tl.load(p_q + k * C, mask=m_i, other=0.0)
-        a = tl.where(k0 < K, b_w[:, None] * b_s[None, :], -0.0)
-        c = tl.where(k0 < K, b_q[:, None] * b_s[None, :], -0.0)
+        b_a = tl.load(p_a + k * C, mask=m_i, other=0.0)  # (BR,)
+        x = tl.where(k0 < K, b_a[:, None] * b_s[None, :], -0.0)
     else:
-        a0, c0 = _ws_tree(p_S, p_w, p_q, m_i, m_v, k0, N // 2, K, V, C)
-        a1, c1 = _ws_tree(p_S, p_w, p_q, m_i, m_v, k0 + N // 2, N // 2, K, V, C)
-        a = a0 + a1
-        c = c0 + c1
-    return a, c
+        x = (_ks_tree(p_S, p_a, m_i, m_v, k0, N // 2, K, V, C)
+             + _ks_tree(p_S, p_a, m_i, m_v, k0 + N // 2, N // 2, K, V, C))
+    return x
 
 
 @triton.jit
@@ -272,21 +272,22 @@ def _kv_tree(p_kd, p_vn, m_k, m_v, j0, N: tl.constexpr, RK: tl.constexpr, RV: tl
 
 @triton.jit
 def _chunk_state_kernel(
-    p_o, p_tok, p_rows, p_seq, p_sslot, p_fresh, p_nend,
-    p_G, p_AT, p_QT, p_X, p_WT, p_KD, p_VN, p_state, p_vc, p_nc,
+    p_tok, p_rows, p_seq, p_sslot, p_fresh, p_nend,
+    p_G, p_U, p_WT, p_KD, p_VN, p_S0, p_state, p_vc, p_nc,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
     """Grid (sequences, Hv, V / BV): the sequence's pieces in order from S0 (the
     slot's state, zeros at position 0), BR rows x BV columns a step.  Per piece:
-    v_new_i = u_i - tree_K(w_i S0) and inter_i = tree_K((q_i exp(G_i)) S0) for
-    every row (inter into o), a barrier, o_i = inter_i + tree_j(where(j <= i,
-    A_ij v_new_j, -0.0)); at a complete piece the state S0 exp(G_63) +
+    its S0 to scratch (the output kernel's), v_new_i = u_i - tree_K(w_i S0) for
+    every row, a barrier; at a complete piece the state S0 exp(G_63) +
     tree_j(k'_j v_new_j^T) in (BKS, BV) tiles, a barrier.  Each tree is unrolled
-    over its leaves (``_ws_tree``, ``_av_tree``, ``_kv_tree``), a leaf an outer
-    product of two loaded vectors, so every level adds whole tiles in registers.
-    The last piece's v_new rows go to the slot."""
+    over its leaves (``_ks_tree``, ``_kv_tree``), a leaf an outer product of two
+    loaded vectors, so every level adds whole tiles in registers.  Only what the
+    next piece needs runs here, in order; o (which no later piece reads) is the
+    output kernel's, every piece at once.  The last piece's v_new rows go to the
+    slot."""
     NK: tl.constexpr = (K + BKS - 1) // BKS
     W: tl.constexpr = V + K
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -298,54 +299,78 @@ def _chunk_state_kernel(
     m_v = o_v < V
     o_r = tl.arange(0, BR)
     o_ks = tl.arange(0, BKS)
-    zero = tl.full([], 0, tl.int32)  # the trees' first leaf as a value, not a constexpr: see _ws_tree
+    zero = tl.full([], 0, tl.int32)  # the trees' first leaf as a value, not a constexpr: see _ks_tree
     p_S = p_state + (s * Hv + i_h) * K * V + o_v  # (BV,) row 0 of the slot's S0 tile
-    if fresh != 0:  # position 0: S0 = 0, and the slot's state with it
-        for i_kt in range(NK):
-            o_kb = i_kt * BKS + o_ks
-            tl.store(p_S[None, :] + o_kb[:, None] * V, tl.zeros([BKS, BV], dtype=tl.float32),
-                     mask=(o_kb < K)[:, None] & m_v[None, :])
-        tl.debug_barrier()
+    p_s0 = p_S0 + i_h * K * V + o_v  # (BV,) row 0 of piece 0's S0 tile in scratch
+    for i_kt in range(NK):  # position 0: S0 = 0, and the slot's state with it
+        o_kb = i_kt * BKS + o_ks
+        m_s = (o_kb < K)[:, None] & m_v[None, :]
+        b_S = tl.load(p_S[None, :] + o_kb[:, None] * V, mask=m_s, other=0.0)
+        b_S = tl.where(fresh != 0, 0.0, b_S)
+        tl.store(p_S[None, :] + o_kb[:, None] * V, b_S, mask=m_s)
+        tl.store(p_s0[None, :] + (p0 * Hv * K + o_kb[:, None]) * V, b_S, mask=m_s)
+    tl.debug_barrier()
     for i_p in range(p0, p1):
-        t0 = tl.load(p_tok + i_p)
         nr = tl.load(p_rows + i_p)
         n_last = tl.where(i_p == p1 - 1, nr, 0)  # rows that go to the slot's open chunk
         p_vn = p_VN + (i_p * C * Hv + i_h) * V + o_v  # (BV,) row 0 of the piece's v_new tile
         for r0 in range(0, nr, BR):
             o_i = r0 + o_r
             m_i = o_i < nr
-            t = t0 + o_i
-            p_hk = (i_p * Hv + i_h) * K * C + o_i  # (BR,) column 0 of w^T, (q exp(G))^T
-            b_t, b_inter = _ws_tree(p_S, p_WT + p_hk, p_QT + p_hk, m_i, m_v, zero, BK, K, V, C)
+            p_hk = (i_p * Hv + i_h) * K * C + o_i  # (BR,) column 0 of w^T
+            b_t = _ks_tree(p_S, p_WT + p_hk, m_i, m_v, zero, BK, K, V, C)
             m_iv = m_i[:, None] & m_v[None, :]
-            b_u = tl.load(p_X + ((i_p * C + o_i[:, None]) * Hv + i_h) * W + o_v[None, :], mask=m_iv, other=0.0)
+            b_u = tl.load(p_U + ((i_p * C + o_i[:, None]) * Hv + i_h) * W + o_v[None, :], mask=m_iv, other=0.0)
             b_vn = b_u - b_t
             tl.store(p_vn[None, :] + o_i[:, None] * (Hv * V), b_vn, mask=m_iv)
             tl.store(p_vc + ((s * C + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_vn,
                      mask=(o_i < n_last)[:, None] & m_v[None, :])
-            tl.store(p_o + (t[:, None] * Hv + i_h) * V + o_v[None, :], b_inter, mask=m_iv)
         tl.debug_barrier()
-        for r0 in range(0, nr, BR):  # rows r0.. see v_new rows j < r0 + BR only
-            o_i = r0 + o_r
-            m_i = o_i < nr
-            m_iv = m_i[:, None] & m_v[None, :]
-            p_oi = p_o + ((t0 + o_i[:, None]) * Hv + i_h) * V + o_v[None, :]
-            b_intra = _av_tree(p_AT + (i_p * Hv + i_h) * C * C + o_i, p_vn, o_i, m_i, m_v, zero, C, r0 + BR,
-                               C, Hv * V, BR, BV)
-            tl.store(p_oi, tl.load(p_oi, mask=m_iv, other=0.0) + b_intra, mask=m_iv)
         if nr == C:
             e_last = _exp(tl.load(p_G + (i_p * C + C - 1) * Hv + i_h), LIBDEVICE)
+            n_next = tl.where(i_p + 1 < p1, K, 0)  # the next piece's S0, when there is one
             for i_kt in range(NK):
                 o_kb = i_kt * BKS + o_ks
                 m_k = o_kb < K
                 upd = _kv_tree(p_KD + (i_p * C * Hv + i_h) * K + o_kb, p_vn, m_k, m_v, zero, C, Hv * K, Hv * V)
                 p_s = p_S[None, :] + o_kb[:, None] * V
                 m_s = m_k[:, None] & m_v[None, :]
-                tl.store(p_s, tl.load(p_s, mask=m_s, other=0.0) * e_last + upd, mask=m_s)
+                b_S = tl.load(p_s, mask=m_s, other=0.0) * e_last + upd
+                tl.store(p_s, b_S, mask=m_s)
+                tl.store(p_s0[None, :] + ((i_p + 1) * Hv * K + o_kb[:, None]) * V, b_S,
+                         mask=(o_kb < n_next)[:, None] & m_v[None, :])
             tl.debug_barrier()
     o_1 = tl.arange(0, 2)  # a scalar store as a masked 2-lane store (the interpreter refuses scalar masks)
     tl.store(p_nc + s + o_1, tl.zeros([2], tl.int64) + tl.load(p_nend + i_b),
              mask=o_1 < tl.where((i_h == 0) & (i_v == 0), 1, 0))
+
+
+@triton.jit
+def _chunk_out_kernel(
+    p_o, p_tok, p_rows, p_AT, p_QT, p_VN, p_S0,
+    Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, C: tl.constexpr,
+):
+    """Grid (pieces, Hv, (V / BV) x (64 / BR)): a (BR, BV) tile of o_i =
+    tree_K((q_i exp(G_i)) S0) + tree_j(where(j <= i, A_ij v_new_j, -0.0)), from
+    the piece's S0 and v_new that the state kernel wrote: every piece at once."""
+    NR: tl.constexpr = C // BR
+    i_p, i_h, i_t = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    t0 = tl.load(p_tok + i_p)
+    nr = tl.load(p_rows + i_p)
+    r0 = (i_t % NR) * BR
+    if r0 < nr:
+        o_i = r0 + tl.arange(0, BR)
+        o_v = (i_t // NR) * BV + tl.arange(0, BV)
+        m_i = o_i < nr
+        m_v = o_v < V
+        zero = tl.full([], 0, tl.int32)
+        b_inter = _ks_tree(p_S0 + (i_p * Hv + i_h) * K * V + o_v, p_QT + (i_p * Hv + i_h) * K * C + o_i, m_i, m_v,
+                           zero, BK, K, V, C)
+        b_intra = _av_tree(p_AT + (i_p * Hv + i_h) * C * C + o_i, p_VN + (i_p * C * Hv + i_h) * V + o_v, o_i, m_i,
+                           m_v, zero, C, r0 + BR, C, Hv * V, BR, BV)
+        tl.store(p_o + ((t0 + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_inter + b_intra,
+                 mask=m_i[:, None] & m_v[None, :])
 
 
 def _layout(cu, starts, slots):
@@ -372,15 +397,16 @@ def _layout(cu, starts, slots):
 
 def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: int = BW, bs: int = BS,
                      bv: int = BV,
-                     br: int = BR, bks: int = BKS, bi: int = BI, state_warps: int = STATE_WARPS,
+                     br: int = BR, bks: int = BKS, bi: int = BI, bvo: int = BVO, bro: int = BRO,
+                     state_warps: int = STATE_WARPS, out_warps: int = OUT_WARPS,
                      rows_warps: int = ROWS_WARPS, solve_warps: int = SOLVE_WARPS):
     """``gdn_scan_triton``'s contract (shapes, cache writes, bits), chunk-parallel.
     q, k (T, Hk, K), v (T, Hv, V), g, beta (T, Hv) fp32 contiguous; cu_seqlens
     (B + 1,), starts, slots (B,) int64 device tensors, read on the host (not
     graph-capturable); ``cache``: ``op.gdn_cache``'s dict (the trainer passes a
     fresh one, slots 0..B-1) -> o (T, Hv, V) fp32 (0 on padding rows).
-    ``bw``, ``bs``, ``bv``, ``br``, ``bks``, ``bi`` and the three kernels' warps:
-    launch knobs that cannot change bits."""
+    ``bw``, ``bs``, ``bv``, ``br``, ``bks``, ``bi``, ``bvo``, ``bro`` and the four
+    kernels' warps: launch knobs that cannot change bits."""
     T, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     B = cu_seqlens.shape[0] - 1
@@ -427,10 +453,16 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         bv = max(2, min(bv, next_power_of_2(V)))
         br = min(next_power_of_2(max(1, br)), CHUNK)
         bks = max(2, min(bks, BK))
+        S0 = torch.empty(P, Hv, K, V, dtype=torch.float32, device=dev)
         _chunk_state_kernel[(NB, Hv, cdiv(V, bv))](
-            o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, X, WT, KD, VN,
+            tok, rows, seq, sslot, fresh, nend, G, X, WT, KD, VN, S0,
             cache["state"], cache["v_new"], cache["n"],
             Hv, K, V, BK, bv, br, bks, CHUNK, lib, num_warps=state_warps, **opts,
+        )
+        bvo = max(2, min(bvo, next_power_of_2(V)))
+        bro = min(next_power_of_2(max(1, bro)), CHUNK)
+        _chunk_out_kernel[(P, Hv, cdiv(V, bvo) * (CHUNK // bro))](
+            o, tok, rows, AT, QT, VN, S0, Hv, K, V, BK, bvo, bro, CHUNK, num_warps=out_warps, **opts,
         )
     _k_rows_kernel[(B, CHUNK, Hk)](k, cu_seqlens, starts, slots, cache["k"], Hk, K, max(2, next_power_of_2(K)),
                                    CHUNK, **_launch_opts(q)[1])
