@@ -3,8 +3,8 @@ bits of ``kernel.gdn_scan_triton`` (and so of ``cpu.chunked``), with the
 work that does not read the state spread over every 64-row chunk at once.
 
 The arithmetic is ``cpu.py``'s row functions, written with ``kernel.py``'s
-jit helpers: every sum the fixed pairwise tree (``_tree_last`` /
-``_tree_first``: pairs of adjacent elements, level by level, -0.0 for a K
+jit helpers: every sum the fixed pairwise tree (``_tree_first``, or
+unrolled over leaves: pairs of adjacent elements, level by level, -0.0 for a K
 lane past K or a row j not present), G a left-to-right running sum, every
 product rounded on its own (``enable_fp_fusion=False``), exp from libdevice
 on CUDA.  A chunk piece is 64 aligned rows of one sequence (the last one may
@@ -15,10 +15,12 @@ be shorter); the launches, in order:
   rows mix the slot's cached rows with new ones), which leaves the slot's
   state at that boundary.
 * ``_chunk_rows_kernel``, grid (pieces, Hv): G_i = G_{i-1} + g_i over the
-  piece's rows in order, then BI rows i at a time: kk_i, qk_i = tree_K
-  (``_tree_last`` over the K lanes of a (BI * 64, BK) tile, as ``kernel._row``
-  over its (64, BK) one), E_i, L_i = (beta_i kk_i) E_i, A_i = qk_i E_i,
-  written to scratch.
+  piece's rows in order, the piece's k^T and q^T to scratch, a barrier, then
+  BI rows i at a time: kk_i, qk_i = tree_K (``kernel._row``'s tree over the K
+  lanes, unrolled over its leaves in ``_kq_tree``: a leaf the outer product
+  of row k of k^T (the rows j) and of k^T / q^T (the tile's rows i), so a
+  level adds two (BI, 64) tiles in registers), E_i, L_i = (beta_i kk_i) E_i,
+  A_i = qk_i E_i, written to scratch.
 * ``_chunk_solve_kernel``, grid (pieces, Hv, (V + K) / BW): the 64
   substitution steps x_i = b_i - tree_j(where(j < i, L_ij x_j, -0.0)) on
   (BS, BW) tiles of x = [u | w] (a column of x needs only its own column), a
@@ -52,7 +54,7 @@ padding row (slot -1) gets o = 0 and writes nothing.
 The launcher reads cu_seqlens, starts and slots on the host (one copy) to
 lay out the pieces: prefill and the trainer are not captured in CUDA graphs
 (decode, ``kernel.gdn_decode_triton``, reads nothing).  Scratch per call:
-(T rounded up to 64 per sequence) x Hv x (2 x 64 + 2 V + 4 K + 1) fp32.
+(T rounded up to 64 per sequence) x Hv x (2 x 64 + 2 V + 6 K + K V / 64 + 1) fp32.
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
 from .cpu import CHUNK
-from .kernel import _exp, _k_rows_kernel, _launch_opts, _tree_first, _tree_last, gdn_scan_triton
+from .kernel import _exp, _k_rows_kernel, _launch_opts, _tree_first, gdn_scan_triton
 
 BW = 16  # x columns per substitution program (a launch knob: columns are independent)
 BS = 8  # rows a block of the substitution (a launch knob, a power of two >= 2: the tree is the same)
@@ -74,32 +76,56 @@ BR = 8
 BKS = 16
 STATE_WARPS = 2  # two (BR, BV) elements a thread: at four, ptxas spills (sm_90a, 255 registers)
 BVO, BRO, OUT_WARPS = 16, 8, 2  # the output kernel's tile (BRO rows x BVO columns) and warps (launch knobs)
-BI = 1  # rows per step of the rows kernel's (BI, 64, K) products (a launch knob)
+# rows i per tile of the rows kernel's trees (a launch knob): at 4 on 2 warps a (BI, 64) tile is 4
+# fp32 a thread, 168 registers; at 8, ptxas spills (sm_90a, K 128)
+BI = 4
 ROWS_WARPS = SOLVE_WARPS = 2  # warps of the rows and solve kernels (launch knobs)
+
+
+@triton.jit
+def _kq_tree(p_kj, p_ki, p_qi, k0, N: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+    """Leaves k0..k0+N-1 (N a power of two) of the K trees of kk and qk, (k_ik k_jk, q_ik k_jk) as
+    (BI, C) tiles and -0.0 past K, by the pairwise tree: tile-wise adds, in registers.  A leaf reads
+    row k of the piece's k^T (all rows j) and of k^T, q^T (the tile's rows i), each contiguous; k0 a
+    runtime value, as in ``_ks_tree``."""
+    if N == 1:
+        k = tl.minimum(k0, K - 1)  # a lane past K reads row K - 1 and keeps -0.0
+        b_kj = tl.load(p_kj + k * C)  # (C,)
+        b_ki = tl.load(p_ki + k * C)  # (BI,)
+        b_qi = tl.load(p_qi + k * C)
+        a = tl.where(k0 < K, b_ki[:, None] * b_kj[None, :], -0.0)
+        c = tl.where(k0 < K, b_qi[:, None] * b_kj[None, :], -0.0)
+    else:
+        a0, c0 = _kq_tree(p_kj, p_ki, p_qi, k0, N // 2, K, C)
+        a1, c1 = _kq_tree(p_kj, p_ki, p_qi, k0 + N // 2, N // 2, K, C)
+        a = a0 + a1
+        c = c0 + c1
+    return a, c
 
 
 @triton.jit
 def _chunk_rows_kernel(
     p_q, p_k, p_g, p_beta, p_tok, p_rows, p_wslot,
-    p_G, p_L, p_AT, p_QT, p_KD, p_gc,
+    p_G, p_L, p_AT, p_QT, p_KD, p_KQ, p_gc,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BI: tl.constexpr, C: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
-    """Grid (pieces, Hv): G (left to right), then BI rows i at a time kk_i, qk_i
-    (tree_K), E_i = exp(where(j <= i, G_i - G_j, -inf)), L_i = (beta_i kk_i) E_i
-    and A_i = qk_i E_i, as ``kernel._row`` forms them, and for the state kernel's
-    leaves q_i exp(G_i) and k'_j = k_j exp(G_last - G_j) (read only at a complete
-    piece, where G_last = G_63); A and q exp(G) stored transposed (a leaf reads
-    BR rows i of one column).  Rows past the piece's end are not formed
-    (nothing reads them)."""
+    """Grid (pieces, Hv): G (left to right); k'_j = k_j exp(G_last - G_j) for the
+    state update (read only at a complete piece, where G_last = G_63), q_i exp(G_i)
+    transposed (the state kernel's leaves read BR rows i of one column), and k^T,
+    q^T to scratch; a barrier; then BI rows i at a time kk_i, qk_i (tree_K,
+    ``_kq_tree``), E_i = exp(where(j <= i, G_i - G_j, -inf)), L_i = (beta_i kk_i)
+    E_i and A_i = qk_i E_i, as ``kernel._row`` forms them, A stored transposed.
+    Rows past the piece's end: 0 in k^T, q^T (they reach only L_ij, A_ij at
+    j > i, which nothing reads) and not stored elsewhere."""
+    KB: tl.constexpr = 32 if BK > 32 else BK  # k lanes a prologue tile: (64, 128) at once spills (sm_90a, 2 warps)
     i_p, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_hk = i_h // (Hv // Hk)
     t0 = tl.load(p_tok + i_p)
     nr = tl.load(p_rows + i_p)
     ws = tl.load(p_wslot + i_p)
     o_j = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
+    m_j = o_j < nr
     G_i = tl.load(p_g + t0 * Hv + i_h)  # G_0 = -0.0 + g_0 == g_0 for every g_0
     b_G = tl.where(o_j == 0, G_i, 0.0)  # (C,)
     for i in range(1, nr):
@@ -108,30 +134,33 @@ def _chunk_rows_kernel(
     tl.store(p_G + (i_p * C + o_j) * Hv + i_h, b_G)
     s = tl.maximum(ws, 0)
     tl.store(p_gc + (s * C + o_j) * Hv + i_h, b_G, mask=o_j < tl.where(ws >= 0, nr, 0))
-    tl.debug_barrier()  # G of a row block is read back below
-    b_kc = tl.load(p_k + ((t0 + o_j) * Hk + i_hk)[:, None] * K + o_k[None, :],
-                   mask=(o_j < nr)[:, None] & m_k[None, :], other=0.0)  # (C, BK) the rows j
-    tl.store(p_KD + ((i_p * C + o_j[:, None]) * Hv + i_h) * K + o_k[None, :],
-             b_kc * _exp(G_i - b_G, LIBDEVICE)[:, None], mask=(o_j < nr)[:, None] & m_k[None, :])
+    e_d = _exp(G_i - b_G, LIBDEVICE)  # (C,) k'_j's factor
+    e_G = _exp(b_G, LIBDEVICE)
+    p_kt = p_KQ + (i_p * Hv + i_h) * 2 * K * C  # k^T, then q^T: (K, C) each
+    for k0 in range(0, K, KB):
+        o_kb = k0 + tl.arange(0, KB)
+        m_kb = o_kb < K
+        p_in = ((t0 + o_j) * Hk + i_hk)[:, None] * K + o_kb[None, :]  # (C, KB) the piece's rows of q, k
+        m_in = m_j[:, None] & m_kb[None, :]
+        p_t = o_kb[None, :] * C + o_j[:, None]
+        b_x = tl.load(p_k + p_in, mask=m_in, other=0.0)
+        tl.store(p_KD + ((i_p * C + o_j[:, None]) * Hv + i_h) * K + o_kb[None, :], b_x * e_d[:, None], mask=m_in)
+        tl.store(p_kt + p_t, b_x, mask=m_kb[None, :])
+        b_x = tl.load(p_q + p_in, mask=m_in, other=0.0)
+        tl.store(p_QT + (i_p * Hv + i_h) * K * C + p_t, b_x * e_G[:, None], mask=m_in)
+        tl.store(p_kt + K * C + p_t, b_x, mask=m_kb[None, :])
+    tl.debug_barrier()  # G and k^T, q^T are read back below
+    zero = tl.full([], 0, tl.int32)  # the trees' first leaf as a value, not a constexpr: see _ks_tree
     for i0 in range(0, nr, BI):
         o_i = i0 + tl.arange(0, BI)
         m_i = o_i < nr
-        p_i = ((t0 + o_i) * Hk + i_hk)[:, None] * K + o_k[None, :]
-        m_ik = m_i[:, None] & m_k[None, :]
-        b_k = tl.load(p_k + p_i, mask=m_ik, other=0.0)  # (BI, BK)
-        b_q = tl.load(p_q + p_i, mask=m_ik, other=0.0)
+        b_kk, b_qk = _kq_tree(p_kt + o_j, p_kt + o_i, p_kt + K * C + o_i, zero, BK, K, C)  # (BI, C)
         b_beta = tl.load(p_beta + (t0 + o_i) * Hv + i_h, mask=m_i, other=0.0)
         b_Gi = tl.load(p_G + (i_p * C + o_i) * Hv + i_h, mask=m_i, other=0.0)
-        x = tl.where(m_k[None, None, :], b_k[:, None, :] * b_kc[None, :, :], -0.0)  # (BI, C, BK)
-        b_kk = tl.reshape(_tree_last(tl.reshape(x, (BI * C, BK)), BI * C, BK), (BI, C))
-        x = tl.where(m_k[None, None, :], b_q[:, None, :] * b_kc[None, :, :], -0.0)
-        b_qk = tl.reshape(_tree_last(tl.reshape(x, (BI * C, BK)), BI * C, BK), (BI, C))
         b_E = _exp(tl.where(o_j[None, :] <= o_i[:, None], b_Gi[:, None] - b_G[None, :], float("-inf")), LIBDEVICE)
         p_hd = (i_p * Hv + i_h) * C
         tl.store(p_L + (p_hd + o_i[:, None]) * C + o_j[None, :], (b_beta[:, None] * b_kk) * b_E, mask=m_i[:, None])
         tl.store(p_AT + (p_hd + o_j[None, :]) * C + o_i[:, None], b_qk * b_E, mask=m_i[:, None])
-        tl.store(p_QT + ((i_p * Hv + i_h) * K + o_k[None, :]) * C + o_i[:, None],
-                 b_q * _exp(b_Gi, LIBDEVICE)[:, None], mask=m_ik)
 
 
 @triton.jit
@@ -441,9 +470,10 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         WT = torch.empty_like(QT)
         X = torch.empty(P, CHUNK, Hv, V + K, dtype=torch.float32, device=dev)
         KD = torch.empty(P, CHUNK, Hv, K, dtype=torch.float32, device=dev)
+        KQ = torch.empty(P, Hv, 2 * K, CHUNK, dtype=torch.float32, device=dev)
         VN = torch.empty(P, CHUNK, Hv, V, dtype=torch.float32, device=dev)
         bi = min(next_power_of_2(max(1, bi)), CHUNK)
-        _chunk_rows_kernel[(P, Hv)](q, k, g, beta, tok, rows, wslot, G, L, AT, QT, KD, cache["g_cum"],
+        _chunk_rows_kernel[(P, Hv)](q, k, g, beta, tok, rows, wslot, G, L, AT, QT, KD, KQ, cache["g_cum"],
                                     Hk, Hv, K, BK, bi, CHUNK, lib, num_warps=rows_warps, **opts)
         bw = max(2, min(bw, next_power_of_2(V + K)))
         bs = max(2, min(next_power_of_2(bs), CHUNK))
