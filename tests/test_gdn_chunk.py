@@ -117,10 +117,12 @@ case(1, 2, 24, 20, [100], seed=3, scan=False, calls=[
 ], **FAST)
 # odd K and V (not powers of two: padded lanes, two V tiles, a column tile mixing u and w),
 # two qk heads; then the GPU's launch knobs, and others (two state K-tiles, four rows a step,
-# solve blocks of two rows: every level of left siblings)
+# solve blocks of two rows: every level of left siblings; o in the state kernel, then in the output
+# kernel)
 case(2, 4, 24, 40, [70, 5], seed=4, calls=[[(0, 0, 40, 1), (1, 0, 5, 0)], [(0, 40, 30, 1)]], **FAST)
-case(1, 2, 24, 20, [130], seed=5, calls=[[(0, 0, 30, 0)], [(0, 30, 100, 0)]])
-case(1, 2, 24, 40, [100], seed=6, calls=[[(0, 0, 40, 0)], [(0, 40, 60, 0)]], bv=16, bw=16, br=4, bks=8, bi=8, bs=2, bro=4, bvo=8)
+case(1, 2, 24, 20, [130], seed=5, calls=[[(0, 0, 30, 0)], [(0, 30, 100, 0)]], fused=True)
+case(1, 2, 24, 40, [100], seed=6, calls=[[(0, 0, 40, 0)], [(0, 40, 60, 0)]], bv=16, bw=16, br=4, bks=8, bi=8, bs=2,
+     bro=4, bvo=8, fused=False)
 print("ok")
 """
 

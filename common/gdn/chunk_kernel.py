@@ -28,19 +28,21 @@ be shorter); the launches, in order:
   finished rows, summed as whole tiles over their leaves, and only the
   block's own subtree goes row by row: x and w^T to scratch.
 * ``_chunk_state_kernel``, grid (sequences, Hv, V / BV): the chunks of a
-  sequence in order, on a (K, BV) column tile of the slot's state: the
-  piece's S0 to scratch, v_new_i = u_i - tree_K(w_i S0), BR rows at a time,
+  sequence in order, on a (K, BV) column tile of the slot's state:
+  v_new_i = u_i - tree_K(w_i S0), BR rows at a time,
   then at a complete chunk S0 exp(G_63) + tree_j(k'_j v_new_j^T)
   (``kernel._state_tile``'s sum, k'_j from the rows kernel) in place, a
   barrier.  Each tree is unrolled over its leaves (the recursive ``_ks_tree``,
-  ``_kv_tree``): a leaf is the outer product of a loaded row and column, so a
+  ``_av_tree``, ``_kv_tree``): a leaf is the outer product of a loaded row and column, so a
   level adds two tiles element by element in registers, never across lanes.
   V columns never need each other.
-* ``_chunk_out_kernel``, grid (pieces, Hv, (V / BVO) x (64 / BRO)): o_i =
-  tree_K((q_i exp(G_i)) S0) + tree_j(where(j <= i, A_ij v_new_j, -0.0)) from
-  each piece's S0 and v_new, every piece at once (no later piece reads o, so
-  the order-bound kernel above leaves it out: at 1 x 4096 tokens it has only
-  Hv x V / BV programs).
+  o_i = tree_K((q_i exp(G_i)) S0) + tree_j(where(j <= i, A_ij v_new_j,
+  -0.0)) is formed there too (its K tree beside v_new's) when the launch has
+  programs enough to fill the GPU (``FUSE_PROGRAMS``); else
+* ``_chunk_out_kernel``, grid (pieces, Hv, (V / BVO) x (64 / BRO)): the same
+  o from each piece's S0 (the state kernel writes it to scratch) and v_new,
+  every piece at once: no later piece reads o, and at 1 x 4096 tokens the
+  order-bound state kernel has only Hv x V / BV programs.
 * ``kernel._k_rows_kernel``: the open chunk's k rows.
 
 Cache: as the scan leaves it.  The slot's state is the state after the last
@@ -75,10 +77,15 @@ BV = 16
 BR = 8
 BKS = 16
 STATE_WARPS = 2  # two (BR, BV) elements a thread: at four, ptxas spills (sm_90a, 255 registers)
-BVO, BRO, OUT_WARPS = 16, 8, 2  # the output kernel's tile (BRO rows x BVO columns) and warps (launch knobs)
-# rows i per tile of the rows kernel's trees (a launch knob): at 4 on 2 warps a (BI, 64) tile is 4
-# fp32 a thread, 168 registers; at 8, ptxas spills (sm_90a, K 128)
-BI = 4
+# the output kernel's tile (BRO rows x BVO columns) and warps (launch knobs; H200, 8 x 512 tokens:
+# about 1.0 ms at 32 columns, 1.5 at 16)
+BVO, BRO, OUT_WARPS = 32, 8, 2
+# state programs from which o stays in the state kernel (its inter tree shares S0's loads with
+# v_new's) rather than the output kernel: about 8 an SM (H200, 132)
+FUSE_PROGRAMS = 1024
+# rows i per tile of the rows kernel's trees (a launch knob; H200, 8 x 512 tokens: the rows kernel
+# about 0.9 ms at 2 rows on 2 warps, 8.2 ms at 4; at 8 ptxas spills, sm_90a, K 128)
+BI = 2
 ROWS_WARPS = SOLVE_WARPS = 2  # warps of the rows and solve kernels (launch knobs)
 
 
@@ -250,20 +257,31 @@ def _chunk_solve_kernel(
 
 
 @triton.jit
-def _ks_tree(p_S, p_a, m_i, m_v, k0, N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
-    """Leaves k0..k0+N-1 (N a power of two) of a K tree over a_ik S0_kv (v_new's w_i S0 or o's inter
-    term (q_i exp(G_i)) S0), -0.0 past K, by the pairwise tree: tile-wise adds, in registers.  a comes
-    from its transpose (row k: the tile's rows i, contiguous).  k0 is a runtime value (a literal
-    would make it a constexpr), so a tree compiles as one function a level, not one a node."""
+def _ks_tree(p_S, p_a, p_b, m_i, m_v, k0, N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+             TWO: tl.constexpr):
+    """Leaves k0..k0+N-1 (N a power of two) of the K trees over a_ik S0_kv and, with TWO, b_ik S0_kv
+    (v_new's w_i S0, o's inter term (q_i exp(G_i)) S0), -0.0 past K, by the pairwise tree: tile-wise
+    adds, in registers; two trees share each loaded row of S0.  a and b come from their transposes
+    (row k: the tile's rows i, contiguous).  k0 is a runtime value (a literal would make it a
+    constexpr), so a tree compiles as one function a level, not one a node.  -> (a tree, b tree or
+    the a tree again)."""
     if N == 1:
         k = tl.minimum(k0, K - 1)  # a lane past K reads row K - 1 and keeps -0.0
         b_s = tl.load(p_S + k * V, mask=m_v, other=0.0)  # (BV,) row k of the S0 tile
         b_a = tl.load(p_a + k * C, mask=m_i, other=0.0)  # (BR,)
         x = tl.where(k0 < K, b_a[:, None] * b_s[None, :], -0.0)
+        y = x
+        if TWO:
+            b_b = tl.load(p_b + k * C, mask=m_i, other=0.0)
+            y = tl.where(k0 < K, b_b[:, None] * b_s[None, :], -0.0)
     else:
-        x = (_ks_tree(p_S, p_a, m_i, m_v, k0, N // 2, K, V, C)
-             + _ks_tree(p_S, p_a, m_i, m_v, k0 + N // 2, N // 2, K, V, C))
-    return x
+        x0, y0 = _ks_tree(p_S, p_a, p_b, m_i, m_v, k0, N // 2, K, V, C, TWO)
+        x1, y1 = _ks_tree(p_S, p_a, p_b, m_i, m_v, k0 + N // 2, N // 2, K, V, C, TWO)
+        x = x0 + x1
+        y = x
+        if TWO:
+            y = y0 + y1
+    return x, y
 
 
 @triton.jit
@@ -301,22 +319,23 @@ def _kv_tree(p_kd, p_vn, m_k, m_v, j0, N: tl.constexpr, RK: tl.constexpr, RV: tl
 
 @triton.jit
 def _chunk_state_kernel(
-    p_tok, p_rows, p_seq, p_sslot, p_fresh, p_nend,
-    p_G, p_U, p_WT, p_KD, p_VN, p_S0, p_state, p_vc, p_nc,
+    p_o, p_tok, p_rows, p_seq, p_sslot, p_fresh, p_nend,
+    p_G, p_AT, p_QT, p_U, p_WT, p_KD, p_VN, p_S0, p_state, p_vc, p_nc,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    FUSED: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     """Grid (sequences, Hv, V / BV): the sequence's pieces in order from S0 (the
     slot's state, zeros at position 0), BR rows x BV columns a step.  Per piece:
-    its S0 to scratch (the output kernel's), v_new_i = u_i - tree_K(w_i S0) for
-    every row, a barrier; at a complete piece the state S0 exp(G_63) +
-    tree_j(k'_j v_new_j^T) in (BKS, BV) tiles, a barrier.  Each tree is unrolled
-    over its leaves (``_ks_tree``, ``_kv_tree``), a leaf an outer product of two
-    loaded vectors, so every level adds whole tiles in registers.  Only what the
-    next piece needs runs here, in order; o (which no later piece reads) is the
-    output kernel's, every piece at once.  The last piece's v_new rows go to the
-    slot."""
+    v_new_i = u_i - tree_K(w_i S0) for every row, a barrier; at a complete piece
+    the state S0 exp(G_63) + tree_j(k'_j v_new_j^T) in (BKS, BV) tiles, a
+    barrier.  o, which no later piece reads: FUSED, here (its inter term's tree
+    beside v_new's, sharing S0's rows, into o, then after the barrier o += the
+    intra term); else each piece's S0 goes to scratch for the output kernel,
+    every piece at once.  Each tree is unrolled over its leaves (``_ks_tree``,
+    ``_av_tree``, ``_kv_tree``), a leaf an outer product of two loaded vectors,
+    so every level adds whole tiles in registers.  The last piece's v_new rows
+    go to the slot."""
     NK: tl.constexpr = (K + BKS - 1) // BKS
     W: tl.constexpr = V + K
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -337,24 +356,37 @@ def _chunk_state_kernel(
         b_S = tl.load(p_S[None, :] + o_kb[:, None] * V, mask=m_s, other=0.0)
         b_S = tl.where(fresh != 0, 0.0, b_S)
         tl.store(p_S[None, :] + o_kb[:, None] * V, b_S, mask=m_s)
-        tl.store(p_s0[None, :] + (p0 * Hv * K + o_kb[:, None]) * V, b_S, mask=m_s)
+        if not FUSED:
+            tl.store(p_s0[None, :] + (p0 * Hv * K + o_kb[:, None]) * V, b_S, mask=m_s)
     tl.debug_barrier()
     for i_p in range(p0, p1):
+        t0 = tl.load(p_tok + i_p)
         nr = tl.load(p_rows + i_p)
         n_last = tl.where(i_p == p1 - 1, nr, 0)  # rows that go to the slot's open chunk
         p_vn = p_VN + (i_p * C * Hv + i_h) * V + o_v  # (BV,) row 0 of the piece's v_new tile
         for r0 in range(0, nr, BR):
             o_i = r0 + o_r
             m_i = o_i < nr
-            p_hk = (i_p * Hv + i_h) * K * C + o_i  # (BR,) column 0 of w^T
-            b_t = _ks_tree(p_S, p_WT + p_hk, m_i, m_v, zero, BK, K, V, C)
+            p_hk = (i_p * Hv + i_h) * K * C + o_i  # (BR,) column 0 of w^T, (q exp(G))^T
+            b_t, b_inter = _ks_tree(p_S, p_WT + p_hk, p_QT + p_hk, m_i, m_v, zero, BK, K, V, C, FUSED)
             m_iv = m_i[:, None] & m_v[None, :]
             b_u = tl.load(p_U + ((i_p * C + o_i[:, None]) * Hv + i_h) * W + o_v[None, :], mask=m_iv, other=0.0)
             b_vn = b_u - b_t
             tl.store(p_vn[None, :] + o_i[:, None] * (Hv * V), b_vn, mask=m_iv)
             tl.store(p_vc + ((s * C + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_vn,
                      mask=(o_i < n_last)[:, None] & m_v[None, :])
+            if FUSED:
+                tl.store(p_o + ((t0 + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_inter, mask=m_iv)
         tl.debug_barrier()
+        if FUSED:
+            for r0 in range(0, nr, BR):  # rows r0.. see v_new rows j < r0 + BR only
+                o_i = r0 + o_r
+                m_i = o_i < nr
+                m_iv = m_i[:, None] & m_v[None, :]
+                p_oi = p_o + ((t0 + o_i[:, None]) * Hv + i_h) * V + o_v[None, :]
+                b_intra = _av_tree(p_AT + (i_p * Hv + i_h) * C * C + o_i, p_vn, o_i, m_i, m_v, zero, C, r0 + BR,
+                                   C, Hv * V, BR, BV)
+                tl.store(p_oi, tl.load(p_oi, mask=m_iv, other=0.0) + b_intra, mask=m_iv)
         if nr == C:
             e_last = _exp(tl.load(p_G + (i_p * C + C - 1) * Hv + i_h), LIBDEVICE)
             n_next = tl.where(i_p + 1 < p1, K, 0)  # the next piece's S0, when there is one
@@ -366,8 +398,9 @@ def _chunk_state_kernel(
                 m_s = m_k[:, None] & m_v[None, :]
                 b_S = tl.load(p_s, mask=m_s, other=0.0) * e_last + upd
                 tl.store(p_s, b_S, mask=m_s)
-                tl.store(p_s0[None, :] + ((i_p + 1) * Hv * K + o_kb[:, None]) * V, b_S,
-                         mask=(o_kb < n_next)[:, None] & m_v[None, :])
+                if not FUSED:
+                    tl.store(p_s0[None, :] + ((i_p + 1) * Hv * K + o_kb[:, None]) * V, b_S,
+                             mask=(o_kb < n_next)[:, None] & m_v[None, :])
             tl.debug_barrier()
     o_1 = tl.arange(0, 2)  # a scalar store as a masked 2-lane store (the interpreter refuses scalar masks)
     tl.store(p_nc + s + o_1, tl.zeros([2], tl.int64) + tl.load(p_nend + i_b),
@@ -394,8 +427,8 @@ def _chunk_out_kernel(
         m_i = o_i < nr
         m_v = o_v < V
         zero = tl.full([], 0, tl.int32)
-        b_inter = _ks_tree(p_S0 + (i_p * Hv + i_h) * K * V + o_v, p_QT + (i_p * Hv + i_h) * K * C + o_i, m_i, m_v,
-                           zero, BK, K, V, C)
+        p_qt = p_QT + (i_p * Hv + i_h) * K * C + o_i
+        b_inter, _ = _ks_tree(p_S0 + (i_p * Hv + i_h) * K * V + o_v, p_qt, p_qt, m_i, m_v, zero, BK, K, V, C, False)
         b_intra = _av_tree(p_AT + (i_p * Hv + i_h) * C * C + o_i, p_VN + (i_p * C * Hv + i_h) * V + o_v, o_i, m_i,
                            m_v, zero, C, r0 + BR, C, Hv * V, BR, BV)
         tl.store(p_o + ((t0 + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_inter + b_intra,
@@ -427,15 +460,17 @@ def _layout(cu, starts, slots):
 def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: int = BW, bs: int = BS,
                      bv: int = BV,
                      br: int = BR, bks: int = BKS, bi: int = BI, bvo: int = BVO, bro: int = BRO,
-                     state_warps: int = STATE_WARPS, out_warps: int = OUT_WARPS,
+                     state_warps: int = STATE_WARPS, out_warps: int = OUT_WARPS, fused: bool | None = None,
                      rows_warps: int = ROWS_WARPS, solve_warps: int = SOLVE_WARPS):
     """``gdn_scan_triton``'s contract (shapes, cache writes, bits), chunk-parallel.
     q, k (T, Hk, K), v (T, Hv, V), g, beta (T, Hv) fp32 contiguous; cu_seqlens
     (B + 1,), starts, slots (B,) int64 device tensors, read on the host (not
     graph-capturable); ``cache``: ``op.gdn_cache``'s dict (the trainer passes a
     fresh one, slots 0..B-1) -> o (T, Hv, V) fp32 (0 on padding rows).
-    ``bw``, ``bs``, ``bv``, ``br``, ``bks``, ``bi``, ``bvo``, ``bro`` and the four
-    kernels' warps: launch knobs that cannot change bits."""
+    ``bw``, ``bs``, ``bv``, ``br``, ``bks``, ``bi``, ``bvo``, ``bro``, the four
+    kernels' warps and ``fused`` (o in the state kernel, or the output kernel's;
+    None: by the state kernel's program count): launch knobs that cannot change
+    bits."""
     T, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     B = cu_seqlens.shape[0] - 1
@@ -483,17 +518,20 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         bv = max(2, min(bv, next_power_of_2(V)))
         br = min(next_power_of_2(max(1, br)), CHUNK)
         bks = max(2, min(bks, BK))
-        S0 = torch.empty(P, Hv, K, V, dtype=torch.float32, device=dev)
+        if fused is None:
+            fused = NB * Hv * cdiv(V, bv) >= FUSE_PROGRAMS
+        S0 = VN if fused else torch.empty(P, Hv, K, V, dtype=torch.float32, device=dev)  # unread when fused
         _chunk_state_kernel[(NB, Hv, cdiv(V, bv))](
-            tok, rows, seq, sslot, fresh, nend, G, X, WT, KD, VN, S0,
+            o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, X, WT, KD, VN, S0,
             cache["state"], cache["v_new"], cache["n"],
-            Hv, K, V, BK, bv, br, bks, CHUNK, lib, num_warps=state_warps, **opts,
+            Hv, K, V, BK, bv, br, bks, CHUNK, bool(fused), lib, num_warps=state_warps, **opts,
         )
-        bvo = max(2, min(bvo, next_power_of_2(V)))
-        bro = min(next_power_of_2(max(1, bro)), CHUNK)
-        _chunk_out_kernel[(P, Hv, cdiv(V, bvo) * (CHUNK // bro))](
-            o, tok, rows, AT, QT, VN, S0, Hv, K, V, BK, bvo, bro, CHUNK, num_warps=out_warps, **opts,
-        )
+        if not fused:
+            bvo = max(2, min(bvo, next_power_of_2(V)))
+            bro = min(next_power_of_2(max(1, bro)), CHUNK)
+            _chunk_out_kernel[(P, Hv, cdiv(V, bvo) * (CHUNK // bro))](
+                o, tok, rows, AT, QT, VN, S0, Hv, K, V, BK, bvo, bro, CHUNK, num_warps=out_warps, **opts,
+            )
     _k_rows_kernel[(B, CHUNK, Hk)](k, cu_seqlens, starts, slots, cache["k"], Hk, K, max(2, next_power_of_2(K)),
                                    CHUNK, **_launch_opts(q)[1])
     return o
