@@ -81,8 +81,9 @@ STATE_WARPS = 2  # two (BR, BV) elements a thread: at four, ptxas spills (sm_90a
 # about 1.0 ms at 32 columns, 1.5 at 16)
 BVO, BRO, OUT_WARPS = 32, 8, 2
 # state programs from which o stays in the state kernel (its inter tree shares S0's loads with
-# v_new's) rather than the output kernel: about 8 an SM (H200, 132)
-FUSE_PROGRAMS = 1024
+# v_new's) rather than the output kernel (H200, 132 SMs: fused 5.16 ms against 5.75 at 2 x 2048
+# tokens, 512 programs; 7.43 against 6.77 at 1 x 4096, 256)
+FUSE_PROGRAMS = 512
 # rows i per tile of the rows kernel's trees (a launch knob; H200, 8 x 512 tokens: the rows kernel
 # about 0.9 ms at 2 rows on 2 warps, 8.2 ms at 4; at 8 ptxas spills, sm_90a, K 128)
 BI = 2
