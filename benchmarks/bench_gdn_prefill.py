@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_primitives import commit  # noqa: E402
 
-KNOBS = [dict(), dict(bv=16, br=1), dict(bks=8, state_warps=4)]
+KNOBS = [dict(), dict(fused=True), dict(fused=False)]  # o in the state kernel or the output kernel
 
 
 def inputs(B, L, Hk=16, Hv=32, K=128, V=128, seed=0):
