@@ -351,13 +351,14 @@ def _chunk_state_kernel(
     zero = tl.full([], 0, tl.int32)  # the trees' first leaf as a value, not a constexpr: see _ks_tree
     p_S = p_state + (s * Hv + i_h) * K * V + o_v  # (BV,) row 0 of the slot's S0 tile
     p_s0 = p_S0 + i_h * K * V + o_v  # (BV,) row 0 of piece 0's S0 tile in scratch
-    for i_kt in range(NK):  # position 0: S0 = 0, and the slot's state with it
+    for i_kt in range(NK):
         o_kb = i_kt * BKS + o_ks
         m_s = (o_kb < K)[:, None] & m_v[None, :]
-        b_S = tl.load(p_S[None, :] + o_kb[:, None] * V, mask=m_s, other=0.0)
-        b_S = tl.where(fresh != 0, 0.0, b_S)
-        tl.store(p_S[None, :] + o_kb[:, None] * V, b_S, mask=m_s)
-        if not FUSED:
+        p_s = p_S[None, :] + o_kb[:, None] * V
+        if fresh != 0:  # position 0: S0 = 0, and the slot's state with it
+            tl.store(p_s, tl.zeros([BKS, BV], dtype=tl.float32), mask=m_s)
+        if not FUSED:  # the first piece's S0, for the output kernel
+            b_S = tl.where(fresh != 0, 0.0, tl.load(p_s, mask=m_s, other=0.0))
             tl.store(p_s0[None, :] + (p0 * Hv * K + o_kb[:, None]) * V, b_S, mask=m_s)
     tl.debug_barrier()
     for i_p in range(p0, p1):
