@@ -172,7 +172,7 @@ def _chunk_rows_kernel(
 
 
 @triton.jit
-def _left_tile(p_li, p_xr, o_i, m_i, m_c, r0, S: tl.constexpr, RX: tl.constexpr, C: tl.constexpr,
+def _left_tile(p_li, p_xr, o_i, r0, S: tl.constexpr, RX: tl.constexpr, C: tl.constexpr,
                BS: tl.constexpr, BW: tl.constexpr):
     """The rows block at r0's left sibling at tree level S (leaves r0 - r0 % 2S .. + S - 1, every
     one a finished row j < r0 <= i) as a (BS, BW) tile of tree_j(L_ij x_j); -0.0 where the block's
@@ -180,7 +180,7 @@ def _left_tile(p_li, p_xr, o_i, m_i, m_c, r0, S: tl.constexpr, RX: tl.constexpr,
     x = tl.full((BS, BW), -0.0, tl.float32)
     if S < C:
         if r0 % (2 * S) >= S:
-            x = _av_tree(p_li, p_xr, o_i, m_i, m_c, r0 - r0 % (2 * S), S, r0, 1, RX, BS, BW)
+            x = _av_tree(p_li, p_xr, o_i, r0 - r0 % (2 * S), S, r0, 1, RX, BS, BW)
     return x
 
 
@@ -217,6 +217,9 @@ def _chunk_solve_kernel(
     m_c = o_c < W
     p_l0 = p_L + (i_p * Hv + i_h) * C * C  # L of the piece and head, row-major
     p_xr = p_X + (i_p * C * Hv + i_h) * W + o_c  # (BW,) row 0 of x's column tile
+    p_xl = p_xr  # the same, in bounds for the trees' unmasked loads
+    if W % BW != 0:
+        p_xl = p_X + (i_p * C * Hv + i_h) * W + tl.minimum(o_c, W - 1)
     for r0 in range(0, nr, BS):
         o_i = r0 + o_r
         m_i = o_i < nr
@@ -230,11 +233,11 @@ def _chunk_solve_kernel(
         # rows hold b_i until their step, which turns row i into x_i (b_i minus the tree)
         b_X = tl.where(is_u[None, :], b_v * b_beta[:, None], (b_k * b_beta[:, None]) * e_G[:, None])  # (BS, BW)
         p_li = p_l0 + o_i * C  # (BS,) column 0 of L's rows i
-        a0 = _left_tile(p_li, p_xr, o_i, m_i, m_c, r0, BS, Hv * W, C, BS, BW)
-        a1 = _left_tile(p_li, p_xr, o_i, m_i, m_c, r0, BS * 2, Hv * W, C, BS, BW)
-        a2 = _left_tile(p_li, p_xr, o_i, m_i, m_c, r0, BS * 4, Hv * W, C, BS, BW)
-        a3 = _left_tile(p_li, p_xr, o_i, m_i, m_c, r0, BS * 8, Hv * W, C, BS, BW)
-        a4 = _left_tile(p_li, p_xr, o_i, m_i, m_c, r0, BS * 16, Hv * W, C, BS, BW)
+        a0 = _left_tile(p_li, p_xl, o_i, r0, BS, Hv * W, C, BS, BW)
+        a1 = _left_tile(p_li, p_xl, o_i, r0, BS * 2, Hv * W, C, BS, BW)
+        a2 = _left_tile(p_li, p_xl, o_i, r0, BS * 4, Hv * W, C, BS, BW)
+        a3 = _left_tile(p_li, p_xl, o_i, r0, BS * 8, Hv * W, C, BS, BW)
+        a4 = _left_tile(p_li, p_xl, o_i, r0, BS * 16, Hv * W, C, BS, BW)
         for ii in range(tl.minimum(BS, nr - r0)):
             b_l = tl.load(p_l0 + (r0 + ii) * C + o_i)  # (BS,) L_ij, j in the block
             b_t = _tree_first(tl.where((o_r < ii)[:, None], b_l[:, None] * b_X, -0.0), BS, BW)
@@ -258,26 +261,27 @@ def _chunk_solve_kernel(
 
 
 @triton.jit
-def _ks_tree(p_S, p_a, p_b, m_i, m_v, k0, N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+def _ks_tree(p_S, p_a, p_b, k0, N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
              TWO: tl.constexpr):
     """Leaves k0..k0+N-1 (N a power of two) of the K trees over a_ik S0_kv and, with TWO, b_ik S0_kv
     (v_new's w_i S0, o's inter term (q_i exp(G_i)) S0), -0.0 past K, by the pairwise tree: tile-wise
     adds, in registers; two trees share each loaded row of S0.  a and b come from their transposes
-    (row k: the tile's rows i, contiguous).  k0 is a runtime value (a literal would make it a
-    constexpr), so a tree compiles as one function a level, not one a node.  -> (a tree, b tree or
-    the a tree again)."""
+    (row k: the tile's rows i, contiguous), loaded unmasked: the callers' rows and columns are in
+    bounds, and a row past a piece's end only ever reaches that row's own result, which is not stored.
+    k0 is a runtime value (a literal would make it a constexpr), so a tree compiles as one function a
+    level, not one a node.  -> (a tree, b tree or the a tree again)."""
     if N == 1:
         k = tl.minimum(k0, K - 1)  # a lane past K reads row K - 1 and keeps -0.0
-        b_s = tl.load(p_S + k * V, mask=m_v, other=0.0)  # (BV,) row k of the S0 tile
-        b_a = tl.load(p_a + k * C, mask=m_i, other=0.0)  # (BR,)
+        b_s = tl.load(p_S + k * V)  # (BV,) row k of the S0 tile
+        b_a = tl.load(p_a + k * C)  # (BR,)
         x = tl.where(k0 < K, b_a[:, None] * b_s[None, :], -0.0)
         y = x
         if TWO:
-            b_b = tl.load(p_b + k * C, mask=m_i, other=0.0)
+            b_b = tl.load(p_b + k * C)
             y = tl.where(k0 < K, b_b[:, None] * b_s[None, :], -0.0)
     else:
-        x0, y0 = _ks_tree(p_S, p_a, p_b, m_i, m_v, k0, N // 2, K, V, C, TWO)
-        x1, y1 = _ks_tree(p_S, p_a, p_b, m_i, m_v, k0 + N // 2, N // 2, K, V, C, TWO)
+        x0, y0 = _ks_tree(p_S, p_a, p_b, k0, N // 2, K, V, C, TWO)
+        x1, y1 = _ks_tree(p_S, p_a, p_b, k0 + N // 2, N // 2, K, V, C, TWO)
         x = x0 + x1
         y = x
         if TWO:
@@ -286,35 +290,37 @@ def _ks_tree(p_S, p_a, p_b, m_i, m_v, k0, N: tl.constexpr, K: tl.constexpr, V: t
 
 
 @triton.jit
-def _av_tree(p_a, p_vn, o_i, m_i, m_v, j0, N: tl.constexpr, JE, RA: tl.constexpr, RV: tl.constexpr,
+def _av_tree(p_a, p_vn, o_i, j0, N: tl.constexpr, JE, RA: tl.constexpr, RV: tl.constexpr,
              BR: tl.constexpr, BV: tl.constexpr):
     """Leaves j0..j0+N-1 of where(j <= i, A_ij v_new_j, -0.0) (or the solve's L_ij x_j) by the
     pairwise tree; a subtree from row JE on is -0.0 for every row of the tile (j > i), so not formed.
-    RA, RV: the strides of A's column j (A^T's rows) and v_new's rows."""
+    RA, RV: the strides of A's column j (A^T's rows) and v_new's rows.  Unmasked loads, as in
+    ``_ks_tree``: a row j past the piece's end reaches only rows i >= j, themselves past it."""
     if j0 >= JE:
         x = tl.full((BR, BV), -0.0, tl.float32)
     else:
         if N == 1:
-            b_a = tl.load(p_a + j0 * RA, mask=m_i, other=0.0)  # (BR,) A_ij
-            b_vn = tl.load(p_vn + j0 * RV, mask=m_v, other=0.0)  # (BV,)
+            b_a = tl.load(p_a + j0 * RA)  # (BR,) A_ij
+            b_vn = tl.load(p_vn + j0 * RV)  # (BV,)
             x = tl.where(j0 <= o_i[:, None], b_a[:, None] * b_vn[None, :], -0.0)
         else:
-            x = (_av_tree(p_a, p_vn, o_i, m_i, m_v, j0, N // 2, JE, RA, RV, BR, BV)
-                 + _av_tree(p_a, p_vn, o_i, m_i, m_v, j0 + N // 2, N // 2, JE, RA, RV, BR, BV))
+            x = (_av_tree(p_a, p_vn, o_i, j0, N // 2, JE, RA, RV, BR, BV)
+                 + _av_tree(p_a, p_vn, o_i, j0 + N // 2, N // 2, JE, RA, RV, BR, BV))
     return x
 
 
 @triton.jit
-def _kv_tree(p_kd, p_vn, m_k, m_v, j0, N: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr):
+def _kv_tree(p_kd, p_vn, j0, N: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr):
     """Leaves j0..j0+N-1 of k'_j v_new_j^T (k'_j = k_j exp(G_63 - G_j)) by the pairwise tree:
-    ``kernel._state_tile``'s sum.  RK, RV: k' and v_new's row strides."""
+    ``kernel._state_tile``'s sum (of a complete piece: every row present).  RK, RV: k' and v_new's row
+    strides; unmasked loads (the callers' columns are in bounds)."""
     if N == 1:
-        b_kd = tl.load(p_kd + j0 * RK, mask=m_k, other=0.0)  # (BKS,)
-        b_vn = tl.load(p_vn + j0 * RV, mask=m_v, other=0.0)  # (BV,)
+        b_kd = tl.load(p_kd + j0 * RK)  # (BKS,)
+        b_vn = tl.load(p_vn + j0 * RV)  # (BV,)
         x = b_kd[:, None] * b_vn[None, :]
     else:
-        x = (_kv_tree(p_kd, p_vn, m_k, m_v, j0, N // 2, RK, RV)
-             + _kv_tree(p_kd, p_vn, m_k, m_v, j0 + N // 2, N // 2, RK, RV))
+        x = (_kv_tree(p_kd, p_vn, j0, N // 2, RK, RV)
+             + _kv_tree(p_kd, p_vn, j0 + N // 2, N // 2, RK, RV))
     return x
 
 
@@ -346,10 +352,14 @@ def _chunk_state_kernel(
     fresh = tl.load(p_fresh + i_b)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
+    o_vl = o_v  # columns for the trees' unmasked loads, in bounds
+    if V % BV != 0:
+        o_vl = tl.minimum(o_v, V - 1)
     o_r = tl.arange(0, BR)
     o_ks = tl.arange(0, BKS)
     zero = tl.full([], 0, tl.int32)  # the trees' first leaf as a value, not a constexpr: see _ks_tree
     p_S = p_state + (s * Hv + i_h) * K * V + o_v  # (BV,) row 0 of the slot's S0 tile
+    p_Sl = p_state + (s * Hv + i_h) * K * V + o_vl
     p_s0 = p_S0 + i_h * K * V + o_v  # (BV,) row 0 of piece 0's S0 tile in scratch
     for i_kt in range(NK):
         o_kb = i_kt * BKS + o_ks
@@ -363,14 +373,15 @@ def _chunk_state_kernel(
     tl.debug_barrier()
     for i_p in range(p0, p1):
         t0 = tl.load(p_tok + i_p)
-        nr = tl.load(p_rows + i_p)
+        nr = tl.load(p_rows + i_p).to(tl.int32)  # row indices in 32 bits: the trees' compares are 1 op, not 2
         n_last = tl.where(i_p == p1 - 1, nr, 0)  # rows that go to the slot's open chunk
         p_vn = p_VN + (i_p * C * Hv + i_h) * V + o_v  # (BV,) row 0 of the piece's v_new tile
+        p_vnl = p_VN + (i_p * C * Hv + i_h) * V + o_vl
         for r0 in range(0, nr, BR):
             o_i = r0 + o_r
             m_i = o_i < nr
             p_hk = (i_p * Hv + i_h) * K * C + o_i  # (BR,) column 0 of w^T, (q exp(G))^T
-            b_t, b_inter = _ks_tree(p_S, p_WT + p_hk, p_QT + p_hk, m_i, m_v, zero, BK, K, V, C, FUSED)
+            b_t, b_inter = _ks_tree(p_Sl, p_WT + p_hk, p_QT + p_hk, zero, BK, K, V, C, FUSED)
             m_iv = m_i[:, None] & m_v[None, :]
             b_u = tl.load(p_U + ((i_p * C + o_i[:, None]) * Hv + i_h) * W + o_v[None, :], mask=m_iv, other=0.0)
             b_vn = b_u - b_t
@@ -386,7 +397,7 @@ def _chunk_state_kernel(
                 m_i = o_i < nr
                 m_iv = m_i[:, None] & m_v[None, :]
                 p_oi = p_o + ((t0 + o_i[:, None]) * Hv + i_h) * V + o_v[None, :]
-                b_intra = _av_tree(p_AT + (i_p * Hv + i_h) * C * C + o_i, p_vn, o_i, m_i, m_v, zero, C, r0 + BR,
+                b_intra = _av_tree(p_AT + (i_p * Hv + i_h) * C * C + o_i, p_vnl, o_i, zero, C, r0 + BR,
                                    C, Hv * V, BR, BV)
                 tl.store(p_oi, tl.load(p_oi, mask=m_iv, other=0.0) + b_intra, mask=m_iv)
         if nr == C:
@@ -395,7 +406,11 @@ def _chunk_state_kernel(
             for i_kt in range(NK):
                 o_kb = i_kt * BKS + o_ks
                 m_k = o_kb < K
-                upd = _kv_tree(p_KD + (i_p * C * Hv + i_h) * K + o_kb, p_vn, m_k, m_v, zero, C, Hv * K, Hv * V)
+                o_kl = o_kb
+                if K % BKS != 0:
+                    o_kl = tl.minimum(o_kb, K - 1)
+                upd = _kv_tree(p_KD + (i_p * C * Hv + i_h) * K + o_kl, p_vnl, zero, C, Hv * K,
+                               Hv * V)
                 p_s = p_S[None, :] + o_kb[:, None] * V
                 m_s = m_k[:, None] & m_v[None, :]
                 b_S = tl.load(p_s, mask=m_s, other=0.0) * e_last + upd
@@ -421,7 +436,7 @@ def _chunk_out_kernel(
     NR: tl.constexpr = C // BR
     i_p, i_h, i_t = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     t0 = tl.load(p_tok + i_p)
-    nr = tl.load(p_rows + i_p)
+    nr = tl.load(p_rows + i_p).to(tl.int32)  # row indices in 32 bits: the trees' compares are 1 op, not 2
     r0 = (i_t % NR) * BR
     if r0 < nr:
         o_i = r0 + tl.arange(0, BR)
@@ -430,9 +445,12 @@ def _chunk_out_kernel(
         m_v = o_v < V
         zero = tl.full([], 0, tl.int32)
         p_qt = p_QT + (i_p * Hv + i_h) * K * C + o_i
-        b_inter, _ = _ks_tree(p_S0 + (i_p * Hv + i_h) * K * V + o_v, p_qt, p_qt, m_i, m_v, zero, BK, K, V, C, False)
-        b_intra = _av_tree(p_AT + (i_p * Hv + i_h) * C * C + o_i, p_VN + (i_p * C * Hv + i_h) * V + o_v, o_i, m_i,
-                           m_v, zero, C, r0 + BR, C, Hv * V, BR, BV)
+        o_vl = o_v  # columns for the trees' unmasked loads, in bounds
+        if V % BV != 0:
+            o_vl = tl.minimum(o_v, V - 1)
+        b_inter, _ = _ks_tree(p_S0 + (i_p * Hv + i_h) * K * V + o_vl, p_qt, p_qt, zero, BK, K, V, C, False)
+        b_intra = _av_tree(p_AT + (i_p * Hv + i_h) * C * C + o_i, p_VN + (i_p * C * Hv + i_h) * V + o_vl, o_i,
+                           zero, C, r0 + BR, C, Hv * V, BR, BV)
         tl.store(p_o + ((t0 + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_inter + b_intra,
                  mask=m_i[:, None] & m_v[None, :])
 
