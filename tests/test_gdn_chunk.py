@@ -17,6 +17,7 @@ import inspect
 
 import triton.language as tl
 
+from alignzoo.common.gdn import chunk_kernel as _ck
 from alignzoo.common.gdn import cpu
 from alignzoo.common.gdn.chunk_kernel import gdn_chunk_triton
 from alignzoo.common.gdn.kernel import gdn_scan_triton
@@ -123,6 +124,31 @@ case(2, 4, 24, 40, [70, 5], seed=4, calls=[[(0, 0, 40, 1), (1, 0, 5, 0)], [(0, 4
 case(1, 2, 24, 20, [130], seed=5, calls=[[(0, 0, 30, 0)], [(0, 30, 100, 0)]], fused=True)
 case(1, 2, 24, 40, [100], seed=6, calls=[[(0, 0, 40, 0)], [(0, 40, 60, 0)]], bv=16, bw=16, br=4, bks=8, bi=8, bs=2,
      bro=4, bvo=8, fused=False)
+
+
+# the kernels' trees load their leaves unmasked: with every scratch buffer NaN-filled, rows past a
+# piece's end and clamped columns must still reach no stored value
+class _NanScratch:
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*a, **kw):
+        return torch.empty(*a, **kw).fill_(float("nan"))
+
+    @staticmethod
+    def empty_like(*a, **kw):
+        return torch.empty_like(*a, **kw).fill_(float("nan"))
+
+
+_ck.torch = _NanScratch()
+case(1, 2, 24, 20, [1, 63, 64, 65, 200], seed=2, scan=False, calls=[
+    [(4, 0, 70, 2), (0, 0, 1, 4), (0, 0, 1, -1), (1, 0, 63, 0), (2, 0, 64, 1), (3, 0, 10, 3)],
+    [(3, 10, 55, 3), (4, 70, 3, 2)],
+], **FAST)
+case(1, 2, 24, 40, [100], seed=6, scan=False, calls=[[(0, 0, 40, 0)], [(0, 40, 60, 0)]], bv=16, bw=16, br=4, bks=8,
+     bi=8, bs=2, bro=4, bvo=8, fused=False)
+case(1, 2, 24, 20, [130], seed=5, scan=False, calls=[[(0, 0, 30, 0)], [(0, 30, 100, 0)]], fused=True)
 print("ok")
 """
 
@@ -131,7 +157,8 @@ def test_chunk_kernel_interpreted():
     """gdn_chunk_triton under the interpreter == gdn_scan_triton == cpu.chunked ==
     the trainer's rows: o (padding rows 0) and, per slot, state, n and the open
     chunk's k, g_cum, x, v_new rows from NaN-filled slots (slots never written
-    stay as the scan leaves them), then the trainer form."""
+    stay as the scan leaves them), then the trainer form; then again with every
+    scratch buffer NaN-filled (the trees read leaves unmasked)."""
     run_interpreted(_INTERPRETED_CHUNK, expect="ok")
 
 
