@@ -67,7 +67,7 @@ import triton.language as tl
 from .._host import cdiv, next_power_of_2
 from .cpu import CHUNK
 from .kernel import _exp, _k_rows_kernel, _launch_opts, _tree_first, gdn_scan_triton
-from .trees import _av_tree, _ks_tree, _kv_tree
+from .trees import _av_tree, _in_bounds, _ks_tree, _kv_tree
 
 BW = 16  # x columns per substitution program (a launch knob: columns are independent)
 BS = 8  # rows a block of the substitution (a launch knob, a power of two >= 2: the tree is the same)
@@ -218,9 +218,7 @@ def _chunk_solve_kernel(
     m_c = o_c < W
     p_l0 = p_L + (i_p * Hv + i_h) * C * C  # L of the piece and head, row-major
     p_xr = p_X + (i_p * C * Hv + i_h) * W + o_c  # (BW,) row 0 of x's column tile
-    p_xl = p_xr  # the same, in bounds for the trees' unmasked loads
-    if W % BW != 0:
-        p_xl = p_X + (i_p * C * Hv + i_h) * W + tl.minimum(o_c, W - 1)
+    p_xl = p_X + (i_p * C * Hv + i_h) * W + _in_bounds(o_c, W, BW)  # the same, for the trees' unmasked loads
     for r0 in range(0, nr, BS):
         o_i = r0 + o_r
         m_i = o_i < nr
@@ -289,9 +287,7 @@ def _chunk_state_kernel(
     fresh = tl.load(p_fresh + i_b)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    o_vl = o_v  # columns for the trees' unmasked loads, in bounds
-    if V % BV != 0:
-        o_vl = tl.minimum(o_v, V - 1)
+    o_vl = _in_bounds(o_v, V, BV)  # columns for the trees' unmasked loads
     o_r = tl.arange(0, BR)
     o_ks = tl.arange(0, BKS)
     zero = tl.full([], 0, tl.int32)  # the trees' first leaf as a value, not a constexpr: see _ks_tree
@@ -343,10 +339,7 @@ def _chunk_state_kernel(
             for i_kt in range(NK):
                 o_kb = i_kt * BKS + o_ks
                 m_k = o_kb < K
-                o_kl = o_kb
-                if K % BKS != 0:
-                    o_kl = tl.minimum(o_kb, K - 1)
-                upd = _kv_tree(p_KD + (i_p * C * Hv + i_h) * K + o_kl, p_vnl, zero, C, Hv * K,
+                upd = _kv_tree(p_KD + (i_p * C * Hv + i_h) * K + _in_bounds(o_kb, K, BKS), p_vnl, zero, C, Hv * K,
                                Hv * V)
                 p_s = p_S[None, :] + o_kb[:, None] * V
                 m_s = m_k[:, None] & m_v[None, :]
@@ -382,9 +375,7 @@ def _chunk_out_kernel(
         m_v = o_v < V
         zero = tl.full([], 0, tl.int32)
         p_qt = p_QT + (i_p * Hv + i_h) * K * C + o_i
-        o_vl = o_v  # columns for the trees' unmasked loads, in bounds
-        if V % BV != 0:
-            o_vl = tl.minimum(o_v, V - 1)
+        o_vl = _in_bounds(o_v, V, BV)  # columns for the trees' unmasked loads
         b_inter, _ = _ks_tree(p_S0 + (i_p * Hv + i_h) * K * V + o_vl, p_qt, p_qt, zero, BK, K, V, C, False)
         b_intra = _av_tree(p_AT + (i_p * Hv + i_h) * C * C + o_i, p_VN + (i_p * C * Hv + i_h) * V + o_vl, o_i,
                            zero, C, r0 + BR, C, Hv * V, BR, BV)

@@ -73,3 +73,13 @@ def _kv_tree(p_kd, p_vn, j0, N: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr
         x = (_kv_tree(p_kd, p_vn, j0, N // 2, RK, RV)
              + _kv_tree(p_kd, p_vn, j0 + N // 2, N // 2, RK, RV))
     return x
+
+
+@triton.jit
+def _in_bounds(o, N: tl.constexpr, B: tl.constexpr):
+    """Lanes o of a tile of B from a multiple of B, as the trees' unmasked loads may read them:
+    unchanged where N % B == 0 (every lane is below N), else clamped to N - 1 (a lane past N
+    reaches only a result no store keeps)."""
+    if N % B != 0:
+        o = tl.minimum(o, N - 1)
+    return o
