@@ -101,10 +101,11 @@ def measure(eng, vocab: int, batch: int, prompt: int, new: int, seed: int = 0) -
     prompts = [torch.randint(0, vocab, (prompt,), generator=g).tolist() for _ in range(batch)]
     sp1 = SamplingParams(temperature=1.0, max_new_tokens=1, seed=1)
     spn = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=new, seed=1, stop_token_ids=())
-    # warm-up (Triton compiles) with every prefill chunk shape the timed run meets; decode replays
-    # graphs captured at load, but eager decode compiles for its batch size
-    warm = prompts if eng.runner.graphs is None else prompts[:max(1, min(batch, eng.max_batch_tokens // prompt))]
-    eng.generate(warm, SamplingParams(temperature=1.0, max_new_tokens=2, seed=1, stop_token_ids=()))
+    # warm-up: the timed decode run itself, once, so that no Triton compile or autotune (fla's
+    # kernels tune per shape) lands in a timed run; its steps cover every prefill chunk, mixed
+    # step and decode batch the timed runs meet
+    eng.generate(prompts, SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=new, seed=2,
+                                         stop_token_ids=()))
     pre0 = eng.num_preemptions
     # prefill: the median of a few runs where one is short (a lone B = 1 run of ~35 ms
     # once read 48 ms on the H200; benchmarks/results/2026-11-30-h200-engine.md)
