@@ -236,3 +236,15 @@ def test_layout_pieces():
     assert pieces == [[4, 6, 0], [10, 64, -1], [74, 64, -1], [138, 64, -1], [202, 8, 1], [211, 64, -1],
                       [275, 25, 3]]
     assert seqs == [(0, 0, 0, 6), (1, 1, 1, 8), (5, 3, 0, 25)]
+
+
+@pytest.mark.parametrize("lens", [[1], [3, 2], [5, 0, 1, 7], [2, 2, 3], [4, 1, 1, 1, 6]])
+def test_device_lists_are_16_byte_aligned(lens):
+    """The launch lists are views of one buffer; each must start 16 bytes aligned whatever the
+    list lengths, or Triton compiles a new variant of every chunk kernel for a new batch shape."""
+    from alignzoo.common.gdn.chunk_kernel import _device_lists
+
+    lists = [list(range(10 * i, 10 * i + n)) for i, n in enumerate(lens)]
+    views = _device_lists(lists, "cpu")
+    assert [v.tolist() for v in views] == lists
+    assert all(v.dtype == torch.int64 and v.data_ptr() % 16 == 0 for v in views)

@@ -405,6 +405,18 @@ def _layout(cu, starts, slots):
     return heads, pieces, seqs
 
 
+def _device_lists(lists, dev):
+    """int64 lists -> device tensors, in one copy: views of one buffer, each starting 16 bytes
+    aligned, because Triton compiles a variant per pointer alignment (an odd offset after a list of
+    odd length: about 40 s for the state kernel on the H200, paid mid-serving)."""
+    flat, starts = [], []
+    for x in lists:
+        starts.append(len(flat))
+        flat += x + [0] * (len(x) % 2)
+    flat = torch.tensor(flat, dtype=torch.int64).to(dev)
+    return [flat[a : a + len(x)] for x, a in zip(lists, starts)]
+
+
 def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: int = BW, bs: int = BS,
                      bv: int = BV,
                      br: int = BR, bks: int = BKS, bi: int = BI, bvo: int = BVO, bro: int = BRO,
@@ -438,12 +450,9 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         o.index_copy_(0, idx, o_h)
     P, NB = len(pieces), len(seqs)
     if P:
-        meta = torch.tensor([p[0] for p in pieces] + [p[1] for p in pieces] + [p[2] for p in pieces]
-                            + [x[0] for x in seqs] + [P] + [x[1] for x in seqs] + [x[2] for x in seqs]
-                            + [x[3] for x in seqs], dtype=torch.int64).to(dev)
-        tok, rows, wslot = meta[:P], meta[P : 2 * P], meta[2 * P : 3 * P]
-        seq, sslot, fresh, nend = (meta[3 * P : 3 * P + NB + 1], meta[3 * P + NB + 1 : 3 * P + 2 * NB + 1],
-                                   meta[3 * P + 2 * NB + 1 : 3 * P + 3 * NB + 1], meta[3 * P + 3 * NB + 1 :])
+        tok, rows, wslot, seq, sslot, fresh, nend = _device_lists(
+            [[p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces], [x[0] for x in seqs] + [P],
+             [x[1] for x in seqs], [x[2] for x in seqs], [x[3] for x in seqs]], dev)
         lib, opts = _launch_opts(q)
         BK = max(2, next_power_of_2(K))
         G = torch.empty(P, CHUNK, Hv, dtype=torch.float32, device=dev)
