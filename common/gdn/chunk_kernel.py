@@ -66,7 +66,7 @@ import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
 from .cpu import CHUNK
-from .kernel import _exp, _k_rows_kernel, _launch_opts, _tree_first, gdn_scan_triton
+from .kernel import _exp, _k_rows_kernel, _launch_opts, _regs, _tree_first, gdn_scan_triton
 from .trees import _av_tree, _in_bounds, _ks_tree, _kv_tree
 
 BW = 16  # x columns per substitution program (a launch knob: columns are independent)
@@ -78,6 +78,9 @@ BV = 16
 BR = 8
 BKS = 16
 STATE_WARPS = 2  # two (BR, BV) elements a thread: at four, ptxas spills (sm_90a, 255 registers)
+# the state kernel's registers a thread (a launch knob): uncapped ptxas takes 168 (sm_90a), 6 programs an SM;
+# at 128, 8 (H200, 8 x 512 tokens, 2048 programs: 4.10 ms against 4.70 a chunk call; 96: 4.69, 80: 5.02)
+STATE_MAXNREG = 128
 # the output kernel's tile (BRO rows x BVO columns) and warps (launch knobs; H200, 8 x 512 tokens:
 # about 1.0 ms at 32 columns, 1.5 at 16)
 BVO, BRO, OUT_WARPS = 32, 8, 2
@@ -421,7 +424,8 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
                      bv: int = BV,
                      br: int = BR, bks: int = BKS, bi: int = BI, bvo: int = BVO, bro: int = BRO,
                      state_warps: int = STATE_WARPS, out_warps: int = OUT_WARPS, fused: bool | None = None,
-                     rows_warps: int = ROWS_WARPS, solve_warps: int = SOLVE_WARPS):
+                     rows_warps: int = ROWS_WARPS, solve_warps: int = SOLVE_WARPS,
+                     state_maxnreg: int | None = STATE_MAXNREG, rows_maxnreg: int | None = None):
     """``gdn_scan_triton``'s contract (shapes, cache writes, bits), chunk-parallel.
     q, k (T, Hk, K), v (T, Hv, V), g, beta (T, Hv) fp32 contiguous; cu_seqlens
     (B + 1,), starts, slots (B,) int64 device tensors, read on the host (not
@@ -430,7 +434,7 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
     ``bw``, ``bs``, ``bv``, ``br``, ``bks``, ``bi``, ``bvo``, ``bro``, the four
     kernels' warps and ``fused`` (o in the state kernel, or the output kernel's;
     None: by the state kernel's program count): launch knobs that cannot change
-    bits."""
+    bits, as are the state and rows kernels' register caps (``kernel._regs``)."""
     T, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     B = cu_seqlens.shape[0] - 1
@@ -466,7 +470,8 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         VN = torch.empty(P, CHUNK, Hv, V, dtype=torch.float32, device=dev)
         bi = min(next_power_of_2(max(1, bi)), CHUNK)
         _chunk_rows_kernel[(P, Hv)](q, k, g, beta, tok, rows, wslot, G, L, AT, QT, KD, KQ, cache["g_cum"],
-                                    Hk, Hv, K, BK, bi, CHUNK, lib, num_warps=rows_warps, **opts)
+                                    Hk, Hv, K, BK, bi, CHUNK, lib, num_warps=rows_warps, **opts,
+                                    **_regs(lib, rows_maxnreg))
         bw = max(2, min(bw, next_power_of_2(V + K)))
         bs = max(2, min(next_power_of_2(bs), CHUNK))
         _chunk_solve_kernel[(P, Hv, cdiv(V + K, bw))](k, v, beta, tok, rows, wslot, G, L, X, WT, cache["x"],
@@ -482,6 +487,7 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
             o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, X, WT, KD, VN, S0,
             cache["state"], cache["v_new"], cache["n"],
             Hv, K, V, BK, bv, br, bks, CHUNK, bool(fused), lib, num_warps=state_warps, **opts,
+            **_regs(lib, state_maxnreg),
         )
         if not fused:
             bvo = max(2, min(bvo, next_power_of_2(V)))

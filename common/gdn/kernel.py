@@ -371,12 +371,20 @@ def _launch_opts(x):
     return lib, ({"enable_fp_fusion": False, "enable_reflect_ftz": False} if lib else {})
 
 
+def _regs(lib: bool, maxnreg: int | None) -> dict:
+    """A launch's register cap a thread (ptxas's .maxnreg), on CUDA only: a knob of occupancy that
+    cannot change bits (the interpreter takes no such option)."""
+    return {"maxnreg": maxnreg} if lib and maxnreg else {}
+
+
 def gdn_decode_triton(q, k, v, g, beta, pos, slots, cache, *, bv_row: int | None = None, bks: int = BKS,
-                      bvs: int = BVS, row_warps: int | None = None, state_warps: int = STATE_WARPS):
+                      bvs: int = BVS, row_warps: int | None = None, state_warps: int = STATE_WARPS,
+                      row_maxnreg: int | None = None):
     """``cpu.decode_step`` as two Triton launches.  q, k (B, Hk, K), v (B, Hv, V),
     g, beta (B, Hv) fp32 contiguous; pos, slots (B,) int64; ``cache``:
     ``op.gdn_cache``'s dict (contiguous) -> o (B, Hv, V) fp32 (0 on padding rows).
-    ``bv_row``, ``bks``, ``bvs`` and the two kernels' warps: launch knobs that cannot change bits."""
+    ``bv_row``, ``bks``, ``bvs``, the two kernels' warps and the row kernel's register cap: launch
+    knobs that cannot change bits."""
     B, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     o = torch.empty(B, Hv, V, dtype=torch.float32, device=q.device)
@@ -390,7 +398,7 @@ def gdn_decode_triton(q, k, v, g, beta, pos, slots, cache, *, bv_row: int | None
     _gdn_decode_row_kernel[(B, Hv)](
         q, k, v, g, beta, pos, slots,
         cache["state"], cache["k"], cache["g_cum"], cache["x"], cache["v_new"], cache["n"], o,
-        Hk, Hv, K, V, BK, BV, CHUNK, lib, num_warps=row_warps, **opts,
+        Hk, Hv, K, V, BK, BV, CHUNK, lib, num_warps=row_warps, **opts, **_regs(lib, row_maxnreg),
     )
     bks, bvs = max(2, min(bks, next_power_of_2(K))), max(2, min(bvs, next_power_of_2(V)))
     _gdn_decode_state_kernel[(B, Hv, cdiv(K, bks) * cdiv(V, bvs))](
