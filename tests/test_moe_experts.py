@@ -404,8 +404,38 @@ def test_mxfp4_gpu_at_deepseek_v4_shapes(skew):
     _replays_from_a_cuda_graph(experts_mxfp4_fwd, x[:64], ids[:64], w[:64], *q)
     from alignzoo.common.moe.kernel import experts_fwd_mxfp4_triton
 
-    for knobs in (dict(swap=False), dict(swap=True, block_m=128, block_n=128, num_warps=8), dict(block_m=128)):
+    for knobs in (dict(swap=False), dict(swap=True, block_m=128, block_n=128, num_warps=8), dict(block_m=128),
+                  dict(bf16x2=False), dict(bf16x2=False, swap=False)):
         assert bitwise_equal(experts_fwd_mxfp4_triton(x, ids, w, *q, 10.0, **knobs), full), knobs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mx", [1, 2], ids=["fp32", "bf16x2"])
+def test_mxfp4_gpu_decode_every_code_under_every_scale(mx):
+    """The kernels' in-register decode (``kernel._mx_rows``; MX 2 is the bf16x2 inline PTX) gives
+    ``mxfp4.dequantize_mxfp4``'s bf16 weights for all 256 code bytes under all 256 scale bytes:
+    subnormal products (scale 1), zero and infinite scales, signed zeros."""
+    import triton
+    import triton.language as tl
+
+    from alignzoo.common.moe.kernel import _mx_rows
+    from alignzoo.common.moe.mxfp4 import dequantize_mxfp4
+
+    @triton.jit
+    def decode(p_w, p_s, p_out, K: tl.constexpr, MX: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * 64 + tl.arange(0, 64)
+        for k0 in tl.static_range(0, K, 64):
+            b = _mx_rows(p_w, p_s, rows, rows >= 0, k0, K, tl.bfloat16, 64, 64, MX)
+            tl.store(p_out + rows[:, None] * K + k0 + tl.arange(0, 64)[None, :], b)
+
+    K = 512  # 256 code bytes a row, each scale byte on one row
+    codes = torch.arange(256, dtype=torch.uint8).repeat(256, 1).cuda()
+    scales = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, K // 32).cuda()
+    out = torch.empty(256, K, dtype=torch.bfloat16, device="cuda")
+    decode[(4,)](codes, scales, out, K, mx, enable_fp_fusion=False)
+    want = dequantize_mxfp4(codes, scales).bfloat16()
+    same = (out.view(torch.int16) == want.view(torch.int16)) | (out.isnan() & want.isnan())
+    assert bool(same.all()), (~same).nonzero()[:8].tolist()
 
 
 def test_mxfp4_gradients(device):

@@ -63,13 +63,45 @@ def _weighted_scatter(b_c, p_wt, p_dst, p_c, o_r, m_r, o_n, m_n, H):
     tl.store(p_c + dst[:, None] * H + o_n[None, :], b_c * b_wt[:, None], mask=m_r[:, None] & m_n[None, :])
 
 
+# One code byte (two E2M1 nibbles) and its group's scale, 2^(s - 127) as bf16 in both halves of a
+# word, to two bf16 weights, the low nibble first.  b * 4097 puts the high nibble at bits 16-19 and
+# keeps the low one at 0-3; shifted by 6 and 12 and masked, each nibble's 3 magnitude bits sit
+# under bf16's exponent and first mantissa bit and its sign on the sign bit: v 2^-126 (code 1:
+# the subnormal 2^-127).  Times 2^126, then the scale, in bf16x2: each product is exact (a 2-bit
+# significand at 2^-127 or more), so the weights are the fp32 decode's, in 7 operations a pair.
+_E2M1X2_BF16 = tl.constexpr("""{
+.reg .b32 x, m, s, c;
+mad.lo.u32 x, $2, 4097, 0;
+shl.b32 m, x, 6;
+shl.b32 s, x, 12;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 m, m, s;
+mov.b32 c, 0x7E807E80;
+mul.rn.bf16x2 m, m, c;
+mul.rn.bf16x2 m, m, $3;
+mov.b32 {$0, $1}, m;
+}""")
+
+
 @triton.jit
-def _mx_rows(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _mx_rows(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             MX: tl.constexpr):
     """(BLOCK_N, BLOCK_K) weights of rows ``rows`` (int64) of an (N, K) MXFP4 stack, columns k0..,
-    decoded from the codes and E8M0 scales in registers (``mxfp4.py``: exact in ``dtype``)."""
+    decoded from the codes and E8M0 scales in registers (``mxfp4.py``: exact in ``dtype``).  MX 2
+    (bf16 on CUDA): two weights a byte in bf16x2 arithmetic (``_E2M1X2_BF16``), the same values."""
     o_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     b = tl.load(p_w + rows[:, None] * (K // 2) + o_b[None, :], mask=m_rows[:, None] & (o_b < K // 2)[None, :],
                 other=0).to(tl.int32)  # (BN, BK/2) bytes
+    if MX == 2:
+        o_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s = tl.load(p_s + rows[:, None] * (K // 32) + o_g[None, :],
+                    mask=m_rows[:, None] & (o_g < K // 32)[None, :], other=0).to(tl.int32)
+        s2 = s * 0x00800080  # the scale byte under both halves' bf16 exponent fields
+        s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+        lo, hi = tl.inline_asm_elementwise(_E2M1X2_BF16, "=h,=h,r,r", [b, s2], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=1)
+        return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
     c = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_N, BLOCK_K))  # element 2j: the low nibble
     # the nibble's 3 bits under fp32's exponent field read v 2^-126 (code 1: the subnormal
     # 2^-127), times 2^126: v exactly in ~6 operations an element, as the decode bounds the
@@ -90,7 +122,7 @@ def _w_tile(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, MX: tl.constexpr
     as stored (bf16 / fp32), or with MX decoded from MXFP4 (``_mx_rows``), so the dot is the bf16
     path's at the decoded weights."""
     if MX:
-        return tl.trans(_mx_rows(p_w, p_s, rows, m_rows, k0, K, dtype, BLOCK_N, BLOCK_K))
+        return tl.trans(_mx_rows(p_w, p_s, rows, m_rows, k0, K, dtype, BLOCK_N, BLOCK_K, MX))
     else:
         o_k = k0 + tl.arange(0, BLOCK_K)
         return tl.load(p_w + rows[None, :] * K + o_k[:, None], mask=(o_k < K)[:, None] & m_rows[None, :], other=0.0)
@@ -98,12 +130,12 @@ def _w_tile(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, MX: tl.constexpr
 
 @triton.jit
 def _mx_dot_t(acc, p_w, p_s, rows, m_rows, p_in, in_rows, m_in, k0, K, PRECISION: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MX: tl.constexpr):
     """accᵀ chain step with the roles swapped: acc (BLOCK_N, BLOCK_M) + dot(decoded W rows (BN, BK),
     inᵀ (BK, BM)): the decoded weights are the dot's first operand, which Hopper reads from registers."""
     o_k = k0 + tl.arange(0, BLOCK_K)
     b_xt = tl.load(p_in + in_rows[None, :] * K + o_k[:, None], mask=(o_k < K)[:, None] & m_in[None, :], other=0.0)
-    b_w = _mx_rows(p_w, p_s, rows, m_rows, k0, K, p_in.dtype.element_ty, BLOCK_N, BLOCK_K)
+    b_w = _mx_rows(p_w, p_s, rows, m_rows, k0, K, p_in.dtype.element_ty, BLOCK_N, BLOCK_K, MX)
     return tl.dot(b_w, b_xt, acc, input_precision=PRECISION)
 
 
@@ -169,8 +201,9 @@ def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, 
         b_gt = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         b_ut = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            b_gt = _mx_dot_t(b_gt, p_w, p_s, row_g, m_n, p_x, tok, m_r, k0, H, PRECISION, BLOCK_N, BLOCK_K)
-            b_ut = _mx_dot_t(b_ut, p_w, p_s, row_g + I, m_n, p_x, tok, m_r, k0, H, PRECISION, BLOCK_N, BLOCK_K)
+            b_gt = _mx_dot_t(b_gt, p_w, p_s, row_g, m_n, p_x, tok, m_r, k0, H, PRECISION, BLOCK_N, BLOCK_K, MX)
+            b_ut = _mx_dot_t(b_ut, p_w, p_s, row_g + I, m_n, p_x, tok, m_r, k0, H, PRECISION, BLOCK_N, BLOCK_K,
+                             MX)
         b_g, b_u = tl.trans(b_gt), tl.trans(b_ut)
     else:
         b_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -203,7 +236,7 @@ def _down_kernel(p_a, p_w, p_s, p_wt, p_dst, p_te, p_r0, p_r1, p_c, p_delta, H, 
         b_ct = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             b_ct = _mx_dot_t(b_ct, p_w, p_s, rows, m_n, p_a, o_r.to(tl.int64), m_r, k0, I, PRECISION, BLOCK_N,
-                             BLOCK_K)
+                             BLOCK_K, MX)
         b_c = tl.trans(b_ct)
     else:
         b_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -327,19 +360,25 @@ def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, lora=N
 
 def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None, *, lora=None,
                              block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
-                             num_stages: int = 3, swap: bool | None = None):
+                             num_stages: int = 3, swap: bool | None = None, bf16x2: bool | None = None):
     """MXFP4 experts computed packed: each K step decodes its (64 x BLOCK_N) weight tile from the
     codes and scales in registers (nothing unpacked in memory) and runs the bf16 path's dot on it,
     so the bits are ``experts_fwd_triton``'s at the exactly decoded weights (``cpu.experts_fwd_mxfp4_cpu``
     on the CPU).  Same knobs, and ``swap``: the dots as Wᵀ-side first operand (accᵀ = W · inᵀ), so
     the decoded tile feeds the tensor cores from registers; the same bits, on by default on CUDA (the
     faster on the H200 up to 4096 tokens).  ``block_m`` by default: 128-row tiles from 64 rows an expert
-    on average, so each decoded tile meets twice the rows (12% less time at 16384 tokens on the H200)."""
+    on average, so each decoded tile meets twice the rows (12% less time at 16384 tokens on the H200).
+    ``bf16x2``: decode two weights at once in bf16x2 inline PTX (``_E2M1X2_BF16``; bf16 on CUDA only,
+    the default there), the same weights as the fp32 decode."""
     swap = x.is_cuda if swap is None else swap
+    packed = x.is_cuda and x.dtype == torch.bfloat16
+    if bf16x2 and not packed:
+        raise ValueError("bf16x2 decodes bf16 experts on CUDA only")
+    mx = 2 if (packed if bf16x2 is None else bf16x2) else 1
     if block_m is None:
         block_m = 128 if ids.numel() >= 64 * gu_codes.shape[0] else BLOCK_M
     return _launch("mxfp4", x, ids, weights, (gu_codes, gu_scales), (d_codes, d_scales), limit, lora,
-                   block_m, block_n, num_warps, num_stages, swap)
+                   block_m, block_n, num_warps, num_stages, swap, mx)
 
 
 def experts_fwd_fp8_triton(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None, *, lora=None,
@@ -365,7 +404,8 @@ def _lora_term(inp, src, a, b, s, tiles, sorted_rows, knobs) -> torch.Tensor:
     return u * s
 
 
-def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, num_warps, num_stages, swap=False):
+def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, num_warps, num_stages, swap=False,
+            mx=1):
     """The grouped launches of every format; ``gate_up`` / ``down``: (weight or codes, scales) (bf16:
     the weight twice).  With LoRA, the adapters' terms go into the base kernels' accumulators."""
     T, k = ids.shape
@@ -396,8 +436,8 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
             HAS_LIMIT=limit is not None, HAS_DELTA=has, **fp8)
     else:
         _gate_up_kernel[(n_tiles, cdiv(I, block_n))](
-            x, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, d_gu, H, I, lim, HAS_LIMIT=limit is not None, MX=fmt == "mxfp4",
-            SWAP=swap, HAS_DELTA=has, **knobs)
+            x, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, d_gu, H, I, lim, HAS_LIMIT=limit is not None,
+            MX=mx if fmt == "mxfp4" else 0, SWAP=swap, HAS_DELTA=has, **knobs)
     d_down = _lora_term(a, sorted_rows, lora.a_down, lora.b_down, lora.s, tiles, sorted_rows, knobs) if has else c
     wt = weights.reshape(-1).float()[order].contiguous()
     dst = order.to(torch.int32)
@@ -408,6 +448,6 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
             HAS_DELTA=has, **fp8)
     else:
         _down_kernel[(n_tiles, cdiv(H, block_n))](
-            a, w_d, s_d, wt, dst, t_e, t_r0, t_r1, c, d_down, H, I, MX=fmt == "mxfp4", SWAP=swap, HAS_DELTA=has,
-            **knobs)
+            a, w_d, s_d, wt, dst, t_e, t_r0, t_r1, c, d_down, H, I, MX=mx if fmt == "mxfp4" else 0, SWAP=swap,
+            HAS_DELTA=has, **knobs)
     return slot_sum(c.view(T, k, H))
