@@ -78,8 +78,8 @@ BV = 16
 BR = 8
 BKS = 16
 STATE_WARPS = 2  # two (BR, BV) elements a thread: at four, ptxas spills (sm_90a, 255 registers)
-# the state kernel's registers a thread (a launch knob): uncapped ptxas takes 168 (sm_90a), 6 programs an SM;
-# at 128, 8 (H200, 8 x 512 tokens, 2048 programs: 4.10 ms against 4.70 a chunk call; 96: 4.69, 80: 5.02)
+# the state kernel's registers a thread (a launch knob): ptxas takes 168 uncapped (sm_90a), 6 programs an SM;
+# 128 fits 8, so 8 x 512 tokens' 2048 programs take 2 waves, not 3 (H200: 4.10 ms against 4.70 a chunk call)
 STATE_MAXNREG = 128
 # the output kernel's tile (BRO rows x BVO columns) and warps (launch knobs; H200, 8 x 512 tokens:
 # about 1.0 ms at 32 columns, 1.5 at 16)
