@@ -93,10 +93,10 @@ def _mx_rows(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, BLOCK_N: tl.con
     o_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     b = tl.load(p_w + rows[:, None] * (K // 2) + o_b[None, :], mask=m_rows[:, None] & (o_b < K // 2)[None, :],
                 other=0).to(tl.int32)  # (BN, BK/2) bytes
+    o_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    s = tl.load(p_s + rows[:, None] * (K // 32) + o_g[None, :], mask=m_rows[:, None] & (o_g < K // 32)[None, :],
+                other=0).to(tl.int32)  # (BN, BK/32) scale bytes
     if MX == 2:
-        o_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        s = tl.load(p_s + rows[:, None] * (K // 32) + o_g[None, :],
-                    mask=m_rows[:, None] & (o_g < K // 32)[None, :], other=0).to(tl.int32)
         s2 = s * 0x00800080  # the scale byte under both halves' bf16 exponent fields
         s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
         lo, hi = tl.inline_asm_elementwise(_E2M1X2_BF16, "=h,=h,r,r", [b, s2], dtype=(tl.bfloat16, tl.bfloat16),
@@ -107,10 +107,7 @@ def _mx_rows(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, BLOCK_N: tl.con
     # 2^-127), times 2^126: v exactly in ~6 operations an element, as the decode bounds the
     # experts at decode sizes
     v = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37
-    o_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    s = tl.load(p_s + rows[:, None] * (K // 32) + o_g[None, :], mask=m_rows[:, None] & (o_g < K // 32)[None, :],
-                other=0)
-    sv = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) from the exponent bits
+    sv = (s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) from the exponent bits
     sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
     return (v * sv).to(dtype)
 
