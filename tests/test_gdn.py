@@ -499,6 +499,12 @@ from triton.runtime import interpreter as _it
 # (trees, masks, the open-chunk rows, the state update) on any decay.
 _it.InterpreterBuilder.create_exp = lambda self, arg: self.unary_op(
     arg, lambda a: torch.exp(torch.from_numpy(np.array(a, copy=True))).numpy())
+# Its tl.sum is numpy's, which starts from +0.0 (-0.0 + -0.0 -> +0.0); a compiled reduction starts
+# from its first element, so a tree level's pair sums as the GPU's does, signed zeros included.
+_np_sum = _it.ReduceOps.sum
+_it.ReduceOps.sum = lambda self, x: (self.to_tensor(np.add.reduce(
+    x.handle.data, axis=self.axis, keepdims=self.keep_dims, initial=-0.0), x.dtype)
+    if x.handle.data.dtype.kind == "f" else _np_sum(self, x))
 
 from alignzoo.common.gdn import gdn_cache, gdn_fwd, l2norm_fwd
 

@@ -226,6 +226,50 @@ def test_gpu_chunk_equals_torch_path():
             assert _caches_equal(caches["triton"], caches["torch"], slot, (s + n - 1) % 64 + 1), (items, slot)
 
 
+_SIGNED_ZEROS = _INTERPRETED_PRELUDE + r"""
+import os
+
+from alignzoo.common.gdn import cpu
+from alignzoo.common.gdn.chunk_kernel import gdn_chunk_triton
+from alignzoo.common.gdn.kernel import gdn_decode_triton, gdn_scan_triton
+
+dev = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
+Hk, Hv, K, V = (1, 2, 16, 8) if dev == "cpu" else (2, 4, 128, 128)
+xs = [x.to(dev) for x in inputs(3, 77, Hk, Hv, K, V)]
+xs[2][:, 0] = -0.0  # head 0: every v row -0.0, so its x, v_new and o are zeros whose signs the pads decide
+pre = [x[:73] for x in xs]  # a 70-row and a 3-row prompt, then rows 73.. decode both
+t = lambda x: torch.tensor(x, device=dev)
+bits = lambda x: x.contiguous().view(torch.int32)
+ref_c = gdn_cache(2, Hk, Hv, K, V, dev)
+ref = cpu.chunked(*pre, [0, 70, 73], [0, 0], cache=ref_c, slots=[0, 1])
+assert not ref[:, 0].any() and ref[:, 1].all()
+for fn in (gdn_scan_triton, gdn_chunk_triton):
+    c, rc = gdn_cache(2, Hk, Hv, K, V, dev), {n: x.clone() for n, x in ref_c.items()}
+    o = fn(*pre, t([0, 70, 73]), t([0, 0]), t([0, 1]), c)
+    assert torch.equal(bits(o), bits(ref)), fn.__name__
+    for step in range(2):  # positions 70, 71 and 3, 4
+        rows = [(0, 6 + step), (1, 3 + step)]  # the open chunk's rows that hold values
+        assert torch.equal(bits(c["state"]), bits(rc["state"])), (fn, step)
+        assert all(torch.equal(bits(c[n][s, :r]), bits(rc[n][s, :r])) for n in ("x", "v_new", "g_cum")
+                   for s, r in rows), (fn, step)
+        args = [x[73 + 2 * step : 75 + 2 * step].contiguous() for x in xs] + [t([70 + step, 3 + step]), t([0, 1])]
+        assert torch.equal(bits(gdn_decode_triton(*args, c)), bits(cpu.decode_step(*args, rc))), (fn, step)
+print("ok")
+"""
+
+
+def test_signed_zeros_interpreted():
+    """-0.0 pads every tree, so a zero keeps the torch path's sign through the scan, the chunk
+    kernel and decode (bit patterns, not ==): on the GPU Triton 3.6 compiles a -0.0 literal as +0.0."""
+    run_interpreted(_SIGNED_ZEROS, expect="ok")
+
+
+@pytest.mark.gpu
+def test_gpu_signed_zeros_match_torch_path():
+    """The same script compiled on CUDA against the torch path there."""
+    run_interpreted(_SIGNED_ZEROS, expect="ok", interpret=False)
+
+
 def test_layout_pieces():
     """The host layout: a mid-chunk start runs its head rows through the scan, the
     rest in 64-row pieces; padding and empty sequences make none."""

@@ -66,7 +66,7 @@ import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
 from .cpu import CHUNK
-from .kernel import _exp, _k_rows_kernel, _launch_opts, _regs, _tree_first, gdn_scan_triton
+from .kernel import _exp, _k_rows_kernel, _launch_opts, _neg0, _regs, _tree_first, gdn_scan_triton
 from .trees import _av_tree, _in_bounds, _ks_tree, _kv_tree
 
 BW = 16  # x columns per substitution program (a launch knob: columns are independent)
@@ -105,8 +105,8 @@ def _kq_tree(p_kj, p_ki, p_qi, k0, N: tl.constexpr, K: tl.constexpr, C: tl.const
         b_kj = tl.load(p_kj + k * C)  # (C,)
         b_ki = tl.load(p_ki + k * C)  # (BI,)
         b_qi = tl.load(p_qi + k * C)
-        a = tl.where(k0 < K, b_ki[:, None] * b_kj[None, :], -0.0)
-        c = tl.where(k0 < K, b_qi[:, None] * b_kj[None, :], -0.0)
+        a = tl.where(k0 < K, b_ki[:, None] * b_kj[None, :], _neg0())
+        c = tl.where(k0 < K, b_qi[:, None] * b_kj[None, :], _neg0())
     else:
         a0, c0 = _kq_tree(p_kj, p_ki, p_qi, k0, N // 2, K, C)
         a1, c1 = _kq_tree(p_kj, p_ki, p_qi, k0 + N // 2, N // 2, K, C)
@@ -181,7 +181,7 @@ def _left_tile(p_li, p_xr, o_i, r0, S: tl.constexpr, RX: tl.constexpr, C: tl.con
     """The rows block at r0's left sibling at tree level S (leaves r0 - r0 % 2S .. + S - 1, every
     one a finished row j < r0 <= i) as a (BS, BW) tile of tree_j(L_ij x_j); -0.0 where the block's
     node is a left child (its sibling holds rows j >= i only) or the level is past the root."""
-    x = tl.full((BS, BW), -0.0, tl.float32)
+    x = tl.broadcast_to(_neg0(), (BS, BW))
     if S < C:
         if r0 % (2 * S) >= S:
             x = _av_tree(p_li, p_xr, o_i, r0 - r0 % (2 * S), S, r0, 1, RX, BS, BW)
@@ -242,7 +242,7 @@ def _chunk_solve_kernel(
         a4 = _left_tile(p_li, p_xl, o_i, r0, BS * 16, Hv * W, C, BS, BW)
         for ii in range(tl.minimum(BS, nr - r0)):
             b_l = tl.load(p_l0 + (r0 + ii) * C + o_i)  # (BS,) L_ij, j in the block
-            b_t = _tree_first(tl.where((o_r < ii)[:, None], b_l[:, None] * b_X, -0.0), BS, BW)
+            b_t = _tree_first(tl.where((o_r < ii)[:, None], b_l[:, None] * b_X, _neg0()), BS, BW)
             b_t = b_t[None, :] + a0  # a row's levels in order, bottom up (a level past the root: -0.0)
             if BS * 2 < C:
                 b_t = b_t + a1

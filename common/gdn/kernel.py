@@ -64,6 +64,13 @@ ROW_SMALL, ROW_LARGE = (1, 8), (2, 32)
 
 
 @triton.jit
+def _neg0():
+    """-0.0, the trees' pad, from its bit pattern: Triton 3.6 (the H200's) compiles a -0.0 literal,
+    ``other=-0.0`` included, as +0.0."""
+    return tl.full([], -2147483648, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _exp(x, LIBDEVICE: tl.constexpr):
     if LIBDEVICE:
         return libdevice.exp(x)
@@ -163,21 +170,21 @@ def _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc,
     b_kc = _k_rows(p_k, p_kc, s, t0, start, pos, o_j, o_k, m_k, i_hk, Hk, K, C)  # (C, BK), row r = b_k
     # rows past r never enter a sum (the trees take -0.0 there): not read, half the cache traffic on average
     b_gc = tl.load(p_gc + (s * C + o_j) * Hv + i_h, mask=strict, other=0.0)  # (C,)
-    G_prev = tl.load(p_gc + (s * C + r - 1) * Hv + i_h, mask=r > 0, other=-0.0)
+    G_prev = tl.load(p_gc + (s * C + r - 1) * Hv + i_h, mask=r > 0, other=_neg0())
     b_g = tl.load(p_g + t * Hv + i_h)
     b_beta = tl.load(p_beta + t * Hv + i_h)
     G_i = G_prev + b_g
     b_gc = tl.where(here, G_i, b_gc)
 
-    b_kk = _tree_last(tl.where(m_k[None, :], b_k[None, :] * b_kc, -0.0), C, BK)  # (C,)
-    b_qk = _tree_last(tl.where(m_k[None, :], b_q[None, :] * b_kc, -0.0), C, BK)
+    b_kk = _tree_last(tl.where(m_k[None, :], b_k[None, :] * b_kc, _neg0()), C, BK)  # (C,)
+    b_qk = _tree_last(tl.where(m_k[None, :], b_q[None, :] * b_kc, _neg0()), C, BK)
     b_E = _exp(tl.where(causal, G_i - b_gc, float("-inf")), LIBDEVICE)
     b_L = (b_beta * b_kk) * b_E  # (C,)
     e_G = _exp(G_i, LIBDEVICE)
 
     p_xrow = p_xc + ((s * C + o_j[:, None]) * Hv + i_h) * W  # (C, 1) rows of x
     b_xw = tl.load(p_xrow + V + o_k[None, :], mask=strict[:, None] & m_k[None, :], other=0.0)
-    b_t = tl.where(strict[:, None], b_L[:, None] * b_xw, -0.0)
+    b_t = tl.where(strict[:, None], b_L[:, None] * b_xw, _neg0())
     b_w = (b_k * b_beta) * e_G - _tree_first(b_t, C, BK)  # (BK,)
     b_qe = b_q * e_G
     fresh = pos == 0
@@ -195,13 +202,13 @@ def _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc,
         b_S = tl.where(fresh, 0.0, b_S)  # (BK, BV)
         b_vv = tl.load(p_v + (t * Hv + i_h) * V + o_v, mask=m_v, other=0.0)
         b_xu = tl.load(p_xrow + o_v[None, :], mask=strict[:, None] & m_v[None, :], other=0.0)
-        b_u = b_vv * b_beta - _tree_first(tl.where(strict[:, None], b_L[:, None] * b_xu, -0.0), C, BV)
-        b_vn = b_u - _tree_first(tl.where(m_k[:, None], b_w[:, None] * b_S, -0.0), BK, BV)
-        b_inter = _tree_first(tl.where(m_k[:, None], b_qe[:, None] * b_S, -0.0), BK, BV)
+        b_u = b_vv * b_beta - _tree_first(tl.where(strict[:, None], b_L[:, None] * b_xu, _neg0()), C, BV)
+        b_vn = b_u - _tree_first(tl.where(m_k[:, None], b_w[:, None] * b_S, _neg0()), BK, BV)
+        b_inter = _tree_first(tl.where(m_k[:, None], b_qe[:, None] * b_S, _neg0()), BK, BV)
         b_vc = tl.load(p_vc + ((s * C + o_j[:, None]) * Hv + i_h) * V + o_v[None, :],
                        mask=strict[:, None] & m_v[None, :], other=0.0)
         b_vc = tl.where(here[:, None], b_vn[None, :], b_vc)
-        b_intra = _tree_first(tl.where(causal[:, None], (b_qk * b_E)[:, None] * b_vc, -0.0), C, BV)
+        b_intra = _tree_first(tl.where(causal[:, None], (b_qk * b_E)[:, None] * b_vc, _neg0()), C, BV)
         b_o = b_inter + b_intra
         tl.store(p_o + (t * Hv + i_h) * V + o_v, tl.where(valid, b_o, 0.0), mask=m_v)
         tl.store(p_xc + ((s * C + r) * Hv + i_h) * W + o_v, b_u, mask=o_v < n_v)

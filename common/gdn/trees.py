@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .kernel import _neg0
+
 
 @triton.jit
 def _ks_tree(p_S, p_a, p_b, k0, N: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
@@ -25,11 +27,11 @@ def _ks_tree(p_S, p_a, p_b, k0, N: tl.constexpr, K: tl.constexpr, V: tl.constexp
         k = tl.minimum(k0, K - 1)  # a lane past K reads row K - 1 and keeps -0.0
         b_s = tl.load(p_S + k * V)  # (BV,) row k of the S0 tile
         b_a = tl.load(p_a + k * C)  # (BR,)
-        x = tl.where(k0 < K, b_a[:, None] * b_s[None, :], -0.0)
+        x = tl.where(k0 < K, b_a[:, None] * b_s[None, :], _neg0())
         y = x
         if TWO:
             b_b = tl.load(p_b + k * C)
-            y = tl.where(k0 < K, b_b[:, None] * b_s[None, :], -0.0)
+            y = tl.where(k0 < K, b_b[:, None] * b_s[None, :], _neg0())
     else:
         x0, y0 = _ks_tree(p_S, p_a, p_b, k0, N // 2, K, V, C, TWO)
         x1, y1 = _ks_tree(p_S, p_a, p_b, k0 + N // 2, N // 2, K, V, C, TWO)
@@ -48,12 +50,12 @@ def _av_tree(p_a, p_vn, o_i, j0, N: tl.constexpr, JE, RA: tl.constexpr, RV: tl.c
     RA, RV: the strides of A's column j (A^T's rows) and v_new's rows.  Unmasked loads, as in
     ``_ks_tree``: a row j past the piece's end reaches only rows i >= j, themselves past it."""
     if j0 >= JE:
-        x = tl.full((BR, BV), -0.0, tl.float32)
+        x = tl.broadcast_to(_neg0(), (BR, BV))
     else:
         if N == 1:
             b_a = tl.load(p_a + j0 * RA)  # (BR,) A_ij
             b_vn = tl.load(p_vn + j0 * RV)  # (BV,)
-            x = tl.where(j0 <= o_i[:, None], b_a[:, None] * b_vn[None, :], -0.0)
+            x = tl.where(j0 <= o_i[:, None], b_a[:, None] * b_vn[None, :], _neg0())
         else:
             x = (_av_tree(p_a, p_vn, o_i, j0, N // 2, JE, RA, RV, BR, BV)
                  + _av_tree(p_a, p_vn, o_i, j0 + N // 2, N // 2, JE, RA, RV, BR, BV))
