@@ -66,8 +66,8 @@ import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
 from .cpu import CHUNK
-from .kernel import _exp, _k_rows_kernel, _launch_opts, _neg0, _regs, _tree_first, gdn_scan_triton
-from .trees import _av_tree, _in_bounds, _ks_tree, _kv_tree
+from .kernel import _exp, _k_rows_kernel, _launch_opts, _regs, _tree_first, gdn_scan_triton
+from .trees import _av_tree, _in_bounds, _ks_tree, _kv_tree, _neg0
 
 BW = 16  # x columns per substitution program (a launch knob: columns are independent)
 BS = 8  # rows a block of the substitution (a launch knob, a power of two >= 2: the tree is the same)

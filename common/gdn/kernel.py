@@ -53,6 +53,7 @@ from triton.language.extra import libdevice
 
 from .._host import cdiv, next_power_of_2
 from .cpu import CHUNK
+from .trees import _neg0
 
 BV_ROW = 32  # V columns per step of the row kernel (a launch knob: columns are independent)
 BKS, BVS = 32, 32  # state tile of the state kernel (a launch knob)
@@ -61,13 +62,6 @@ STATE_WARPS = 4  # warps of the decode's state kernel (a launch knob)
 # 8-column steps up to 8 x 32 programs, two on 32 past it (H200, 32 heads: B 1 0.107 ms against
 # 0.129 at 4 warps, B 64 0.292 against 0.415, B 256 0.970 against 1.438)
 ROW_SMALL, ROW_LARGE = (1, 8), (2, 32)
-
-
-@triton.jit
-def _neg0():
-    """-0.0, the trees' pad, from its bit pattern: Triton 3.6 (the H200's) compiles a -0.0 literal,
-    ``other=-0.0`` included, as +0.0."""
-    return tl.full([], -2147483648, tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -2,7 +2,8 @@
 trees: adjacent pairs, level by level, -0.0 for a lane or row not present)
 unrolled over its leaves, each leaf the outer product of two loaded vectors,
 so every level adds whole tiles element by element in registers and no sum
-crosses lanes: ``chunk_kernel.py``'s state, output and solve kernels.  Each
+crosses lanes: ``chunk_kernel.py``'s state, output and solve kernels (and ``_neg0``, every GDN
+kernel's pad).  Each
 tree recurses on halves with its first leaf a runtime value (a literal would
 make it a constexpr), so it compiles as one function a level, not one a node."""
 from __future__ import annotations
@@ -10,7 +11,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernel import _neg0
+
+@triton.jit
+def _neg0():
+    """-0.0, the trees' pad, from its bit pattern: Triton 3.6 (the H200's) compiles a -0.0 literal,
+    ``other=-0.0`` included, as +0.0."""
+    return tl.full([], -2147483648, tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
