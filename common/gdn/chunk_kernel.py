@@ -77,9 +77,9 @@ BS = 8  # rows a block of the substitution (a launch knob, a power of two >= 2: 
 BV = 16
 BR = 8
 BKS = 16
-STATE_WARPS = 2  # two (BR, BV) elements a thread: at four, ptxas spills (sm_90a, 255 registers)
-# the state kernel's registers a thread (a launch knob): ptxas takes 168 uncapped (sm_90a), 6 programs an SM;
-# 128 fits 8, so 8 x 512 tokens' 2048 programs take 2 waves, not 3 (H200: 4.10 ms against 4.70 a chunk call)
+STATE_WARPS = 2  # two (BR, BV) elements a thread
+# the state kernel's registers a thread (a launch knob): the H200's ptxas takes 112 uncapped, and
+# schedules faster with 128 allowed (8 x 512 tokens: 4.03 ms against 4.63 a chunk call)
 STATE_MAXNREG = 128
 # the output kernel's tile (BRO rows x BVO columns) and warps (launch knobs; H200, 8 x 512 tokens:
 # about 1.0 ms at 32 columns, 1.5 at 16)
@@ -91,7 +91,10 @@ FUSE_PROGRAMS = 512
 # rows i per tile of the rows kernel's trees (a launch knob; H200, 8 x 512 tokens: the rows kernel
 # about 0.9 ms at 2 rows on 2 warps, 8.2 ms at 4; at 8 ptxas spills, sm_90a, K 128)
 BI = 2
-ROWS_WARPS = SOLVE_WARPS = 2  # warps of the rows and solve kernels (launch knobs)
+ROWS_WARPS = 2  # warps of the rows kernel (a launch knob)
+# the solve kernel's (a launch knob): on one, a step's 8-row tree stays in a warp, no barrier
+# (H200, 8 x 512 tokens: 3.83 ms a chunk call against 4.03 on two)
+SOLVE_WARPS = 1
 
 
 @triton.jit
@@ -240,8 +243,10 @@ def _chunk_solve_kernel(
         a2 = _left_tile(p_li, p_xl, o_i, r0, BS * 4, Hv * W, C, BS, BW)
         a3 = _left_tile(p_li, p_xl, o_i, r0, BS * 8, Hv * W, C, BS, BW)
         a4 = _left_tile(p_li, p_xl, o_i, r0, BS * 16, Hv * W, C, BS, BW)
+        b_l = tl.load(p_l0 + r0 * C + o_i)  # (BS,) L_ij, j in the block, of the step's row i
         for ii in range(tl.minimum(BS, nr - r0)):
-            b_l = tl.load(p_l0 + (r0 + ii) * C + o_i)  # (BS,) L_ij, j in the block
+            # the next row's L issued before this step's chain, which would otherwise wait on it
+            b_ln = tl.load(p_l0 + tl.minimum(r0 + ii + 1, C - 1) * C + o_i)
             b_t = _tree_first(tl.where((o_r < ii)[:, None], b_l[:, None] * b_X, _neg0()), BS, BW)
             b_t = b_t[None, :] + a0  # a row's levels in order, bottom up (a level past the root: -0.0)
             if BS * 2 < C:
@@ -253,6 +258,7 @@ def _chunk_solve_kernel(
             if BS * 16 < C:
                 b_t = b_t + a4
             b_X = tl.where((o_r == ii)[:, None], b_X - b_t, b_X)
+            b_l = b_ln
         m = m_i[:, None] & m_c[None, :]
         tl.store(p_xr[None, :] + o_i[:, None] * (Hv * W), b_X, mask=m)
         tl.store(p_WT + ((i_p * Hv + i_h) * K + o_c[None, :] - V) * C + o_i[:, None], b_X,
