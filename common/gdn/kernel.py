@@ -57,11 +57,17 @@ from .trees import _neg0
 
 BV_ROW = 32  # V columns per step of the row kernel (a launch knob: columns are independent)
 BKS, BVS = 32, 32  # state tile of the state kernel (a launch knob)
+# K lanes a subtree of the row's K trees (a launch knob: a power of two, the tree is the same): the
+# row keeps (64, 32) tiles live, not (64, 128)
+BKQ = 32
 STATE_WARPS = 4  # warps of the decode's state kernel (a launch knob)
 # the decode row kernel's warps and V columns a step, by programs (launch knobs): one warp on
 # 8-column steps up to 8 x 32 programs, two on 32 past it (H200, 32 heads: B 1 0.107 ms against
 # 0.129 at 4 warps, B 64 0.292 against 0.415, B 256 0.970 against 1.438)
 ROW_SMALL, ROW_LARGE = (1, 8), (2, 32)
+# and its register cap on two (a launch knob): 8 programs an SM, not 4 (H200, K trees in 32-lane
+# subtrees: B 256 0.795 ms against 0.896 uncapped, B 64 0.232 against 0.248; on one warp a cap is slower)
+ROW_LARGE_MAXNREG = 128
 
 
 @triton.jit
@@ -144,24 +150,66 @@ def _k_rows(p_k, p_kc, s, t0, start, pos, o_j, o_kb, m_k, i_hk, Hk: tl.constexpr
 
 
 @triton.jit
+def _kq_part(p_k, p_kc, p_ki, p_qi, s, t0, start, pos, o_j, k0, i_hk, N: tl.constexpr, QK: tl.constexpr,
+             Hk: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+    """Lanes k0..k0+N-1 of kk's and qk's K trees (k_i, q_i against the chunk's rows j), -0.0 past K:
+    halves down to QK lanes, each a (C, QK) tile's tree, so no (C, K) tile is ever live."""
+    if N == QK:
+        o_kb = k0 + tl.arange(0, QK)
+        m_kb = o_kb < K
+        b_kc = _k_rows(p_k, p_kc, s, t0, start, pos, o_j, o_kb, m_kb, i_hk, Hk, K, C)  # (C, QK)
+        b_ki = tl.load(p_ki + o_kb, mask=m_kb, other=0.0)
+        b_qi = tl.load(p_qi + o_kb, mask=m_kb, other=0.0)
+        kk = _tree_last(tl.where(m_kb[None, :], b_ki[None, :] * b_kc, _neg0()), C, QK)
+        qk = _tree_last(tl.where(m_kb[None, :], b_qi[None, :] * b_kc, _neg0()), C, QK)
+    else:
+        kk0, qk0 = _kq_part(p_k, p_kc, p_ki, p_qi, s, t0, start, pos, o_j, k0, i_hk, N // 2, QK, Hk, K, C)
+        kk1, qk1 = _kq_part(p_k, p_kc, p_ki, p_qi, s, t0, start, pos, o_j, k0 + N // 2, i_hk, N // 2, QK, Hk, K, C)
+        kk = kk0 + kk1
+        qk = qk0 + qk1
+    return kk, qk
+
+
+@triton.jit
+def _ws_part(p_S, p_w, p_q, e_G, fresh, o_v, m_v, k0, N: tl.constexpr, QK: tl.constexpr, K: tl.constexpr,
+             V: tl.constexpr, BV: tl.constexpr):
+    """Rows k0..k0+N-1 of the K trees of w_k S0_kv and (q_k exp(G_i)) S0_kv, -0.0 past K: halves
+    down to QK rows of S0 (zeros when fresh), w read back from the slot's x row."""
+    if N == QK:
+        o_kb = k0 + tl.arange(0, QK)
+        m_kb = o_kb < K
+        b_S = tl.load(p_S + o_kb[:, None] * V + o_v[None, :], mask=m_kb[:, None] & m_v[None, :], other=0.0)
+        b_S = tl.where(fresh, 0.0, b_S)  # (QK, BV)
+        b_w = tl.load(p_w + o_kb, mask=m_kb, other=0.0)
+        b_qe = tl.load(p_q + o_kb, mask=m_kb, other=0.0) * e_G
+        a = _tree_first(tl.where(m_kb[:, None], b_w[:, None] * b_S, _neg0()), QK, BV)
+        b = _tree_first(tl.where(m_kb[:, None], b_qe[:, None] * b_S, _neg0()), QK, BV)
+    else:
+        a0, b0 = _ws_part(p_S, p_w, p_q, e_G, fresh, o_v, m_v, k0, N // 2, QK, K, V, BV)
+        a1, b1 = _ws_part(p_S, p_w, p_q, e_G, fresh, o_v, m_v, k0 + N // 2, N // 2, QK, K, V, BV)
+        a = a0 + a1
+        b = b0 + b1
+    return a, b
+
+
+@triton.jit
 def _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc,
          t, t0, start, pos, s, valid, i_h, i_hk,
          Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-         BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr):
+         BK: tl.constexpr, BV: tl.constexpr, QK: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Row r = pos % 64 of token t (``cpu.py``'s row functions): writes o[t] and
-    the slot's rows g_cum, x, v_new at r (not k: the callers do)."""
+    the slot's rows g_cum, x, v_new at r (not k: the callers do).  Every K tree is
+    formed QK lanes at a time (its subtrees, then their levels), so the live tiles
+    are (64, QK) and (QK, BV), not (64, K) and (K, BV)."""
     W: tl.constexpr = V + K
     r = pos % C
     o_j = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
     here = o_j == r
     causal = o_j <= r
     strict = o_j < r
 
-    b_k = tl.load(p_k + (t * Hk + i_hk) * K + o_k, mask=m_k, other=0.0)
-    b_q = tl.load(p_q + (t * Hk + i_hk) * K + o_k, mask=m_k, other=0.0)
-    b_kc = _k_rows(p_k, p_kc, s, t0, start, pos, o_j, o_k, m_k, i_hk, Hk, K, C)  # (C, BK), row r = b_k
+    p_ki = p_k + (t * Hk + i_hk) * K
+    p_qi = p_q + (t * Hk + i_hk) * K
     # rows past r never enter a sum (the trees take -0.0 there): not read, half the cache traffic on average
     b_gc = tl.load(p_gc + (s * C + o_j) * Hv + i_h, mask=strict, other=0.0)  # (C,)
     G_prev = tl.load(p_gc + (s * C + r - 1) * Hv + i_h, mask=r > 0, other=_neg0())
@@ -170,42 +218,45 @@ def _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc,
     G_i = G_prev + b_g
     b_gc = tl.where(here, G_i, b_gc)
 
-    b_kk = _tree_last(tl.where(m_k[None, :], b_k[None, :] * b_kc, _neg0()), C, BK)  # (C,)
-    b_qk = _tree_last(tl.where(m_k[None, :], b_q[None, :] * b_kc, _neg0()), C, BK)
+    zero = tl.full([], 0, tl.int32)  # the trees' first lane as a value, not a constexpr: one function a level
+    b_kk, b_qk = _kq_part(p_k, p_kc, p_ki, p_qi, s, t0, start, pos, o_j, zero, i_hk, BK, QK, Hk, K, C)  # (C,)
     b_E = _exp(tl.where(causal, G_i - b_gc, float("-inf")), LIBDEVICE)
     b_L = (b_beta * b_kk) * b_E  # (C,)
     e_G = _exp(G_i, LIBDEVICE)
 
     p_xrow = p_xc + ((s * C + o_j[:, None]) * Hv + i_h) * W  # (C, 1) rows of x
-    b_xw = tl.load(p_xrow + V + o_k[None, :], mask=strict[:, None] & m_k[None, :], other=0.0)
-    b_t = tl.where(strict[:, None], b_L[:, None] * b_xw, _neg0())
-    b_w = (b_k * b_beta) * e_G - _tree_first(b_t, C, BK)  # (BK,)
-    b_qe = b_q * e_G
-    fresh = pos == 0
+    p_xr = p_xc + ((s * C + r) * Hv + i_h) * W  # the slot's x row r
     # masks that carry a scalar flag are written as o < where(flag, n, 0): the interpreter
     # refuses a vector mask & a scalar bool
     n_k = tl.where(valid, K, 0)
     n_v = tl.where(valid, V, 0)
-    tl.store(p_xc + ((s * C + r) * Hv + i_h) * W + V + o_k, b_w, mask=o_k < n_k)
+    for k0 in range(0, BK, QK):  # w's columns are independent: QK at a time, to x row r
+        o_kb = k0 + tl.arange(0, QK)
+        m_kb = o_kb < K
+        b_xw = tl.load(p_xrow + V + o_kb[None, :], mask=strict[:, None] & m_kb[None, :], other=0.0)
+        b_t = tl.where(strict[:, None], b_L[:, None] * b_xw, _neg0())
+        b_kq = tl.load(p_ki + o_kb, mask=m_kb, other=0.0)
+        b_w = (b_kq * b_beta) * e_G - _tree_first(b_t, C, QK)  # (QK,)
+        tl.store(p_xr + V + o_kb, b_w, mask=o_kb < n_k)
+    tl.debug_barrier()  # w is read back below, lanes other than the ones that wrote it
+    fresh = pos == 0
 
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v < V
-        b_S = tl.load(p_state + ((s * Hv + i_h) * K + o_k[:, None]) * V + o_v[None, :],
-                      mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_S = tl.where(fresh, 0.0, b_S)  # (BK, BV)
         b_vv = tl.load(p_v + (t * Hv + i_h) * V + o_v, mask=m_v, other=0.0)
         b_xu = tl.load(p_xrow + o_v[None, :], mask=strict[:, None] & m_v[None, :], other=0.0)
         b_u = b_vv * b_beta - _tree_first(tl.where(strict[:, None], b_L[:, None] * b_xu, _neg0()), C, BV)
-        b_vn = b_u - _tree_first(tl.where(m_k[:, None], b_w[:, None] * b_S, _neg0()), BK, BV)
-        b_inter = _tree_first(tl.where(m_k[:, None], b_qe[:, None] * b_S, _neg0()), BK, BV)
+        b_sw, b_inter = _ws_part(p_state + (s * Hv + i_h) * K * V, p_xr + V, p_qi, e_G, fresh, o_v, m_v, zero, BK, QK,
+                                 K, V, BV)
+        b_vn = b_u - b_sw
         b_vc = tl.load(p_vc + ((s * C + o_j[:, None]) * Hv + i_h) * V + o_v[None, :],
                        mask=strict[:, None] & m_v[None, :], other=0.0)
         b_vc = tl.where(here[:, None], b_vn[None, :], b_vc)
         b_intra = _tree_first(tl.where(causal[:, None], (b_qk * b_E)[:, None] * b_vc, _neg0()), C, BV)
         b_o = b_inter + b_intra
         tl.store(p_o + (t * Hv + i_h) * V + o_v, tl.where(valid, b_o, 0.0), mask=m_v)
-        tl.store(p_xc + ((s * C + r) * Hv + i_h) * W + o_v, b_u, mask=o_v < n_v)
+        tl.store(p_xr + o_v, b_u, mask=o_v < n_v)
         tl.store(p_vc + ((s * C + r) * Hv + i_h) * V + o_v, b_vn, mask=o_v < n_v)
     o_1 = tl.arange(0, 2)  # scalar stores as masked 2-lane stores (the interpreter refuses scalar masks)
     tl.store(p_gc + (s * C + r) * Hv + i_h + o_1, tl.zeros([2], tl.float32) + G_i, mask=o_1 < tl.where(valid, 1, 0))
@@ -271,7 +322,7 @@ def _gdn_decode_row_kernel(
     p_q, p_k, p_v, p_g, p_beta, p_pos, p_slot,
     p_state, p_kc, p_gc, p_xc, p_vc, p_nc, p_o,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, QK: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     i_b, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (Hv // Hk)
@@ -281,7 +332,7 @@ def _gdn_decode_row_kernel(
     valid = slot >= 0
     s = tl.maximum(slot, 0).to(tl.int64)
     _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc, t, t, pos, pos, s, valid, i_h, i_hk,
-         Hk, Hv, K, V, BK, BV, C, LIBDEVICE)
+         Hk, Hv, K, V, BK, BV, QK, C, LIBDEVICE)
     r = pos % C
     o_k = tl.arange(0, BK)
     # every head of a group writes the same k row (no program of this launch reads cache row r)
@@ -312,7 +363,7 @@ def _gdn_scan_kernel(
     p_q, p_k, p_v, p_g, p_beta, p_cu, p_start, p_slot,
     p_state, p_gc, p_xc, p_vc, p_kc, p_nc, p_o,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, QK: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr,
     C: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     """Grid (B, Hv): a sequence's rows in order, each the decode row, the state
@@ -332,7 +383,7 @@ def _gdn_scan_kernel(
     for i in range(n):
         pos = start + i
         _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc, t0 + i, t0, start, pos, s, valid,
-             i_h, i_hk, Hk, Hv, K, V, BK, BV, C, LIBDEVICE)
+             i_h, i_hk, Hk, Hv, K, V, BK, BV, QK, C, LIBDEVICE)
         tl.debug_barrier()
         if valid & ((pos == 0) | (pos % C == C - 1)):
             for i_t in range(NT):
@@ -380,12 +431,12 @@ def _regs(lib: bool, maxnreg: int | None) -> dict:
 
 def gdn_decode_triton(q, k, v, g, beta, pos, slots, cache, *, bv_row: int | None = None, bks: int = BKS,
                       bvs: int = BVS, row_warps: int | None = None, state_warps: int = STATE_WARPS,
-                      row_maxnreg: int | None = None):
+                      row_maxnreg: int | None = None, bkq: int = BKQ):
     """``cpu.decode_step`` as two Triton launches.  q, k (B, Hk, K), v (B, Hv, V),
     g, beta (B, Hv) fp32 contiguous; pos, slots (B,) int64; ``cache``:
     ``op.gdn_cache``'s dict (contiguous) -> o (B, Hv, V) fp32 (0 on padding rows).
-    ``bv_row``, ``bks``, ``bvs``, the two kernels' warps and the row kernel's register cap: launch
-    knobs that cannot change bits."""
+    ``bv_row``, ``bks``, ``bvs``, ``bkq`` (the row's K lanes a subtree), the two kernels' warps and
+    the row kernel's register cap (None: by the batch, 0: none): launch knobs that cannot change bits."""
     B, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     o = torch.empty(B, Hv, V, dtype=torch.float32, device=q.device)
@@ -393,13 +444,17 @@ def gdn_decode_triton(q, k, v, g, beta, pos, slots, cache, *, bv_row: int | None
         return o
     lib, opts = _launch_opts(q)
     BK = max(2, next_power_of_2(K))
-    warps, cols = ROW_SMALL if B * Hv <= 8 * 32 else ROW_LARGE
+    small = B * Hv <= 8 * 32
+    warps, cols = ROW_SMALL if small else ROW_LARGE
+    if row_maxnreg is None:
+        row_maxnreg = 0 if small else ROW_LARGE_MAXNREG
     BV = max(2, min(bv_row or cols, next_power_of_2(V)))
     row_warps = row_warps or warps
     _gdn_decode_row_kernel[(B, Hv)](
         q, k, v, g, beta, pos, slots,
         cache["state"], cache["k"], cache["g_cum"], cache["x"], cache["v_new"], cache["n"], o,
-        Hk, Hv, K, V, BK, BV, CHUNK, lib, num_warps=row_warps, **opts, **_regs(lib, row_maxnreg),
+        Hk, Hv, K, V, BK, BV, min(BK, max(2, next_power_of_2(bkq))), CHUNK, lib, num_warps=row_warps, **opts,
+        **_regs(lib, row_maxnreg),
     )
     bks, bvs = max(2, min(bks, next_power_of_2(K))), max(2, min(bvs, next_power_of_2(V)))
     _gdn_decode_state_kernel[(B, Hv, cdiv(K, bks) * cdiv(V, bvs))](
@@ -410,7 +465,7 @@ def gdn_decode_triton(q, k, v, g, beta, pos, slots, cache, *, bv_row: int | None
 
 
 def gdn_scan_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bv_row: int = BV_ROW, bks: int = BKS,
-                    bvs: int = BVS):
+                    bvs: int = BVS, bkq: int = BKQ):
     """The trainer / prefill path as a row-by-row scan: one program per
     (sequence, value head) runs its rows in order through the decode step's
     row and state functions (the same jit helpers), so every row has the
@@ -433,7 +488,7 @@ def gdn_scan_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bv_ro
     _gdn_scan_kernel[(B, Hv)](
         q, k, v, g, beta, cu_seqlens, starts, slots,
         cache["state"], cache["g_cum"], cache["x"], cache["v_new"], cache["k"], cache["n"], o,
-        Hk, Hv, K, V, BK, BV, bks, bvs, CHUNK, lib, **opts,
+        Hk, Hv, K, V, BK, BV, min(BK, max(2, next_power_of_2(bkq))), bks, bvs, CHUNK, lib, **opts,
     )
     _k_rows_kernel[(B, CHUNK, Hk)](k, cu_seqlens, starts, slots, cache["k"], Hk, K, BK, CHUNK, **opts)
     return o
