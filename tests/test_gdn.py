@@ -539,7 +539,7 @@ for n in lens:
     cu.append(cu[-1] + n)
 ref = gdn_fwd(q, k, v, g, beta, torch.tensor(cu))
 caches = []
-for _ in range(3):  # the CPU step's, the row kernel's, and the row kernel's with 4-lane K subtrees
+for _ in range(3):  # the CPU step, the kernels, the kernels with 4-lane K subtrees and 2 state groups
     c = nan_cache(Hk, Hv, K, V)
     idx = torch.cat([torch.arange(cu[b], cu[b] + pre[b]) for b in (0, 1)])
     gdn_fwd(q[idx], k[idx], v[idx], g[idx], beta[idx], torch.tensor([0, pre[0], pre[0] + pre[1]]),
@@ -558,7 +558,7 @@ for step in range(5):  # crosses row 63 (sequence 0 at 63, sequence 1 at 127) an
     args = [t[ri].contiguous() for t in (q, k, v, g, beta)] + [torch.tensor(pos), torch.tensor(sl)]
     o_cpu = cpu.decode_step(*args, caches[0])
     o_tri = gdn_decode_triton(*args, caches[1])
-    o_q4 = gdn_decode_triton(*args, caches[2], bkq=4)
+    o_q4 = gdn_decode_triton(*args, caches[2], bkq=4, state_groups=2)
     for name in caches[0]:
         assert same(caches[0][name], caches[1][name]) and same(caches[0][name], caches[2][name]), (step, name)
     for i, r in enumerate(rows):

@@ -77,7 +77,7 @@ def case(Hk, Hv, K, V, lens, calls, seed, scan=True, **knobs):
         o_cpu = cpu.chunked(*args, ncu, st, cache=caches["cpu"], slots=sl)
         o_chunk = gdn_chunk_triton(*args, *dev, caches["chunk"], **knobs)
         if scan:
-            assert torch.equal(o_chunk, gdn_scan_triton(*args, *dev, caches["scan"], bkq=8)), items
+            assert torch.equal(o_chunk, gdn_scan_triton(*args, *dev, caches["scan"])), items
         for i, (b, s, n, slot) in enumerate(items):
             a, e = ncu[i], ncu[i + 1]
             if slot < 0:
