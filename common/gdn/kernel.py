@@ -25,9 +25,10 @@ exp does.  The jit helpers:
 Kernels: decode = ``_gdn_decode_row_kernel`` (grid (B, Hv); every head of a
 group writes the same k row) then ``_gdn_decode_state_kernel`` (grid (Hv,
 tiles, groups): each program's tile for the sequences of its group, of which
-only those at row 63 or position 0 do work).  Prefill / trainer = ``_gdn_scan_kernel`` (grid (B, Hv), a loop over
-the sequence's rows with a barrier after each row and state update, since
-the next row reads what the program wrote; the slot's k rows are only read
+only those at row 63 or position 0 do work).  Prefill / trainer =
+``_gdn_scan_kernel`` (grid (B, Hv), a loop over the sequence's rows with a
+barrier after each row and state update, since the next row reads what the
+program wrote; the slot's k rows are only read
 during the scan, heads of a group running at their own pace) then
 ``_k_rows_kernel`` (the open chunk's k rows).  The scan is sequential in a
 sequence's length, a correct GPU path but not a fast one: ``gdn_fwd`` runs
@@ -362,7 +363,7 @@ def _gdn_decode_state_kernel(
     for i_b in range(i_g, B, G):
         pos = tl.load(p_pos + i_b)
         slot = tl.load(p_slot + i_b)
-        if (slot >= 0) & ((pos == 0) | (pos % C == C - 1)):
+        if slot >= 0:  # i_b is a Python int under the interpreter: made an int64 tensor by the add
             _state_tile(p_k, p_kc, p_gc, p_vc, p_state, slot.to(tl.int64), tl.zeros([], tl.int64) + i_b, pos, pos,
                         i_t, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
 

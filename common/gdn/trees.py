@@ -2,10 +2,10 @@
 trees: adjacent pairs, level by level, -0.0 for a lane or row not present)
 unrolled over its leaves, each leaf the outer product of two loaded vectors,
 so every level adds whole tiles element by element in registers and no sum
-crosses lanes: ``chunk_kernel.py``'s state, output and solve kernels (and ``_neg0``, every GDN
-kernel's pad).  Each
-tree recurses on halves with its first leaf a runtime value (a literal would
-make it a constexpr), so it compiles as one function a level, not one a node."""
+crosses lanes: ``chunk_kernel.py``'s state, output and solve kernels (and
+``_neg0``, every GDN kernel's pad).  Each tree recurses on halves with its
+first leaf a runtime value (a literal would make it a constexpr), so it
+compiles as one function a level, not one a node."""
 from __future__ import annotations
 
 import triton
