@@ -405,6 +405,7 @@ def test_mxfp4_gpu_at_deepseek_v4_shapes(skew):
     from alignzoo.common.moe.kernel import experts_fwd_mxfp4_triton
 
     for knobs in (dict(swap=False), dict(swap=True, block_m=128, block_n=128, num_warps=8), dict(block_m=128),
+                  dict(block_m=256), dict(block_m=256, block_n=128, num_warps=8),
                   dict(bf16x2=False), dict(bf16x2=False, swap=False)):
         assert bitwise_equal(experts_fwd_mxfp4_triton(x, ids, w, *q, 10.0, **knobs), full), knobs
 
@@ -493,6 +494,9 @@ for T, H, I, E, k, skew in ((37, 96, 64, 5, 3, False), (70, 160, 96, 7, 2, True)
     assert torch.equal(got, experts_fwd_triton(x, ids, w, gu, d)), (T, H, I)
     # the swapped dots (W · xT) are numpy's other product here: the same values to fp32 accumulation
     assert torch.allclose(experts_fwd_mxfp4_triton(x, ids, w, *q, swap=True), got, rtol=1e-5, atol=1e-6), (T, H, I)
+    # 64 gate rows and their 64 up rows a swapped tile: I = 96 and 32 end inside one
+    wide = experts_fwd_mxfp4_triton(x, ids, w, *q, swap=True, block_n=128)
+    assert torch.allclose(wide, got, rtol=1e-5, atol=1e-6), (T, H, I)
 print("ok")
 """
 

@@ -37,6 +37,16 @@ BLOCK_K = 64  # the K chain's step: fixed, so every launch sums K the same way
 
 
 @triton.jit
+def _tile_ids(N, COLS: tl.constexpr):
+    """(tile, column block) of this program on the 1-D grid: a tile's column blocks are consecutive
+    programs, so they run side by side and share its rows in L2, and the expert's next tile meets
+    its weights there."""
+    nn = (N + COLS - 1) // COLS
+    pid = tl.program_id(0)
+    return pid // nn, pid % nn
+
+
+@triton.jit
 def _tile_rows(p_r0, p_r1, i_t, BLOCK_M: tl.constexpr):
     """Tile i_t's sorted rows [r0, r1) as (offsets, mask) over BLOCK_M."""
     r0, r1 = tl.load(p_r0 + i_t), tl.load(p_r1 + i_t)
@@ -161,7 +171,7 @@ def _grouped_linear_kernel(p_in, p_src, p_w, p_te, p_r0, p_r1, p_out, N, K, BLOC
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """out[sorted row] = fp32 dot(in[src[row]], W[e]) rounded to out's dtype: the adapters' products,
     the same K chain as the base kernels'."""
-    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    i_t, i_n = _tile_ids(N, BLOCK_N)
     e = tl.load(p_te + i_t)
     if e < 0:
         return
@@ -185,24 +195,30 @@ def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, 
                     MX: tl.constexpr, SWAP: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    i_t, i_n = _tile_ids(I, BLOCK_N // 2 if MX and SWAP else BLOCK_N)
     e = tl.load(p_te + i_t)
     if e < 0:
         return
     o_r, m_r = _tile_rows(p_r0, p_r1, i_t, BLOCK_M)
     tok = tl.load(p_tok + o_r, mask=m_r, other=0).to(tl.int64)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < I
-    row_g = e.to(tl.int64) * (2 * I) + o_n  # gate's weight rows; up's are I further
     if MX and SWAP:  # the swapped chain decodes MXFP4 tiles only
-        b_gt = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        b_ut = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        # one (BLOCK_N, BLOCK_M) accumulator: BLOCK_N / 2 gate rows, then their up rows, so each
+        # decoded tile meets BLOCK_M rows with half the registers of two accumulators
+        NH: tl.constexpr = BLOCK_N // 2
+        o_j = tl.arange(0, BLOCK_N)
+        o_h = i_n * NH + o_j % NH
+        rows = e.to(tl.int64) * (2 * I) + o_h + (o_j // NH) * I
+        b_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            b_gt = _mx_dot_t(b_gt, p_w, p_s, row_g, m_n, p_x, tok, m_r, k0, H, PRECISION, BLOCK_N, BLOCK_K, MX)
-            b_ut = _mx_dot_t(b_ut, p_w, p_s, row_g + I, m_n, p_x, tok, m_r, k0, H, PRECISION, BLOCK_N, BLOCK_K,
-                             MX)
+            b_t = _mx_dot_t(b_t, p_w, p_s, rows, o_h < I, p_x, tok, m_r, k0, H, PRECISION, BLOCK_N, BLOCK_K, MX)
+        b_gt, b_ut = tl.split(tl.permute(tl.reshape(b_t, (2, NH, BLOCK_M)), (1, 2, 0)))
         b_g, b_u = tl.trans(b_gt), tl.trans(b_ut)
+        o_n = i_n * NH + tl.arange(0, NH)
+        m_n = o_n < I
     else:
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < I
+        row_g = e.to(tl.int64) * (2 * I) + o_n  # gate's weight rows; up's are I further
         b_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         b_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -221,7 +237,7 @@ def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, 
 def _down_kernel(p_a, p_w, p_s, p_wt, p_dst, p_te, p_r0, p_r1, p_c, p_delta, H, I, MX: tl.constexpr,
                  SWAP: tl.constexpr, HAS_DELTA: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    i_t, i_n = _tile_ids(H, BLOCK_N)
     e = tl.load(p_te + i_t)
     if e < 0:
         return
@@ -263,7 +279,7 @@ def _fp8_block(acc, p_rows, p_cols, o_kk, m_rows, m_cols, K, sx, p_sw):
 def _gate_up_fp8_kernel(p_xq, p_xs, p_w, p_ws, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, KB, NBI, LIMIT,
                         HAS_LIMIT: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
-    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    i_t, i_n = _tile_ids(I, BLOCK_N)
     e = tl.load(p_te + i_t)
     if e < 0:
         return
@@ -291,7 +307,7 @@ def _gate_up_fp8_kernel(p_xq, p_xs, p_w, p_ws, p_tok, p_te, p_r0, p_r1, p_a, p_d
 def _down_fp8_kernel(p_aq, p_as, p_w, p_ws, p_wt, p_dst, p_te, p_r0, p_r1, p_c, p_delta, H, I, KB, NBH,
                      HAS_DELTA: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    i_t, i_n = tl.program_id(0), tl.program_id(1)
+    i_t, i_n = _tile_ids(H, BLOCK_N)
     e = tl.load(p_te + i_t)
     if e < 0:
         return
@@ -356,26 +372,36 @@ def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, lora=N
 
 
 def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None, *, lora=None,
-                             block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
+                             block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                              num_stages: int = 3, swap: bool | None = None, bf16x2: bool | None = None):
     """MXFP4 experts computed packed: each K step decodes its (64 x BLOCK_N) weight tile from the
     codes and scales in registers (nothing unpacked in memory) and runs the bf16 path's dot on it,
     so the bits are ``experts_fwd_triton``'s at the exactly decoded weights (``cpu.experts_fwd_mxfp4_cpu``
     on the CPU).  Same knobs, and ``swap``: the dots as Wᵀ-side first operand (accᵀ = W · inᵀ), so
     the decoded tile feeds the tensor cores from registers; the same bits, on by default on CUDA (the
-    faster on the H200 up to 4096 tokens).  ``block_m`` by default: 128-row tiles from 64 rows an expert
-    on average, so each decoded tile meets twice the rows (12% less time at 16384 tokens on the H200).
-    ``bf16x2``: decode two weights at once in bf16x2 inline PTX (``_E2M1X2_BF16``; bf16 on CUDA only,
-    the default there), the same weights as the fp32 decode."""
+    faster on the H200 up to 4096 tokens); its gate-up tile is BLOCK_N / 2 gate rows and their up
+    rows.  Tiles by default (``mx_tiles``): larger as the experts get more rows, so each decoded
+    tile meets more of them.  ``bf16x2``: decode two weights at once in bf16x2 inline PTX
+    (``_E2M1X2_BF16``; bf16 on CUDA only, the default there), the same weights as the fp32 decode."""
     swap = x.is_cuda if swap is None else swap
     packed = x.is_cuda and x.dtype == torch.bfloat16
     if bf16x2 and not packed:
         raise ValueError("bf16x2 decodes bf16 experts on CUDA only")
     mx = 2 if (packed if bf16x2 is None else bf16x2) else 1
-    if block_m is None:
-        block_m = 128 if ids.numel() >= 64 * gu_codes.shape[0] else BLOCK_M
+    bm, bn, nw = mx_tiles(ids.numel() / gu_codes.shape[0])
+    block_m = bm if block_m is None else block_m
+    block_n, num_warps = (bn if block_n is None else block_n), (nw if num_warps is None else num_warps)
     return _launch("mxfp4", x, ids, weights, (gu_codes, gu_scales), (d_codes, d_scales), limit, lora,
                    block_m, block_n, num_warps, num_stages, swap, mx)
+
+
+def mx_tiles(rows_per_expert: float) -> tuple[int, int, int]:
+    """The MXFP4 kernels' default (block_m, block_n, num_warps) for an average of ``rows_per_expert``
+    (T·k / E).  H200, bf16: 256 x 128 on 8 warps from 256 rows (GLM-5, 16384 tokens: 38.5 ms against
+    51.3 at 128 x 64), 128 x 64 from 64 (DeepSeek-V4, 4096: 7.15 against 9.39 at 256), else 64 x 64."""
+    if rows_per_expert >= 256:
+        return 256, 128, 8
+    return (128 if rows_per_expert >= 64 else BLOCK_M), 64, 4
 
 
 def experts_fwd_fp8_triton(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None, *, lora=None,
@@ -394,9 +420,9 @@ def _lora_term(inp, src, a, b, s, tiles, sorted_rows, knobs) -> torch.Tensor:
     R, r, N, K = src.shape[0], a.shape[1], b.shape[1], inp.shape[1]
     bn = knobs["BLOCK_N"]
     t = torch.empty(R, r, dtype=inp.dtype, device=inp.device)
-    _grouped_linear_kernel[(t_e.shape[0], cdiv(r, bn))](inp, src, a.contiguous(), t_e, t_r0, t_r1, t, r, K, **knobs)
+    _grouped_linear_kernel[(t_e.shape[0] * cdiv(r, bn),)](inp, src, a.contiguous(), t_e, t_r0, t_r1, t, r, K, **knobs)
     u = torch.empty(R, N, dtype=torch.float32, device=inp.device)
-    _grouped_linear_kernel[(t_e.shape[0], cdiv(N, bn))](t, sorted_rows, b.contiguous(), t_e, t_r0, t_r1, u, N, r,
+    _grouped_linear_kernel[(t_e.shape[0] * cdiv(N, bn),)](t, sorted_rows, b.contiguous(), t_e, t_r0, t_r1, u, N, r,
                                                         **knobs)
     return u * s
 
@@ -428,11 +454,12 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
     d_gu = _lora_term(x, tok, lora.a_gate_up, lora.b_gate_up, lora.s, tiles, sorted_rows, knobs) if has else c
     if fmt == "fp8":
         xq, xs = quantize_act(x)
-        _gate_up_fp8_kernel[(n_tiles, cdiv(I, block_n))](
+        _gate_up_fp8_kernel[(n_tiles * cdiv(I, block_n),)](
             xq, xs, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, d_gu, H, I, cdiv(H, FP8_BLOCK), cdiv(I, FP8_BLOCK), lim,
             HAS_LIMIT=limit is not None, HAS_DELTA=has, **fp8)
     else:
-        _gate_up_kernel[(n_tiles, cdiv(I, block_n))](
+        cols = block_n // 2 if swap and fmt == "mxfp4" else block_n  # the swapped tile: gate rows, then up rows
+        _gate_up_kernel[(n_tiles * cdiv(I, cols),)](
             x, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, d_gu, H, I, lim, HAS_LIMIT=limit is not None,
             MX=mx if fmt == "mxfp4" else 0, SWAP=swap, HAS_DELTA=has, **knobs)
     d_down = _lora_term(a, sorted_rows, lora.a_down, lora.b_down, lora.s, tiles, sorted_rows, knobs) if has else c
@@ -440,11 +467,11 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
     dst = order.to(torch.int32)
     if fmt == "fp8":
         aq, as_ = quantize_act(a)  # rows in sorted order: row-local, so the order is free
-        _down_fp8_kernel[(n_tiles, cdiv(H, block_n))](
+        _down_fp8_kernel[(n_tiles * cdiv(H, block_n),)](
             aq, as_, w_d, s_d, wt, dst, t_e, t_r0, t_r1, c, d_down, H, I, cdiv(I, FP8_BLOCK), cdiv(H, FP8_BLOCK),
             HAS_DELTA=has, **fp8)
     else:
-        _down_kernel[(n_tiles, cdiv(H, block_n))](
+        _down_kernel[(n_tiles * cdiv(H, block_n),)](
             a, w_d, s_d, wt, dst, t_e, t_r0, t_r1, c, d_down, H, I, MX=mx if fmt == "mxfp4" else 0, SWAP=swap,
             HAS_DELTA=has, **knobs)
     return slot_sum(c.view(T, k, H))
