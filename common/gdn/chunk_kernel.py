@@ -21,13 +21,13 @@ be shorter); the launches, in order:
   of row k of k^T (the rows j) and of k^T / q^T (the tile's rows i), so a
   level adds two (BI, 64) tiles in registers), E_i, L_i = (beta_i kk_i) E_i,
   A_i = qk_i E_i, written to scratch.
-* ``_chunk_solve_kernel``, grid (pieces, Hv, (V + K) / BW): the 64
+* ``_chunk_solve_kernel``, grid (pieces x (V + K) / BW, Hv): the 64
   substitution steps x_i = b_i - tree_j(where(j < i, L_ij x_j, -0.0)) on
   (BS, BW) tiles of x = [u | w] (a column of x needs only its own column), a
   block of BS rows at a time: the tree's subtrees left of the block are
   finished rows, summed as whole tiles over their leaves, and only the
   block's own subtree goes row by row: x and w^T to scratch.
-* ``_chunk_state_kernel``, grid (sequences, Hv, V / BV): the chunks of a
+* ``_chunk_state_kernel``, grid (sequences x V / BV, Hv): the chunks of a
   sequence in order, on a (K, BV) column tile of the slot's state:
   v_new_i = u_i - tree_K(w_i S0), BR rows at a time,
   then at a complete chunk S0 exp(G_63) + tree_j(k'_j v_new_j^T)
@@ -39,7 +39,7 @@ be shorter); the launches, in order:
   o_i = tree_K((q_i exp(G_i)) S0) + tree_j(where(j <= i, A_ij v_new_j,
   -0.0)) is formed there too (its K tree beside v_new's) when the launch has
   programs enough to fill the GPU (``FUSE_PROGRAMS``); else
-* ``_chunk_out_kernel``, grid (pieces, Hv, (V / BVO) x (64 / BRO)): the same
+* ``_chunk_out_kernel``, grid (pieces x (V / BVO) x (64 / BRO), Hv): the same
   o from each piece's S0 (the state kernel writes it to scratch) and v_new,
   every piece at once: no later piece reads o, and at 1 x 4096 tokens the
   order-bound state kernel has only Hv x V / BV programs.
@@ -198,7 +198,8 @@ def _chunk_solve_kernel(
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BW: tl.constexpr, BS: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    """Grid (pieces, Hv, (V + K) / BW): columns c of x = [u | w], x_i = b_i -
+    """Grid (pieces x (V + K) / BW, Hv), a piece's column tiles consecutive programs (they share its
+    L in L2): columns c of x = [u | w], x_i = b_i -
     tree_j(where(j < i, L_ij x_j, -0.0)) with b_i = v_i beta_i (c < V) or
     (k_i beta_i) exp(G_i) (c >= V), ``kernel._row``'s terms, in blocks of BS
     aligned rows.  Row i's tree over the 64 leaves is the subtree of its block
@@ -210,7 +211,8 @@ def _chunk_solve_kernel(
     blocks and the state kernel), w^T (the state kernel's leaves) and the slot's
     open chunk."""
     W: tl.constexpr = V + K
-    i_p, i_h, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    NC: tl.constexpr = (W + BW - 1) // BW
+    i_p, i_c, i_h = (tl.program_id(0) // NC).to(tl.int64), tl.program_id(0) % NC, tl.program_id(1)
     i_hk = i_h // (Hv // Hk)
     t0 = tl.load(p_tok + i_p)
     nr = tl.load(p_rows + i_p)
@@ -276,7 +278,8 @@ def _chunk_state_kernel(
     BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, BKS: tl.constexpr, C: tl.constexpr,
     FUSED: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    """Grid (sequences, Hv, V / BV): the sequence's pieces in order from S0 (the
+    """Grid (sequences x V / BV, Hv), a sequence's column tiles consecutive programs (they share its
+    pieces' w^T, q^T, A^T and k' in L2): the sequence's pieces in order from S0 (the
     slot's state, zeros at position 0), BR rows x BV columns a step.  Per piece:
     v_new_i = u_i - tree_K(w_i S0) for every row, a barrier; at a complete piece
     the state S0 exp(G_63) + tree_j(k'_j v_new_j^T) in (BKS, BV) tiles, a
@@ -289,7 +292,8 @@ def _chunk_state_kernel(
     go to the slot."""
     NK: tl.constexpr = (K + BKS - 1) // BKS
     W: tl.constexpr = V + K
-    i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_b, i_v, i_h = tl.program_id(0) // NV, tl.program_id(0) % NV, tl.program_id(1)
     p0 = tl.load(p_seq + i_b)
     p1 = tl.load(p_seq + i_b + 1)
     s = tl.load(p_sslot + i_b)
@@ -369,11 +373,12 @@ def _chunk_out_kernel(
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, C: tl.constexpr,
 ):
-    """Grid (pieces, Hv, (V / BV) x (64 / BR)): a (BR, BV) tile of o_i =
+    """Grid (pieces x (V / BV) x (64 / BR), Hv), a piece's tiles consecutive programs: a (BR, BV) tile of o_i =
     tree_K((q_i exp(G_i)) S0) + tree_j(where(j <= i, A_ij v_new_j, -0.0)), from
     the piece's S0 and v_new that the state kernel wrote: every piece at once."""
     NR: tl.constexpr = C // BR
-    i_p, i_h, i_t = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    NT: tl.constexpr = (V + BV - 1) // BV * NR
+    i_p, i_t, i_h = (tl.program_id(0) // NT).to(tl.int64), tl.program_id(0) % NT, tl.program_id(1)
     t0 = tl.load(p_tok + i_p)
     nr = tl.load(p_rows + i_p).to(tl.int32)  # row indices in 32 bits: the trees' compares are 1 op, not 2
     r0 = (i_t % NR) * BR
@@ -480,7 +485,7 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
                                     **_regs(lib, rows_maxnreg))
         bw = max(2, min(bw, next_power_of_2(V + K)))
         bs = max(2, min(next_power_of_2(bs), CHUNK))
-        _chunk_solve_kernel[(P, Hv, cdiv(V + K, bw))](k, v, beta, tok, rows, wslot, G, L, X, WT, cache["x"],
+        _chunk_solve_kernel[(P * cdiv(V + K, bw), Hv)](k, v, beta, tok, rows, wslot, G, L, X, WT, cache["x"],
                                                        Hk, Hv, K, V, bw, bs, CHUNK, lib, num_warps=solve_warps,
                                                        **opts)
         bv = max(2, min(bv, next_power_of_2(V)))
@@ -489,7 +494,7 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         if fused is None:
             fused = NB * Hv * cdiv(V, bv) >= FUSE_PROGRAMS
         S0 = VN if fused else torch.empty(P, Hv, K, V, dtype=torch.float32, device=dev)  # unread when fused
-        _chunk_state_kernel[(NB, Hv, cdiv(V, bv))](
+        _chunk_state_kernel[(NB * cdiv(V, bv), Hv)](
             o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, X, WT, KD, VN, S0,
             cache["state"], cache["v_new"], cache["n"],
             Hv, K, V, BK, bv, br, bks, CHUNK, bool(fused), lib, num_warps=state_warps, **opts,
@@ -498,7 +503,7 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         if not fused:
             bvo = max(2, min(bvo, next_power_of_2(V)))
             bro = min(next_power_of_2(max(1, bro)), CHUNK)
-            _chunk_out_kernel[(P, Hv, cdiv(V, bvo) * (CHUNK // bro))](
+            _chunk_out_kernel[(P * cdiv(V, bvo) * (CHUNK // bro), Hv)](
                 o, tok, rows, AT, QT, VN, S0, Hv, K, V, BK, bvo, bro, CHUNK, num_warps=out_warps, **opts,
             )
     _k_rows_kernel[(B, CHUNK, Hk)](k, cu_seqlens, starts, slots, cache["k"], Hk, K, max(2, next_power_of_2(K)),
