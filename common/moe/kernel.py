@@ -372,7 +372,7 @@ def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, lora=N
 
 
 def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None, *, lora=None,
-                             block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                             block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
                              num_stages: int = 3, swap: bool | None = None, bf16x2: bool | None = None):
     """MXFP4 experts computed packed: each K step decodes its (64 x BLOCK_N) weight tile from the
     codes and scales in registers (nothing unpacked in memory) and runs the bf16 path's dot on it,
@@ -380,28 +380,24 @@ def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_sc
     on the CPU).  Same knobs, and ``swap``: the dots as Wᵀ-side first operand (accᵀ = W · inᵀ), so
     the decoded tile feeds the tensor cores from registers; the same bits, on by default on CUDA (the
     faster on the H200 up to 4096 tokens); its gate-up tile is BLOCK_N / 2 gate rows and their up
-    rows.  Tiles by default (``mx_tiles``): larger as the experts get more rows, so each decoded
-    tile meets more of them.  ``bf16x2``: decode two weights at once in bf16x2 inline PTX
+    rows.  ``block_m`` by default (``mx_block_m``): larger as the experts get more rows, so each
+    decoded tile meets more of them.  ``bf16x2``: decode two weights at once in bf16x2 inline PTX
     (``_E2M1X2_BF16``; bf16 on CUDA only, the default there), the same weights as the fp32 decode."""
     swap = x.is_cuda if swap is None else swap
     packed = x.is_cuda and x.dtype == torch.bfloat16
     if bf16x2 and not packed:
         raise ValueError("bf16x2 decodes bf16 experts on CUDA only")
     mx = 2 if (packed if bf16x2 is None else bf16x2) else 1
-    bm, bn, nw = mx_tiles(ids.numel() / gu_codes.shape[0])
-    block_m = bm if block_m is None else block_m
-    block_n, num_warps = (bn if block_n is None else block_n), (nw if num_warps is None else num_warps)
+    block_m = mx_block_m(ids.numel() / gu_codes.shape[0]) if block_m is None else block_m
     return _launch("mxfp4", x, ids, weights, (gu_codes, gu_scales), (d_codes, d_scales), limit, lora,
                    block_m, block_n, num_warps, num_stages, swap, mx)
 
 
-def mx_tiles(rows_per_expert: float) -> tuple[int, int, int]:
-    """The MXFP4 kernels' default (block_m, block_n, num_warps) for an average of ``rows_per_expert``
-    (T·k / E).  H200, bf16: 256 x 128 on 8 warps from 256 rows (GLM-5, 16384 tokens: 38.5 ms against
-    51.3 at 128 x 64), 128 x 64 from 64 (DeepSeek-V4, 4096: 7.15 against 9.39 at 256), else 64 x 64."""
-    if rows_per_expert >= 256:
-        return 256, 128, 8
-    return (128 if rows_per_expert >= 64 else BLOCK_M), 64, 4
+def mx_block_m(rows_per_expert: float) -> int:
+    """The MXFP4 kernels' default rows a tile for an average of ``rows_per_expert`` (T·k / E).  H200,
+    bf16, 64 columns on 4 warps: 256 from 256 rows (GLM-5, 16384 tokens: 33.0 ms against 34.7 at
+    128), 128 from 64 (DeepSeek-V4, 4096: 5.9 against 9.1 at 256), else 64."""
+    return 256 if rows_per_expert >= 256 else 128 if rows_per_expert >= 64 else BLOCK_M
 
 
 def experts_fwd_fp8_triton(x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, limit=None, *, lora=None,
