@@ -120,26 +120,6 @@ def _lora_rows(device: torch.device) -> list[RungResult]:
     return out
 
 
-def _mxfp4_rows(x, ids, w, w_gu, w_d, name: str) -> list[RungResult]:
-    """MXFP4 experts (DeepSeek-V4's format): rungs 1-2, the bits of the bf16 experts at the decoded
-    weights, and float64 at those weights."""
-    q = quantize_experts_mxfp4(w_gu, w_d)
-    fn = lambda x, ids, w, gc, gs, dc, ds, limit=None: experts_mxfp4_fwd(x, ids, w, gc, gs, dc, ds, limit)  # noqa: E731
-    shared = dict(zip(("gc", "gs", "dc", "ds"), q))
-    out = [rung1_repeat("moe", fn, x, ids, w, *q),
-           rung2_rows("moe", fn, (x, ids, w), shared=shared, batch_sizes=(1, 2, 3, 7, 64)),
-           rung2_rows("moe", fn, (x, ids, w), shared={**shared, "limit": LIMIT})]
-    for r, what in zip(out, ("experts mxfp4", "experts mxfp4", "experts mxfp4, SwiGLU clamp")):
-        r.check = f"{what}, {name}: {r.check}"
-    got = fn(x, ids, w, *q)
-    gu, d = dequantize_experts_mxfp4(*q, dtype=x.dtype)
-    same = accuracy("moe", got, experts_fwd(x, ids, w, gu, d), 0.0,
-                    f"experts mxfp4, {name}: the bf16 experts' bits at the decoded weights")
-    out += [same, accuracy("moe", got, experts_ref(x, ids, w, gu, d), 8e-3,
-                           f"experts mxfp4, {name}, vs float64 at the decoded weights")]
-    return out
-
-
 def _format_rungs(label: str, fwd, x, ids, w, q, name: str) -> list[RungResult]:
     """Rungs 1-2 (plain and clamped) of a quantized experts forward ``fwd(x, ids, w, *q, limit)``."""
     fn = lambda x, ids, w, gc, gs, dc, ds, limit=None: fwd(x, ids, w, gc, gs, dc, ds, limit)  # noqa: E731
@@ -172,4 +152,5 @@ def _mxfp4_rows(x, ids, w, w_gu, w_d, name: str) -> list[RungResult]:
     return _format_rungs("experts mxfp4", experts_mxfp4_fwd, x, ids, w, q, name) + [
         accuracy("moe", got, experts_fwd(x, ids, w, gu, d), 0.0,
                  f"experts mxfp4, {name}: the bf16 experts' bits at the decoded weights"),
-        accuracy("moe", got, experts_ref(x, ids, w, gu, d), 8e-3, f"experts mxfp4, {name}, vs float64 at the decoded weights")]
+        accuracy("moe", got, experts_ref(x, ids, w, gu, d), 8e-3,
+                 f"experts mxfp4, {name}, vs float64 at the decoded weights")]
