@@ -61,10 +61,10 @@ class Inputs:
                 t.fill_(float("nan") if t.is_floating_point() else 5)
         return c
 
-    def call(self, items, cache, pads=(), **kw):
+    def call(self, items, cache, pads=(), host=False, **kw):
         """One engine step: items [(seq, start, n, slot)], padding rows (slot -1,
-        position 0, one token) inserted before the indices in ``pads``.
-        -> [o (n, Hv, V) per item]."""
+        position 0, one token) inserted before the indices in ``pads``; ``host``:
+        pass the layout's host lists too, as the engine does.  -> [o (n, Hv, V) per item]."""
         rows, cu, starts, slots, where = [], [0], [], [], []
         pads = sorted(pads)
         for i, (b, s, n, slot) in enumerate(items):
@@ -79,6 +79,8 @@ class Inputs:
             cu.append(cu[-1] + 1), starts.append(0), slots.append(-1), where.append(None)
         idx = torch.cat(rows).to(self.device)
         dev = self.device
+        if host:
+            kw["host"] = (cu, starts, slots)
         o = gdn_fwd(self.q[idx], self.k[idx], self.v[idx], self.g[idx], self.beta[idx], torch.tensor(cu, device=dev),
                     start_positions=torch.tensor(starts, device=dev), cache=cache,
                     slots=torch.tensor(slots, device=dev), **kw)
@@ -198,6 +200,23 @@ def test_mixed_batches_joins_padding_preemption(K):
     inp = Inputs(LENS, K=K, seed=K)
     ok_o, ok_s = _random_schedule(inp, seed=K)
     assert ok_o and ok_s
+
+
+def test_host_lists_stand_in_for_the_device_reads():
+    """The engine's host lists (``ForwardBatch.host``) in place of the device reads: the same o and
+    every cache field, on a step of fresh, continued and mid-chunk sequences beside padding rows."""
+    inp = Inputs([300, 70, 129, 5])
+    first = [(0, 0, 150, 3), (1, 0, 70, 0), (2, 0, 64, 2), (3, 0, 5, 1)]
+    then = [(0, 150, 150, 3), (2, 64, 65, 2)]
+    runs = []
+    for host in (False, True):
+        cache = inp.cache(4)
+        o = inp.call(first, cache, pads=(1,), host=host) + inp.call(then, cache, pads=(0, 2), host=host)
+        runs.append((o, cache))
+    (o0, c0), (o1, c1) = runs
+    assert all(torch.equal(a, b) for a, b in zip(o0, o1))
+    for name in c0:
+        assert torch.equal(c0[name].nan_to_num(7.0), c1[name].nan_to_num(7.0)), name
 
 
 def test_position_zero_ignores_the_slot():
@@ -481,6 +500,10 @@ def test_bad_input():
         gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, cu, start_positions=torch.zeros(1, dtype=torch.long))
     with pytest.raises(ValueError, match="slots and start_positions"):
         gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, cu, cache=inp.cache(1))
+    one = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="host lists must be"):
+        gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, cu, start_positions=one, slots=one, cache=inp.cache(1),
+                host=([0, 10], [0, 0], [0]))
     with pytest.raises(ValueError, match="weight"):
         conv1d_fwd(torch.zeros(4, 6), torch.zeros(6, 3), torch.tensor([0, 4]))
 

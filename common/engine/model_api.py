@@ -35,6 +35,20 @@ class PagedRows:
 
 
 @dataclass
+class HostLists:
+    """The host's copy of a step's layout, where the runner has it: an eager step's, never a graph
+    bucket's (its values change under the captured graph).  A model reads these instead of the
+    device tensors, so its forward never waits on the GPU; they hold the tensors' values.
+
+    cu_seqlens_q: B + 1 offsets; starts: each sequence's first new position (its
+    ``positions`` at ``cu_seqlens_q[b]``); state_slots: B slots."""
+
+    cu_seqlens_q: list[int]
+    starts: list[int]
+    state_slots: list[int]
+
+
+@dataclass
 class ForwardBatch:
     """One engine step's packed batch (all tensors on the model's device).
 
@@ -50,6 +64,7 @@ class ForwardBatch:
                                -1 for padding rows (and models without one)
     pools:        {paged pool name: PagedRows}
     max_seqlen_q: int          max new tokens of one sequence (1 for decode)
+    host:         HostLists or None: the layout as host lists (eager steps)
     """
 
     tokens: torch.Tensor
@@ -61,6 +76,7 @@ class ForwardBatch:
     state_slots: torch.Tensor
     pools: dict[str, PagedRows]
     max_seqlen_q: int
+    host: HostLists | None = None
 
 
 # Every tensor of a batch, by path: its dtype, what a padding row holds, and whether it has B + 1 rows.
@@ -128,7 +144,8 @@ class ServeModel(Protocol):
 
     ``forward`` must not read the batch's values on the host (no ``.item()``,
     no ``.tolist()``): decode steps are captured into CUDA graphs and replayed
-    with new values written into the same input tensors.  It must give row r
+    with new values written into the same input tensors, and an eager step
+    that needs its layout on the host has ``batch.host``.  It must give row r
     of its output the same bits whatever else is in the batch (the contract).
 
     ``weights``: the dict of tensors the forward reads, which weight sync

@@ -20,7 +20,8 @@ from ..kv_cache import CacheManager
 from ..matmul import graph_launches
 from ..sampling import head_width, params_to_tensors, sample_fwd, sampling_logprobs_fwd
 from ..sampling.op import uncut_rows
-from .model_api import ForwardBatch, ServeModel, batch_tensors, field_spec, first_rows, from_tensors, static_decode_batch
+from .model_api import (ForwardBatch, HostLists, ServeModel, batch_tensors, field_spec, first_rows, from_tensors,
+                        static_decode_batch)
 from .scheduler import Chunk
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -280,6 +281,7 @@ class ModelRunner:
                 host[f"pools.{n}.block_table"] = self._block_table(tables[n], B, max(map(len, tables[n])))
             batch = from_tensors({p: self._to_device(v, field_spec(p)[0]) for p, v in host.items()},
                                  max(b - a for a, b in zip(cu, cu[1:])))
+            batch.host = HostLists(cu, [c.start for c in chunks], states)
             logits, extras = split_output(self.model.forward(batch, self.caches))  # (R, V) fp32
         extras_host = {k: self._to_host(v) for k, v in extras.items()}
         if not rows:

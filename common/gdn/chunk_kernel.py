@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
-from .cpu import CHUNK
+from .cpu import CHUNK, host_lists
 from .kernel import _exp, _k_rows_kernel, _launch_opts, _regs, _tree_first, gdn_scan_triton
 from .trees import _av_tree, _in_bounds, _ks_tree, _kv_tree, _neg0
 
@@ -436,12 +436,13 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
                      br: int = BR, bks: int = BKS, bi: int = BI, bvo: int = BVO, bro: int = BRO,
                      state_warps: int = STATE_WARPS, out_warps: int = OUT_WARPS, fused: bool | None = None,
                      rows_warps: int = ROWS_WARPS, solve_warps: int = SOLVE_WARPS,
-                     state_maxnreg: int | None = STATE_MAXNREG, rows_maxnreg: int | None = None):
+                     state_maxnreg: int | None = STATE_MAXNREG, rows_maxnreg: int | None = None, host=None):
     """``gdn_scan_triton``'s contract (shapes, cache writes, bits), chunk-parallel.
     q, k (T, Hk, K), v (T, Hv, V), g, beta (T, Hv) fp32 contiguous; cu_seqlens
     (B + 1,), starts, slots (B,) int64 device tensors, read on the host (not
-    graph-capturable); ``cache``: ``op.gdn_cache``'s dict (the trainer passes a
-    fresh one, slots 0..B-1) -> o (T, Hv, V) fp32 (0 on padding rows).
+    graph-capturable) unless ``host`` holds their values as lists
+    (``cpu.host_lists``); ``cache``: ``op.gdn_cache``'s dict (the trainer
+    passes a fresh one, slots 0..B-1) -> o (T, Hv, V) fp32 (0 on padding rows).
     ``bw``, ``bs``, ``bv``, ``br``, ``bks``, ``bi``, ``bvo``, ``bro``, the four
     kernels' warps and ``fused`` (o in the state kernel, or the output kernel's;
     None: by the state kernel's program count): launch knobs that cannot change
@@ -453,8 +454,7 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
     o = torch.zeros(T, Hv, V, dtype=torch.float32, device=dev)
     if B == 0 or T == 0:
         return o
-    host = torch.cat([cu_seqlens.long(), starts.long(), slots.long()]).tolist()
-    cu, st, sl = host[: B + 1], host[B + 1 : 2 * B + 1], host[2 * B + 1 :]
+    cu, st, sl = host_lists(cu_seqlens, starts, slots) if host is None else host
     heads, pieces, seqs = _layout(cu, st, sl)
     if heads:
         idx = torch.cat([torch.arange(cu[b], cu[b] + h) for b, h in heads]).to(dev)

@@ -65,6 +65,13 @@ _NEG0 = -0.0
 _BLOCK_ELEMS = 1 << 21
 
 
+def host_lists(cu_seqlens, starts, slots) -> tuple[list[int], list[int], list[int]]:
+    """(cu_seqlens, starts, slots) as host lists, in one device read."""
+    B = cu_seqlens.shape[0] - 1
+    flat = torch.cat([cu_seqlens.long(), starts.long(), slots.long()]).tolist()
+    return flat[: B + 1], flat[B + 1 : 2 * B + 1], flat[2 * B + 1 :]
+
+
 def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Sum over ``dim`` by the fixed pairwise tree: padded with -0.0 to a power
     of two, then x[2m] + x[2m+1] level by level.  Element-wise adds only."""

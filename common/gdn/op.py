@@ -95,7 +95,7 @@ def _backend(backend, x):
 
 
 def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, slots=None, return_states=False,
-            backend: str | None = None):
+            backend: str | None = None, host=None):
     """The gated delta rule over a packed batch -> o (T, Hv, V) fp32.
 
     q, k (T, Hk, K): L2-normalized (``l2norm_fwd``), q scaled by K^-0.5; v
@@ -109,7 +109,10 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
     With ``cache`` (``gdn_cache``'s dict), ``slots`` (B,) int64 (-1: a padding
     row: read as slot 0 and never written) and ``start_positions`` (B,): each
     sequence continues from its slot at that position (position 0: the slot
-    is not read) and writes its state and open chunk back.
+    is not read) and writes its state and open chunk back.  ``host``: the
+    caller's host lists (cu_seqlens, start_positions, slots) holding those
+    tensors' values (``ForwardBatch.host``), read in their place, so a prefill
+    never waits on the device.
 
     ``backend``: "torch" (``cpu.py``; the default off CUDA) or "triton"
     (``kernel.py``, ``chunk_kernel.py``; the default on CUDA).  torch: the decode shape, T == B
@@ -152,6 +155,9 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
     if return_states:
         raise ValueError("return_states is for the trainer (no cache)")
     B = cu_seqlens.shape[0] - 1
+    if host is not None and [len(x) for x in host] != [B + 1, B, B]:
+        raise ValueError(f"host lists must be (cu_seqlens, start_positions, slots) of {B + 1}, {B}, {B} entries, "
+                         f"got {[len(x) for x in host]}")
     decode = q.shape[0] == B
     if backend == "triton":
         from .kernel import gdn_decode_triton
@@ -160,14 +166,15 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
         if decode:
             return gdn_decode_triton(*args, start_positions.long().contiguous(), slots.long().contiguous(), cache)
         return _prefill_triton(*args, cu_seqlens.contiguous(), start_positions.long().contiguous(),
-                               slots.long().contiguous(), cache)
+                               slots.long().contiguous(), cache, host)
     if decode:
         return cpu.decode_step(q, k, v, g, beta, start_positions.long(), slots.long(), cache)
-    return cpu.chunked(q, k, v, g, beta, cu_seqlens.tolist(), start_positions.tolist(), cache=cache,
-                       slots=slots.tolist())
+    cu, st, sl = host if host is not None else cpu.host_lists(cu_seqlens, start_positions, slots)
+    return cpu.chunked(q, k, v, g, beta, cu, st, cache=cache, slots=sl)
 
 
-def _prefill_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache):
+
+def _prefill_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, host=None):
     """A non-decode Triton call: the chunk-parallel kernel or the row scan, whose bits are the same
     (the gpu tests of ``tests/test_gdn_chunk.py``).  The chunk kernel's time follows the call's
     tokens, the scan's its longest sequence (H200, Qwen3.5's 32 value heads: 1.3-1.6 us a token
@@ -176,9 +183,11 @@ def _prefill_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache):
     from .chunk_kernel import gdn_chunk_triton
     from .kernel import gdn_scan_triton
 
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    fn = gdn_chunk_triton if int(lens.sum()) <= 20 * int(lens.max()) else gdn_scan_triton
-    return fn(q, k, v, g, beta, cu_seqlens, starts, slots, cache)
+    host = cpu.host_lists(cu_seqlens, starts, slots) if host is None else host
+    cu = host[0]
+    if cu[-1] - cu[0] <= 20 * max(b - a for a, b in zip(cu, cu[1:])):
+        return gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, host=host)
+    return gdn_scan_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache)
 
 
 class _GDNTritonFn(torch.autograd.Function):

@@ -101,9 +101,11 @@ class Qwen35GdnServer(ServerBase):
         return y
 
     def gdn_core(self, q, k, v, g, beta, batch, starts, layer):
-        """The delta rule over the batch, each sequence from its slot (the vendor server swaps in its own)."""
+        """The delta rule over the batch, each sequence from its slot (the vendor server swaps in its own);
+        an eager step's host lists spare the prefill its device reads."""
+        hl = batch.host
         return gdn_fwd(q, k, v, g, beta, batch.cu_seqlens_q, start_positions=starts, cache=layer,
-                       slots=batch.state_slots)
+                       slots=batch.state_slots, host=hl and (hl.cu_seqlens_q, hl.starts, hl.state_slots))
 
     def _attn(self, h, L, layer, batch):
         c, T, p = self.cfg, h.shape[0], f"layers.{L}."
