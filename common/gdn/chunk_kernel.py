@@ -53,9 +53,11 @@ piece's end are stale (``op.py``: never read) and not written (the scan
 leaves an earlier chunk's rows of the call there, ``cpu.chunked`` zeros).  A
 padding row (slot -1) gets o = 0 and writes nothing.
 
-The launcher reads cu_seqlens, starts and slots on the host (one copy) to
-lay out the pieces: prefill and the trainer are not captured in CUDA graphs
-(decode, ``kernel.gdn_decode_triton``, reads nothing).  Scratch per call:
+The launcher lays out the pieces on the host, from cu_seqlens, starts and
+slots as host lists (the engine's ``ForwardBatch.host``) or read back in one
+copy, and sends the layout in one copy that does not block: prefill and the
+trainer are not captured in CUDA graphs (decode, ``kernel.gdn_decode_triton``,
+reads nothing).  Scratch per call:
 (T rounded up to 64 per sequence) x Hv x (2 x 64 + 2 V + 6 K + K V / 64 + 1) fp32.
 """
 from __future__ import annotations
@@ -422,12 +424,14 @@ def _layout(cu, starts, slots):
 def _device_lists(lists, dev):
     """int64 lists -> device tensors, in one copy: views of one buffer, each starting 16 bytes
     aligned, because Triton compiles a variant per pointer alignment (an odd offset after a list of
-    odd length: about 40 s for the state kernel on the H200, paid mid-serving)."""
+    odd length: about 40 s for the state kernel on the H200, paid mid-serving).  From pinned memory
+    without blocking on CUDA: a pageable copy synchronizes the stream."""
     flat, starts = [], []
     for x in lists:
         starts.append(len(flat))
         flat += x + [0] * (len(x) % 2)
-    flat = torch.tensor(flat, dtype=torch.int64).to(dev)
+    cuda = torch.device(dev).type == "cuda"
+    flat = torch.tensor(flat, dtype=torch.int64, pin_memory=cuda).to(dev, non_blocking=True)
     return [flat[a : a + len(x)] for x, a in zip(lists, starts)]
 
 
@@ -456,18 +460,19 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         return o
     cu, st, sl = host_lists(cu_seqlens, starts, slots) if host is None else host
     heads, pieces, seqs = _layout(cu, st, sl)
-    if heads:
-        idx = torch.cat([torch.arange(cu[b], cu[b] + h) for b, h in heads]).to(dev)
-        hcu = torch.tensor([0] + [h for _, h in heads], device=dev).cumsum(0)
-        hb = torch.tensor([b for b, _ in heads], device=dev)
-        o_h = gdn_scan_triton(*(t.index_select(0, idx) for t in (q, k, v, g, beta)), hcu, starts.long()[hb],
-                              slots.long()[hb], cache)
-        o.index_copy_(0, idx, o_h)
     P, NB = len(pieces), len(seqs)
+    hcu = [0]
+    for _, h in heads:
+        hcu.append(hcu[-1] + h)
+    tok, rows, wslot, seq, sslot, fresh, nend, idx, hcu, hst, hsl = _device_lists(
+        [[p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces], [x[0] for x in seqs] + [P],
+         [x[1] for x in seqs], [x[2] for x in seqs], [x[3] for x in seqs],
+         [cu[b] + i for b, h in heads for i in range(h)], hcu, [st[b] for b, _ in heads], [sl[b] for b, _ in heads]],
+        dev)
+    if heads:
+        o_h = gdn_scan_triton(*(t.index_select(0, idx) for t in (q, k, v, g, beta)), hcu, hst, hsl, cache)
+        o.index_copy_(0, idx, o_h)
     if P:
-        tok, rows, wslot, seq, sslot, fresh, nend = _device_lists(
-            [[p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces], [x[0] for x in seqs] + [P],
-             [x[1] for x in seqs], [x[2] for x in seqs], [x[3] for x in seqs]], dev)
         lib, opts = _launch_opts(q)
         BK = max(2, next_power_of_2(K))
         G = torch.empty(P, CHUNK, Hv, dtype=torch.float32, device=dev)
