@@ -501,6 +501,8 @@ def test_bad_input():
     with pytest.raises(ValueError, match="slots and start_positions"):
         gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, cu, cache=inp.cache(1))
     one = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="need a cache"):
+        gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, cu, host=([0, 10], [0], [0]))
     with pytest.raises(ValueError, match="host lists must be"):
         gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, cu, start_positions=one, slots=one, cache=inp.cache(1),
                 host=([0, 10], [0, 0], [0]))

@@ -138,8 +138,8 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
         o = q.new_zeros(0, *v.shape[1:])
         return (o, q.new_zeros(0, v.shape[1], k.shape[2], v.shape[2])) if return_states else o
     if cache is None:
-        if start_positions is not None or slots is not None:
-            raise ValueError("start_positions and slots need a cache")
+        if start_positions is not None or slots is not None or host is not None:
+            raise ValueError("start_positions, slots and host lists need a cache")
         B = cu_seqlens.shape[0] - 1
         if backend == "triton" and not return_states:
             Hk, K = k.shape[1:]
@@ -171,7 +171,6 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
         return cpu.decode_step(q, k, v, g, beta, start_positions.long(), slots.long(), cache)
     cu, st, sl = host if host is not None else cpu.host_lists(cu_seqlens, start_positions, slots)
     return cpu.chunked(q, k, v, g, beta, cu, st, cache=cache, slots=sl)
-
 
 
 def _prefill_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, host=None):
