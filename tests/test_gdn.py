@@ -649,13 +649,26 @@ def test_triton_scan_kernel_interpreted():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_gpu_decode_equals_trainer(backend):
-    """On CUDA: the trainer (torch path) and each backend's chunked prefill and
-    decode give the same bits, 300 tokens, decode from every offset of chunk 1."""
+@pytest.mark.parametrize("backend,mma", [("torch", None), ("triton", False), ("triton", True)],
+                         ids=["torch", "triton-trees", "triton-mma"])
+def test_gpu_decode_equals_trainer(backend, mma, monkeypatch):
+    """On CUDA: each backend's (and Triton form's) trainer, chunked prefill and decode give the
+    same bits, 300 tokens, decode from every offset of chunk 1; the torch path and the Triton
+    trees give each other's bits, the MMA form its own (its boundary states from its prefill)."""
+    from alignzoo.common.gdn import kernel
+
+    monkeypatch.setattr(kernel, "MMA", bool(mma))
     inp = Inputs([300], K=128, V=128, Hk=2, Hv=4, seed=7, device="cuda")
     o_ref, (states,) = inp.trainer()
-    assert torch.equal(gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_t(), backend=backend), o_ref)
+    o_tr = gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_t(), backend=backend)
+    if mma:
+        assert rel_err(o_tr, o_ref) < 1e-5 and not torch.equal(o_tr, o_ref)
+        o_ref, states = o_tr, []
+        for c in range(1, 300 // 64 + 1):
+            sc = inp.cache(1)
+            inp.call([(0, 0, 64 * c, 0)], sc, backend=backend)
+            states.append(sc["state"][0].clone())
+    assert torch.equal(o_tr, o_ref)
     cache = inp.cache(64)
     pre = inp.call([(0, 0, 64 + o, o) for o in range(64)], cache, backend=backend)
     assert all(torch.equal(p, o_ref[: 64 + o]) for o, p in enumerate(pre))
@@ -670,7 +683,7 @@ def test_gpu_decode_equals_trainer(backend):
 @pytest.mark.gpu
 def test_gpu_triton_decode_replays_from_a_cuda_graph():
     inp = Inputs([200], K=128, V=128, seed=8, device="cuda")
-    o_ref, _ = inp.trainer()
+    o_ref = gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_t())  # the Triton trainer's rows
     cache = inp.cache(4)
     inp.call([(0, 0, 100, 2)], cache)
     idx = torch.tensor([100], device="cuda")
@@ -699,9 +712,12 @@ def test_ladder():
 
 
 @pytest.mark.gpu
-def test_gpu_trainer_triton_forward_matmul_backward():
-    """gdn on CUDA: the Triton forward equals the torch path's bit for bit; its backward (the
-    matmul form's autograd) gives the exact path's gradients to fp32 rounding, and repeats."""
+def test_gpu_trainer_triton_forward_matmul_backward(monkeypatch):
+    """gdn on CUDA: the Triton forward (MMA form) is the torch path's function to fp32 rounding, and
+    with the trees its bits; its backward (the matmul form's autograd) gives the exact path's
+    gradients to fp32 rounding, and repeats."""
+    from alignzoo.common.gdn import kernel
+
     inp = Inputs([1, 63, 65, 300, 1000], K=128, V=128, seed=9, device="cuda")
     outs = []
     for backend in ("triton", "torch", "triton"):
@@ -709,7 +725,9 @@ def test_gpu_trainer_triton_forward_matmul_backward():
         o = gdn(*leaves, inp.cu_t(), backend=backend)
         o.square().sum().backward()
         outs.append([o.detach()] + [t.grad for t in leaves])
-    assert torch.equal(outs[0][0], outs[1][0])
+    assert rel_err(outs[0][0], outs[1][0]) < 1e-5
+    monkeypatch.setattr(kernel, "MMA", False)
+    assert torch.equal(gdn(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_t(), backend="triton"), outs[1][0])
     for name, a, b in zip(("q", "k", "v", "g", "beta"), outs[0][1:], outs[1][1:]):
         assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))  # TF32 matmuls would miss by ~1e-3
     assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[2]))

@@ -12,7 +12,22 @@ from test_gdn import _INTERPRETED_PRELUDE, Inputs
 
 from alignzoo.common.gdn import gdn_cache, gdn_fwd
 
-_INTERPRETED_CHUNK = _INTERPRETED_PRELUDE + r"""
+# torch in the chunk launcher's namespace with every scratch buffer NaN-filled (_ck.torch = _NanScratch())
+_NAN_SCRATCH = r"""
+class _NanScratch:
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*a, **kw):
+        return torch.empty(*a, **kw).fill_(float("nan"))
+
+    @staticmethod
+    def empty_like(*a, **kw):
+        return torch.empty_like(*a, **kw).fill_(float("nan"))
+"""
+
+_INTERPRETED_CHUNK = _INTERPRETED_PRELUDE + _NAN_SCRATCH + r"""
 import inspect
 
 import triton.language as tl
@@ -128,19 +143,6 @@ case(1, 2, 24, 40, [100], seed=6, calls=[[(0, 0, 40, 0)], [(0, 40, 60, 0)]], bv=
 
 # the kernels' trees load their leaves unmasked: with every scratch buffer NaN-filled, rows past a
 # piece's end and clamped columns must still reach no stored value
-class _NanScratch:
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*a, **kw):
-        return torch.empty(*a, **kw).fill_(float("nan"))
-
-    @staticmethod
-    def empty_like(*a, **kw):
-        return torch.empty_like(*a, **kw).fill_(float("nan"))
-
-
 _ck.torch = _NanScratch()
 case(1, 2, 24, 20, [1, 63, 64, 65, 200], seed=2, scan=False, calls=[
     [(4, 0, 70, 2), (0, 0, 1, 4), (0, 0, 1, -1), (1, 0, 63, 0), (2, 0, 64, 1), (3, 0, 10, 3)],
@@ -211,10 +213,13 @@ def test_gpu_chunk_equals_scan_qwen35_shapes():
 
 
 @pytest.mark.gpu
-def test_gpu_chunk_equals_torch_path():
+def test_gpu_chunk_equals_torch_path(monkeypatch):
     """On CUDA, smaller (Hk 2, Hv 4, K = V = 128, 700 and 130 tokens): the triton
-    trainer forward and a prefill split mid-chunk equal the torch path's rows,
-    states and open-chunk rows."""
+    trainer forward and a prefill split mid-chunk in the trees' form equal the torch
+    path's rows, states and open-chunk rows."""
+    from alignzoo.common.gdn import kernel
+
+    monkeypatch.setattr(kernel, "MMA", False)
     inp = Inputs([700, 130], Hk=2, Hv=4, K=128, V=128, seed=12, device="cuda")
     o_ref = gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_t(), backend="torch")
     assert torch.equal(gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_t(), backend="triton"), o_ref)
@@ -231,10 +236,12 @@ import os
 
 from alignzoo.common.gdn import cpu
 from alignzoo.common.gdn.chunk_kernel import gdn_chunk_triton
+from alignzoo.common.gdn import kernel
 from alignzoo.common.gdn.kernel import gdn_decode_triton, gdn_scan_triton
 
 dev = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
 Hk, Hv, K, V = (1, 2, 16, 8) if dev == "cpu" else (2, 4, 128, 128)
+kernel.MMA = False  # the trees' form (a tensor core's all-zero sum is +0.0, whatever its terms' signs)
 xs = [x.to(dev) for x in inputs(3, 77, Hk, Hv, K, V)]
 xs[2][:, 0] = -0.0  # head 0: every v row -0.0, so its x, v_new and o are zeros whose signs the pads decide
 pre = [x[:73] for x in xs]  # a 70-row and a 3-row prompt, then rows 73.. decode both
@@ -266,8 +273,99 @@ def test_signed_zeros_interpreted():
 
 @pytest.mark.gpu
 def test_gpu_signed_zeros_match_torch_path():
-    """The same script compiled on CUDA against the torch path there."""
+    """The same script compiled on CUDA against the torch path there (the trees' form)."""
     run_interpreted(_SIGNED_ZEROS, expect="ok", interpret=False)
+
+
+_MMA = _INTERPRETED_PRELUDE + _NAN_SCRATCH + r"""
+# The MMA form (the GPU's default): the state's products as tl.dot.  Interpreted, a dot is numpy's
+# matmul, whose sums follow the host's BLAS and the tile's shape; in its place a row-local dot (the
+# products added in K order in float64, one rounding), which has the property the GPU's tf32x3 dot
+# was measured to have: a row's result depends on that row and the other operand alone.
+import os
+
+from alignzoo.common.gdn import chunk_kernel as _ck
+from alignzoo.common.gdn import cpu
+from alignzoo.common.gdn.chunk_kernel import gdn_chunk_triton
+from alignzoo.common.gdn.kernel import gdn_decode_triton, gdn_scan_triton
+
+dev = "cuda" if os.environ["TRITON_INTERPRET"] == "0" else "cpu"
+if dev == "cpu":
+    def _row_local_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        x, y = a.data.astype(np.float64), b.data.astype(np.float64)
+        acc = np.zeros((x.shape[0], y.shape[1]))
+        for k in range(x.shape[1]):
+            acc = acc + x[:, k : k + 1] * y[k : k + 1, :]
+        return _it.TensorHandle((acc.astype(np.float32) + d.data).astype(np.float32), d.dtype.scalar)
+
+    _it.InterpreterBuilder.create_dot = _row_local_dot
+    _ck.torch = _NanScratch()  # every scratch buffer NaN: a stale row must reach no product
+Hk, Hv, K, V = (1, 2, 24, 20) if dev == "cpu" else (16, 32, 128, 128)
+FAST = dict(bi=64, bw=64, bs=64, bro=64, bvo=64) if dev == "cpu" else {}  # fewer interpreted steps, the same bits
+lens = [200, 70, 5]
+xs = [x.to(dev) for x in inputs(5, sum(lens), Hk, Hv, K, V)]
+cu = [0, 200, 270, 275]
+t = lambda x: torch.tensor(x, device=dev)
+ar = t(list(range(3)))
+o_tr = gdn_chunk_triton(*xs, t(cu), ar * 0, ar, gdn_cache(3, Hk, Hv, K, V, dev), mma=True, **FAST)  # trainer form
+o_cpu = cpu.chunked(*xs, cu, [0, 0, 0])
+err = ((o_tr.double() - o_cpu.double()).norm() / o_cpu.double().norm()).item()
+assert 0 < err < 1e-5, err  # another order of the same sums (0: the switch did nothing)
+assert torch.equal(o_tr, gdn_chunk_triton(*xs, t(cu), ar * 0, ar, gdn_cache(3, Hk, Hv, K, V, dev), mma=True,
+                                          fused=False, **FAST))
+assert torch.equal(o_tr, gdn_scan_triton(*xs, t(cu), ar * 0, ar, gdn_cache(3, Hk, Hv, K, V, dev), mma=True))
+
+
+def nan_slots():
+    c = gdn_cache(3, Hk, Hv, K, V, dev)
+    for x in c.values():
+        x.fill_(float("nan") if x.is_floating_point() else 7)
+    return c
+
+
+# prefill 0..69 / 0..4 beside a padding row, then from mid-chunk across row 127, then decode both across
+# row 191 (chunk, scan and fused=False caches), every output against the trainer form's rows
+calls = [[(0, 0, 70, 0), (2, 0, 1, -1), (1, 0, 5, 1)], [(0, 70, 120, 0), (1, 5, 2, 1)]]
+runs = {"chunk": dict(fn=gdn_chunk_triton, kw=FAST), "out": dict(fn=gdn_chunk_triton, kw={**FAST, "fused": False}),
+        "scan": dict(fn=gdn_scan_triton, kw={})}
+caches = {name: nan_slots() for name in runs}
+for items in calls:
+    idx = torch.cat([torch.arange(cu[b] + s, cu[b] + s + n) for b, s, n, _ in items]).to(dev)
+    ncu = [0]
+    for _, _, n, _ in items:
+        ncu.append(ncu[-1] + n)
+    args = [x[idx].contiguous() for x in xs] + [t(ncu), t([s for _, s, _, _ in items]), t([x for *_, x in items])]
+    outs = {name: r["fn"](*args, caches[name], mma=True, **r["kw"]) for name, r in runs.items()}
+    for i, (b, s, n, slot) in enumerate(items):
+        if slot >= 0:
+            for name, o in outs.items():
+                assert torch.equal(o[ncu[i] : ncu[i + 1]], o_tr[cu[b] + s : cu[b] + s + n]), (items, name)
+for step in range(190, 200):
+    rows = [step, 200 + 7 + step - 190]
+    args = [x[t(rows)].contiguous() for x in xs] + [t([step, 7 + step - 190]), t([0, 1])]
+    for name, c in caches.items():
+        o = gdn_decode_triton(*args, c, mma=True)
+        assert torch.equal(o, o_tr[t(rows)]), (step, name)
+for name in ("out", "scan"):
+    for f in ("state", "k", "g_cum", "x", "v_new"):
+        assert torch.equal(caches[name][f][:2, :8] if f != "state" else caches[name][f][:2],
+                           caches["chunk"][f][:2, :8] if f != "state" else caches["chunk"][f][:2]), (name, f)
+print("ok")
+"""
+
+
+def test_mma_form_interpreted():
+    """The MMA form (the state's products as tl.dot, the GPU's default) under the interpreter with a
+    row-local dot, from NaN-filled slots and scratch: the chunk kernel fused and with the output
+    kernel, the scan and decode across rows 127 and 191 give the trainer form's bits, and the form
+    is the torch path's function to 1e-5."""
+    run_interpreted(_MMA, expect="ok")
+
+
+@pytest.mark.gpu
+def test_gpu_mma_form_qwen35_shapes():
+    """The same script compiled on CUDA at Qwen3.5-35B-A3B's GDN shapes, tf32x3 tensor-core dots."""
+    run_interpreted(_MMA, expect="ok", interpret=False)
 
 
 def test_layout_pieces():

@@ -1,6 +1,8 @@
 """Triton gated delta rule for the trainer / prefill, chunk-parallel: the
-bits of ``kernel.gdn_scan_triton`` (and so of ``cpu.chunked``), with the
-work that does not read the state spread over every 64-row chunk at once.
+bits of ``kernel.gdn_scan_triton`` in either of its forms (the trees: and so
+of ``cpu.chunked``; MMA, compiled CUDA's default: the state's products as
+tensor-core dots), with the work that does not read the state spread over
+every 64-row chunk at once.
 
 The arithmetic is ``cpu.py``'s row functions, written with ``kernel.py``'s
 jit helpers: every sum the fixed pairwise tree (``_tree_first``, or
@@ -45,6 +47,14 @@ be shorter); the launches, in order:
   order-bound state kernel has only Hv x V / BV programs.
 * ``kernel._k_rows_kernel``: the open chunk's k rows.
 
+In the MMA form ``_chunk_state_mma_kernel`` and ``_chunk_out_mma_kernel`` take the
+state and output kernels' places: a program holds its (K, BV) state tile in
+registers across the sequence's pieces and forms each piece's 64 rows at once,
+v_new = u - _mma(w, S0), o = _mma(q exp(G), S0) + _mma(A, v_new) (A_ij = 0 past
+the diagonal) and the update S0 exp(G_63) + _mma(k'^T, v_new): the dots a decode
+row forms padded into a 16-row tile (``kernel._ws_mma``, ``_av_mma``,
+``_state_tile``).  Rows, lanes and columns past the piece, K or V load as 0.
+
 Cache: as the scan leaves it.  The slot's state is the state after the last
 complete chunk (zeros at position 0 before one); a sequence's last piece
 writes its rows' g_cum, x, v_new (all 64 rows of a chunk that closes at the
@@ -68,7 +78,7 @@ import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
 from .cpu import CHUNK, host_lists
-from .kernel import _exp, _k_rows_kernel, _launch_opts, _regs, _tree_first, gdn_scan_triton
+from .kernel import _exp, _k_rows_kernel, _launch_opts, _mma, _regs, _tree_first, _use_mma, gdn_scan_triton
 from .trees import _av_tree, _in_bounds, _ks_tree, _kv_tree, _neg0
 
 BW = 16  # x columns per substitution program (a launch knob: columns are independent)
@@ -90,6 +100,9 @@ BVO, BRO, OUT_WARPS = 32, 8, 2
 # v_new's) rather than the output kernel (H200, 132 SMs: fused 5.16 ms against 5.75 at 2 x 2048
 # tokens, 512 programs; 7.43 against 6.77 at 1 x 4096, 256)
 FUSE_PROGRAMS = 512
+# the MMA form's state kernel: columns a program and warps (launch knobs; four warps make a 64-row
+# tile one wgmma)
+MMA_BV, MMA_STATE_WARPS = 32, 4
 # rows i per tile of the rows kernel's trees (a launch knob; H200, 8 x 512 tokens: the rows kernel
 # about 0.9 ms at 2 rows on 2 warps, 8.2 ms at 4; at 8 ptxas spills, sm_90a, K 128)
 BI = 2
@@ -370,6 +383,105 @@ def _chunk_state_kernel(
 
 
 @triton.jit
+def _chunk_state_mma_kernel(
+    p_o, p_tok, p_rows, p_seq, p_sslot, p_fresh, p_nend,
+    p_G, p_AT, p_QT, p_X, p_KD, p_VN, p_S0, p_state, p_vc, p_nc,
+    Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FUSED: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    """``_chunk_state_kernel``'s work with the state's products as ``kernel._mma`` dots, the
+    state's (BK, BV) column tile held in registers across the sequence's pieces.  Per piece, all
+    64 rows at once: v_new = u - _mma(w, S0); FUSED, o = _mma(q exp(G), S0) + _mma(A, v_new) with
+    A_ij = 0 where j > i (else S0 to scratch for ``_chunk_out_mma_kernel``); at a complete piece
+    S0 exp(G_63) + _mma(k'^T, v_new).  A row's dots are the decode row's (``kernel._ws_mma``,
+    ``_av_mma``) and the update is ``kernel._state_tile``'s: rows and columns past the piece or
+    past K, V load as 0, so every stale scratch value stays out of a product."""
+    W: tl.constexpr = V + K
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_b, i_v, i_h = tl.program_id(0) // NV, tl.program_id(0) % NV, tl.program_id(1)
+    p0 = tl.load(p_seq + i_b)
+    p1 = tl.load(p_seq + i_b + 1)
+    s = tl.load(p_sslot + i_b)
+    fresh = tl.load(p_fresh + i_b)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_i = tl.arange(0, C)
+    m_s = m_k[:, None] & m_v[None, :]
+    p_s = p_state + ((s * Hv + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+    b_S = tl.where(fresh != 0, 0.0, tl.load(p_s, mask=m_s, other=0.0))  # (BK, BV)
+    for i_p in range(p0, p1):
+        t0 = tl.load(p_tok + i_p)
+        nr = tl.load(p_rows + i_p).to(tl.int32)
+        n_last = tl.where(i_p == p1 - 1, nr, 0)  # rows that go to the slot's open chunk
+        m_i = o_i < nr
+        if not FUSED:
+            tl.store(p_S0 + ((i_p * Hv + i_h) * K + o_k[:, None]) * V + o_v[None, :], b_S, mask=m_s)
+        p_x = p_X + ((i_p * C + o_i[:, None]) * Hv + i_h) * W  # (C, 1) rows of x = [u | w]
+        b_w = tl.load(p_x + V + o_k[None, :], mask=m_i[:, None] & m_k[None, :], other=0.0)  # (C, BK)
+        b_u = tl.load(p_x + o_v[None, :], mask=m_i[:, None] & m_v[None, :], other=0.0)  # (C, BV)
+        b_vn = b_u - _mma(b_w, b_S)
+        m_iv = m_i[:, None] & m_v[None, :]
+        if not FUSED:
+            tl.store(p_VN + ((i_p * C + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_vn, mask=m_iv)
+        tl.store(p_vc + ((s * C + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_vn,
+                 mask=(o_i < n_last)[:, None] & m_v[None, :])
+        if FUSED:
+            p_hd = (i_p * Hv + i_h) * C
+            b_qe = tl.load(p_QT + ((i_p * Hv + i_h) * K + o_k[None, :]) * C + o_i[:, None],
+                           mask=m_i[:, None] & m_k[None, :], other=0.0)  # (C, BK) q_i exp(G_i)
+            b_a = tl.load(p_AT + (p_hd + o_i[None, :]) * C + o_i[:, None], mask=m_i[:, None], other=0.0)  # (C i, C j)
+            b_a = tl.where(o_i[None, :] <= o_i[:, None], b_a, 0.0)
+            b_o = _mma(b_qe, b_S) + _mma(b_a, b_vn)
+            tl.store(p_o + ((t0 + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], b_o, mask=m_iv)
+        if nr == C:
+            e_last = _exp(tl.load(p_G + (i_p * C + C - 1) * Hv + i_h), LIBDEVICE)
+            b_kd = tl.load(p_KD + ((i_p * C + o_i[None, :]) * Hv + i_h) * K + o_k[:, None], mask=m_k[:, None],
+                           other=0.0)  # (BK, C) k'^T
+            b_S = b_S * e_last + _mma(b_kd, b_vn)
+    tl.store(p_s, b_S, mask=m_s)
+    o_1 = tl.arange(0, 2)  # a scalar store as a masked 2-lane store (the interpreter refuses scalar masks)
+    tl.store(p_nc + s + o_1, tl.zeros([2], tl.int64) + tl.load(p_nend + i_b),
+             mask=o_1 < tl.where((i_h == 0) & (i_v == 0), 1, 0))
+
+
+@triton.jit
+def _chunk_out_mma_kernel(
+    p_o, p_tok, p_rows, p_AT, p_QT, p_VN, p_S0,
+    Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, C: tl.constexpr,
+):
+    """``_chunk_out_kernel``'s grid and tile, o = _mma(q exp(G), S0) + _mma(A, v_new) as the fused
+    state kernel forms it (a row's dots do not see the other rows)."""
+    NR: tl.constexpr = C // BR
+    NT: tl.constexpr = (V + BV - 1) // BV * NR
+    i_p, i_t, i_h = (tl.program_id(0) // NT).to(tl.int64), tl.program_id(0) % NT, tl.program_id(1)
+    t0 = tl.load(p_tok + i_p)
+    nr = tl.load(p_rows + i_p).to(tl.int32)
+    r0 = (i_t % NR) * BR
+    if r0 < nr:
+        o_i = r0 + tl.arange(0, BR)
+        o_j = tl.arange(0, C)
+        o_v = (i_t // NR) * BV + tl.arange(0, BV)
+        o_k = tl.arange(0, BK)
+        m_i = o_i < nr
+        m_v = o_v < V
+        m_k = o_k < K
+        p_hd = (i_p * Hv + i_h) * C
+        b_qe = tl.load(p_QT + ((i_p * Hv + i_h) * K + o_k[None, :]) * C + o_i[:, None], mask=m_i[:, None] & m_k[None, :],
+                       other=0.0)  # (BR, BK)
+        b_S = tl.load(p_S0 + ((i_p * Hv + i_h) * K + o_k[:, None]) * V + o_v[None, :],
+                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_a = tl.load(p_AT + (p_hd + o_j[None, :]) * C + o_i[:, None], mask=m_i[:, None], other=0.0)  # (BR, C)
+        b_a = tl.where(o_j[None, :] <= o_i[:, None], b_a, 0.0)
+        b_vn = tl.load(p_VN + ((i_p * C + o_j[:, None]) * Hv + i_h) * V + o_v[None, :],
+                       mask=(o_j < nr)[:, None] & m_v[None, :], other=0.0)
+        tl.store(p_o + ((t0 + o_i[:, None]) * Hv + i_h) * V + o_v[None, :], _mma(b_qe, b_S) + _mma(b_a, b_vn),
+                 mask=m_i[:, None] & m_v[None, :])
+
+
+@triton.jit
 def _chunk_out_kernel(
     p_o, p_tok, p_rows, p_AT, p_QT, p_VN, p_S0,
     Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -436,11 +548,12 @@ def _device_lists(lists, dev):
 
 
 def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: int = BW, bs: int = BS,
-                     bv: int = BV,
+                     bv: int | None = None,
                      br: int = BR, bks: int = BKS, bi: int = BI, bvo: int = BVO, bro: int = BRO,
-                     state_warps: int = STATE_WARPS, out_warps: int = OUT_WARPS, fused: bool | None = None,
+                     state_warps: int | None = None, out_warps: int = OUT_WARPS, fused: bool | None = None,
                      rows_warps: int = ROWS_WARPS, solve_warps: int = SOLVE_WARPS,
-                     state_maxnreg: int | None = STATE_MAXNREG, rows_maxnreg: int | None = None, host=None):
+                     state_maxnreg: int | None = -1, rows_maxnreg: int | None = None, host=None,
+                     mma: bool | None = None):
     """``gdn_scan_triton``'s contract (shapes, cache writes, bits), chunk-parallel.
     q, k (T, Hk, K), v (T, Hv, V), g, beta (T, Hv) fp32 contiguous; cu_seqlens
     (B + 1,), starts, slots (B,) int64 device tensors, read on the host (not
@@ -450,7 +563,10 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
     ``bw``, ``bs``, ``bv``, ``br``, ``bks``, ``bi``, ``bvo``, ``bro``, the four
     kernels' warps and ``fused`` (o in the state kernel, or the output kernel's;
     None: by the state kernel's program count): launch knobs that cannot change
-    bits, as are the state and rows kernels' register caps (``kernel._regs``)."""
+    bits, as are the state and rows kernels' register caps (``kernel._regs``; the
+    state kernel's -1: its form's default).  ``mma``: the form (``kernel._use_mma``),
+    which does: the MMA state and output kernels, or the trees'.  ``bv`` and
+    ``state_warps`` default by the form."""
     T, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     B = cu_seqlens.shape[0] - 1
@@ -469,11 +585,12 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
          [x[1] for x in seqs], [x[2] for x in seqs], [x[3] for x in seqs],
          [cu[b] + i for b, h in heads for i in range(h)], hcu, [st[b] for b, _ in heads], [sl[b] for b, _ in heads]],
         dev)
+    lib, opts = _launch_opts(q)
+    mma = _use_mma(lib, mma)
     if heads:
-        o_h = gdn_scan_triton(*(t.index_select(0, idx) for t in (q, k, v, g, beta)), hcu, hst, hsl, cache)
+        o_h = gdn_scan_triton(*(t.index_select(0, idx) for t in (q, k, v, g, beta)), hcu, hst, hsl, cache, mma=mma)
         o.index_copy_(0, idx, o_h)
     if P:
-        lib, opts = _launch_opts(q)
         BK = max(2, next_power_of_2(K))
         G = torch.empty(P, CHUNK, Hv, dtype=torch.float32, device=dev)
         L = torch.empty(P, Hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)
@@ -493,23 +610,36 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         _chunk_solve_kernel[(P * cdiv(V + K, bw), Hv)](k, v, beta, tok, rows, wslot, G, L, X, WT, cache["x"],
                                                        Hk, Hv, K, V, bw, bs, CHUNK, lib, num_warps=solve_warps,
                                                        **opts)
-        bv = max(2, min(bv, next_power_of_2(V)))
+        lo = 16 if mma else 2  # a tl.dot's smallest side
+        bv = max(lo, min(bv or (MMA_BV if mma else BV), next_power_of_2(V)))
         br = min(next_power_of_2(max(1, br)), CHUNK)
         bks = max(2, min(bks, BK))
+        state_warps = state_warps or (MMA_STATE_WARPS if mma else STATE_WARPS)
+        if state_maxnreg == -1:
+            state_maxnreg = None if mma else STATE_MAXNREG
         if fused is None:
             fused = NB * Hv * cdiv(V, bv) >= FUSE_PROGRAMS
         S0 = VN if fused else torch.empty(P, Hv, K, V, dtype=torch.float32, device=dev)  # unread when fused
-        _chunk_state_kernel[(NB * cdiv(V, bv), Hv)](
-            o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, X, WT, KD, VN, S0,
-            cache["state"], cache["v_new"], cache["n"],
-            Hv, K, V, BK, bv, br, bks, CHUNK, bool(fused), lib, num_warps=state_warps, **opts,
-            **_regs(lib, state_maxnreg),
-        )
+        if mma:
+            _chunk_state_mma_kernel[(NB * cdiv(V, bv), Hv)](
+                o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, X, KD, VN, S0,
+                cache["state"], cache["v_new"], cache["n"],
+                Hv, K, V, max(lo, BK), bv, CHUNK, bool(fused), lib, num_warps=state_warps, **opts,
+                **_regs(lib, state_maxnreg),
+            )
+        else:
+            _chunk_state_kernel[(NB * cdiv(V, bv), Hv)](
+                o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, X, WT, KD, VN, S0,
+                cache["state"], cache["v_new"], cache["n"],
+                Hv, K, V, BK, bv, br, bks, CHUNK, bool(fused), lib, num_warps=state_warps, **opts,
+                **_regs(lib, state_maxnreg),
+            )
         if not fused:
-            bvo = max(2, min(bvo, next_power_of_2(V)))
-            bro = min(next_power_of_2(max(1, bro)), CHUNK)
-            _chunk_out_kernel[(P * cdiv(V, bvo) * (CHUNK // bro), Hv)](
-                o, tok, rows, AT, QT, VN, S0, Hv, K, V, BK, bvo, bro, CHUNK, num_warps=out_warps, **opts,
+            bvo = max(lo, min(bvo, next_power_of_2(V)))
+            bro = min(max(lo, next_power_of_2(max(1, bro))), CHUNK)
+            out = _chunk_out_mma_kernel if mma else _chunk_out_kernel
+            out[(P * cdiv(V, bvo) * (CHUNK // bro), Hv)](
+                o, tok, rows, AT, QT, VN, S0, Hv, K, V, max(lo, BK), bvo, bro, CHUNK, num_warps=out_warps, **opts,
             )
     _k_rows_kernel[(B, CHUNK, Hk)](k, cu_seqlens, starts, slots, cache["k"], Hk, K, max(2, next_power_of_2(K)),
                                    CHUNK, **_launch_opts(q)[1])

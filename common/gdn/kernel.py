@@ -5,12 +5,25 @@ the reference for ``chunk_kernel.py``'s chunk-parallel trainer / prefill
 kernel (which runs it for a sequence's rows before its first 64 boundary when
 it starts mid-chunk) and the jit helpers that kernel imports.
 
-The arithmetic, its order and its rounding points are ``cpu.py``'s, written
-out the same way: every sum is the fixed pairwise tree (``tl.reshape`` to
-pairs of adjacent elements and ``tl.sum`` over the pair axis: a sum of two
-is one IEEE add in any implementation), padded with -0.0 (a K lane past K,
-a row j not yet present), so the kernels give the CPU path's bits whenever
-exp does.  The jit helpers:
+Two forms, one per device (``MMA``, ``_use_mma``):
+
+* the trees (the interpreter; CUDA with ``mma=False``): the arithmetic, its
+  order and its rounding points are ``cpu.py``'s, written out the same way:
+  every sum is the fixed pairwise tree (``tl.reshape`` to pairs of adjacent
+  elements and ``tl.sum`` over the pair axis: a sum of two is one IEEE add in
+  any implementation), padded with -0.0 (a K lane past K, a row j not yet
+  present), so the kernels give the CPU path's bits whenever exp does;
+* MMA (compiled CUDA's default): the same, except the four products with the
+  state, w_i S0, (q_i exp(G_i)) S0, tree_j(A_ij v_new_j) and the update's
+  tree_j(k'_j v_new_j^T), which are ``_mma`` tf32x3 tensor-core dots over the
+  whole K (or all 64 rows) from a zero accumulator.  On the H200 a dot's row
+  depends on that row and the other operand alone (not on the other rows, a
+  zero row's stale partner, or a 16-row mma.sync against a 64-row wgmma:
+  ``benchmarks/probe_mma_rows.py``), so a decode row padded into a 16-row tile
+  gets the chunk's bits; the chunk's own sums (kk, qk, the substitution) stay
+  trees.  Not the CPU path's bits (the torch path is the function to ~1e-7).
+
+The jit helpers:
 
 * ``_row``: row r = pos % 64 of one (token, value head): G_i, kk_i, qk_i, E_i,
   the substitution step x_i = [u_i | w_i], v_new_i, o_i; writes o and the
@@ -20,7 +33,7 @@ exp does.  The jit helpers:
 * ``_state_tile``: a (BKS, BVS) tile of the slot's state: zeros at position 0
   (S0 of the first chunk), at row 63 S0 * exp(G_63) + tree_j(k'_j v_new_j^T),
   the 64-leaf tree as eight 8-leaf subtrees (levels 1-3, ``_leaf8``) combined
-  by levels 4-6: the same tree, an (8, BKS, BVS) tile at a time.
+  by levels 4-6: the same tree, an (8, BKS, BVS) tile at a time (MMA: one dot).
 
 Kernels: decode = ``_gdn_decode_row_kernel`` (grid (B, Hv); every head of a
 group writes the same k row) then ``_gdn_decode_state_kernel`` (grid (Hv,
@@ -33,16 +46,17 @@ during the scan, heads of a group running at their own pace) then
 ``_k_rows_kernel`` (the open chunk's k rows).  The scan is sequential in a
 sequence's length, a correct GPU path but not a fast one: ``gdn_fwd`` runs
 ``chunk_kernel.gdn_chunk_triton`` (the 64 substitution steps of every chunk at
-once, as ``cpu.chunked`` does), which gives the scan's bits.
+once, as ``cpu.chunked`` does), which gives the scan's bits in either form.
 
 Launched with ``enable_fp_fusion=False`` (no mul + add becomes an FMA: the
 CPU path rounds each product) and, on CUDA, exp from libdevice (``expf``,
 what torch's CUDA exp runs; ``enable_reflect_ftz=False`` keeps subnormals as
-torch does), so that on the GPU the kernels are meant to give the bits of
-the torch path on CUDA tensors (``cpu.py`` run there).  Not yet run on a GPU:
-``tests/test_gdn.py``'s gpu-marked tests check it.  Under Triton's
-interpreter ``tl.exp`` is numpy's; the interpreted tests put torch's exp in
-its place and compare bit for bit with the torch path.
+torch does), so that on the GPU the trees give the bits of the torch path on
+CUDA tensors (``cpu.py`` run there; ``tests/test_gdn.py``'s and
+``tests/test_gdn_chunk.py``'s gpu-marked tests check both forms).  Under
+Triton's interpreter ``tl.exp`` is numpy's; the interpreted tests put torch's
+exp in its place and compare bit for bit with the torch path (the MMA form's
+test puts a row-local dot in place of numpy's matmul).
 """
 from __future__ import annotations
 
@@ -75,6 +89,18 @@ ROW_SMALL, ROW_LARGE = (1, 8), (2, 32)
 # and its register cap on two (a launch knob): 8 programs an SM, not 4 (H200, K trees in 32-lane
 # subtrees: B 256 0.795 ms against 0.896 uncapped, B 64 0.232 against 0.248; on one warp a cap is slower)
 ROW_LARGE_MAXNREG = 128
+# the same in the MMA form, uncapped (launch knobs; H200, one layer: B 1 0.067 ms on four warps
+# against 0.079 for the trees, B 256 1.17 on two against 1.55 on four, 2.27 capped at 128)
+ROW_SMALL_MMA, ROW_LARGE_MMA = (4, 32), (2, 32)
+# On CUDA the products with the state (v_new's w_i S0, o's inter and intra sums, the state update)
+# run as ``_mma`` tensor-core dots, the chunk's own sums as trees; the interpreter and the torch path
+# keep the trees.  Not a launch knob: it changes bits, so every path on a device takes the same.
+MMA = True
+
+
+def _use_mma(lib: bool, mma: bool | None) -> bool:
+    """The kernels' form: ``mma`` if given (tests, benchmarks), else MMA on compiled CUDA."""
+    return (lib and MMA) if mma is None else bool(mma)
 
 
 @triton.jit
@@ -200,14 +226,58 @@ def _ws_part(p_S, p_w, p_q, e_G, fresh, o_v, m_v, k0, N: tl.constexpr, QK: tl.co
 
 
 @triton.jit
+def _mma(a, b):
+    """a (M, R) @ b (R, N) fp32 on tensor cores, tf32x3 (three TF32 products: ~fp32 accuracy), one
+    tl.dot over the whole R from a zero accumulator.  A row's result is a function of that row of a
+    and of b where the row is not zero, whatever M, the other rows, and 16-row mma.sync or 64-row
+    wgmma (H200, ``benchmarks/probe_mma_rows.py``); the R split into dots is part of the order (two
+    dots of R/2 give other bits), so every caller passes the whole R at once."""
+    return tl.dot(a, b, input_precision="tf32x3", out_dtype=tl.float32)
+
+
+@triton.jit
+def _row_of(x, o_m, m):
+    """Row m of a (16, N) tile, exactly: the other rows become -0.0, which no sum changes."""
+    return tl.sum(tl.where(o_m[:, None] == m, x, _neg0()), axis=0)
+
+
+@triton.jit
+def _ws_mma(p_S, p_w, p_q, e_G, fresh, o_v, m_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr):
+    """``_ws_part``'s two products as rows 0 and 1 of one 16-row ``_mma``: w_i S0 and (q_i exp(G_i))
+    S0 over S0's (BK, BV) column tile, the chunk state kernel's dots for row i."""
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    b_S = tl.load(p_S + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_S = tl.where(fresh, 0.0, b_S)
+    b_w = tl.load(p_w + o_k, mask=m_k, other=0.0)
+    b_qe = tl.load(p_q + o_k, mask=m_k, other=0.0) * e_G
+    o_m = tl.arange(0, 16)
+    a = tl.where(o_m[:, None] == 0, b_w[None, :], tl.where(o_m[:, None] == 1, b_qe[None, :], 0.0))
+    x = _mma(a, b_S)
+    return _row_of(x, o_m, 0), _row_of(x, o_m, 1)
+
+
+@triton.jit
+def _av_mma(b_a, b_vc, C: tl.constexpr):
+    """tree_j's MMA form for one row: b_a (C,) the row's A_ij (0 where j > i), b_vc (C, BV) the
+    rows j (0 where j > i) -> (BV,), row 0 of a 16-row ``_mma``."""
+    o_m = tl.arange(0, 16)
+    x = _mma(tl.where(o_m[:, None] == 0, b_a[None, :], 0.0), b_vc)
+    return _row_of(x, o_m, 0)
+
+
+@triton.jit
 def _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc,
          t, t0, start, pos, s, valid, i_h, i_hk,
          Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-         BK: tl.constexpr, BV: tl.constexpr, QK: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr):
+         BK: tl.constexpr, BV: tl.constexpr, QK: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
+         MMA: tl.constexpr):
     """Row r = pos % 64 of token t (``cpu.py``'s row functions): writes o[t] and
     the slot's rows g_cum, x, v_new at r (not k: the callers do).  Every K tree is
     formed QK lanes at a time (its subtrees, then their levels), so the live tiles
-    are (64, QK) and (QK, BV), not (64, K) and (K, BV)."""
+    are (64, QK) and (QK, BV), not (64, K) and (K, BV).  MMA: the products with the
+    state (w_i S0, (q_i exp(G_i)) S0) and o's intra sum as the chunk kernels' ``_mma``
+    rows (``_ws_mma``, ``_av_mma``); the chunk's own sums stay trees."""
     W: tl.constexpr = V + K
     r = pos % C
     o_j = tl.arange(0, C)
@@ -254,13 +324,19 @@ def _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc,
         b_vv = tl.load(p_v + (t * Hv + i_h) * V + o_v, mask=m_v, other=0.0)
         b_xu = tl.load(p_xrow + o_v[None, :], mask=strict[:, None] & m_v[None, :], other=0.0)
         b_u = b_vv * b_beta - _tree_first(tl.where(strict[:, None], b_L[:, None] * b_xu, _neg0()), C, BV)
-        b_sw, b_inter = _ws_part(p_state + (s * Hv + i_h) * K * V, p_xr + V, p_qi, e_G, fresh, o_v, m_v, zero, BK, QK,
-                                 K, V, BV)
+        if MMA:
+            b_sw, b_inter = _ws_mma(p_state + (s * Hv + i_h) * K * V, p_xr + V, p_qi, e_G, fresh, o_v, m_v, K, V, BK)
+        else:
+            b_sw, b_inter = _ws_part(p_state + (s * Hv + i_h) * K * V, p_xr + V, p_qi, e_G, fresh, o_v, m_v, zero,
+                                     BK, QK, K, V, BV)
         b_vn = b_u - b_sw
         b_vc = tl.load(p_vc + ((s * C + o_j[:, None]) * Hv + i_h) * V + o_v[None, :],
                        mask=strict[:, None] & m_v[None, :], other=0.0)
         b_vc = tl.where(here[:, None], b_vn[None, :], b_vc)
-        b_intra = _tree_first(tl.where(causal[:, None], (b_qk * b_E)[:, None] * b_vc, _neg0()), C, BV)
+        if MMA:
+            b_intra = _av_mma(tl.where(causal, b_qk * b_E, 0.0), b_vc, C)
+        else:
+            b_intra = _tree_first(tl.where(causal[:, None], (b_qk * b_E)[:, None] * b_vc, _neg0()), C, BV)
         b_o = b_inter + b_intra
         tl.store(p_o + (t * Hv + i_h) * V + o_v, tl.where(valid, b_o, 0.0), mask=m_v)
         tl.store(p_xr + o_v, b_u, mask=o_v < n_v)
@@ -289,9 +365,11 @@ def _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, j0, G_last, o_kb, o_vb, m_k
 @triton.jit
 def _state_tile(p_k, p_kc, p_gc, p_vc, p_state, s, t0, start, pos, i_tile, i_h, i_hk,
                 Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BKS: tl.constexpr, BVS: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr):
+                BKS: tl.constexpr, BVS: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
+                MMA: tl.constexpr):
     """One (BKS, BVS) tile of the slot's state after row pos % 64: zeros at
-    position 0; S0 * exp(G_63) + tree_j(k'_j v_new_j^T) at row 63; else unchanged."""
+    position 0; S0 * exp(G_63) + tree_j(k'_j v_new_j^T) at row 63 (MMA: the sum as
+    ``_mma(k'^T, v_new)``, the chunk state kernel's dot); else unchanged."""
     NV: tl.constexpr = (V + BVS - 1) // BVS
     o_kb = (i_tile // NV) * BKS + tl.arange(0, BKS)
     o_vb = (i_tile % NV) * BVS + tl.arange(0, BVS)
@@ -301,7 +379,16 @@ def _state_tile(p_k, p_kc, p_gc, p_vc, p_state, s, t0, start, pos, i_tile, i_h, 
     m = m_k[:, None] & m_v[None, :]
     if pos == 0:  # a sequence's first row: its slot's state becomes S0 = 0
         tl.store(p_s, tl.zeros([BKS, BVS], tl.float32), mask=m)
-    if pos % C == C - 1:
+    if MMA and (pos % C == C - 1):
+        G_last = tl.load(p_gc + (s * C + C - 1) * Hv + i_h)
+        o_j = tl.arange(0, C)
+        b_g = tl.load(p_gc + (s * C + o_j) * Hv + i_h)
+        b_kd = _k_rows(p_k, p_kc, s, t0, start, pos, o_j, o_kb, m_k, i_hk, Hk, K, C) * _exp(G_last - b_g,
+                                                                                       LIBDEVICE)[:, None]
+        b_vc = tl.load(p_vc + ((s * C + o_j[:, None]) * Hv + i_h) * V + o_vb[None, :], mask=m_v[None, :], other=0.0)
+        b_S = tl.load(p_s, mask=m, other=0.0)
+        tl.store(p_s, b_S * _exp(G_last, LIBDEVICE) + _mma(tl.trans(b_kd), b_vc), mask=m)
+    if (not MMA) and (pos % C == C - 1):
         G_last = tl.load(p_gc + (s * C + C - 1) * Hv + i_h)
         a0 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 0, G_last, o_kb, o_vb, m_k, m_v,
                     i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
@@ -330,6 +417,7 @@ def _gdn_decode_row_kernel(
     p_state, p_kc, p_gc, p_xc, p_vc, p_nc, p_o,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, QK: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
+    MMA: tl.constexpr,
 ):
     i_b, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (Hv // Hk)
@@ -339,7 +427,7 @@ def _gdn_decode_row_kernel(
     valid = slot >= 0
     s = tl.maximum(slot, 0).to(tl.int64)
     _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc, t, t, pos, pos, s, valid, i_h, i_hk,
-         Hk, Hv, K, V, BK, BV, QK, C, LIBDEVICE)
+         Hk, Hv, K, V, BK, BV, QK, C, LIBDEVICE, MMA)
     r = pos % C
     o_k = tl.arange(0, BK)
     # every head of a group writes the same k row (no program of this launch reads cache row r)
@@ -354,7 +442,7 @@ def _gdn_decode_row_kernel(
 def _gdn_decode_state_kernel(
     p_k, p_pos, p_slot, p_state, p_kc, p_gc, p_vc, B, G,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BKS: tl.constexpr, BVS: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BKS: tl.constexpr, BVS: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr, MMA: tl.constexpr,
 ):
     """Grid (Hv, tiles, G): tile i_t of head i_h's state for sequences i_g, i_g + G, ...; a row
     that neither closes a chunk nor starts one leaves its state as it is (``_state_tile``)."""
@@ -365,7 +453,7 @@ def _gdn_decode_state_kernel(
         slot = tl.load(p_slot + i_b)
         if slot >= 0:  # i_b is a Python int under the interpreter: made an int64 tensor by the add
             _state_tile(p_k, p_kc, p_gc, p_vc, p_state, slot.to(tl.int64), tl.zeros([], tl.int64) + i_b, pos, pos,
-                        i_t, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+                        i_t, i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE, MMA)
 
 
 @triton.jit
@@ -374,7 +462,7 @@ def _gdn_scan_kernel(
     p_state, p_gc, p_xc, p_vc, p_kc, p_nc, p_o,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, QK: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr,
-    C: tl.constexpr, LIBDEVICE: tl.constexpr,
+    C: tl.constexpr, LIBDEVICE: tl.constexpr, MMA: tl.constexpr,
 ):
     """Grid (B, Hv): a sequence's rows in order, each the decode row, the state
     after rows 63 (and at position 0) by tiles; a barrier after each step, as
@@ -393,12 +481,12 @@ def _gdn_scan_kernel(
     for i in range(n):
         pos = start + i
         _row(p_q, p_k, p_v, p_g, p_beta, p_o, p_state, p_kc, p_gc, p_xc, p_vc, t0 + i, t0, start, pos, s, valid,
-             i_h, i_hk, Hk, Hv, K, V, BK, BV, QK, C, LIBDEVICE)
+             i_h, i_hk, Hk, Hv, K, V, BK, BV, QK, C, LIBDEVICE, MMA)
         tl.debug_barrier()
         if valid & ((pos == 0) | (pos % C == C - 1)):
             for i_t in range(NT):
                 _state_tile(p_k, p_kc, p_gc, p_vc, p_state, s, t0, start, pos, i_t, i_h, i_hk,
-                            Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+                            Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE, MMA)
             tl.debug_barrier()
     o_1 = tl.arange(0, 2)
     tl.store(p_nc + s + o_1, tl.zeros([2], tl.int64) + ((start + n) % C).to(tl.int64),
@@ -441,43 +529,49 @@ def _regs(lib: bool, maxnreg: int | None) -> dict:
 
 def gdn_decode_triton(q, k, v, g, beta, pos, slots, cache, *, bv_row: int | None = None, bks: int = BKS,
                       bvs: int = BVS, row_warps: int | None = None, state_warps: int = STATE_WARPS,
-                      row_maxnreg: int | None = None, bkq: int = BKQ, state_groups: int = STATE_GROUPS):
+                      row_maxnreg: int | None = None, bkq: int = BKQ, state_groups: int = STATE_GROUPS,
+                      mma: bool | None = None):
     """``cpu.decode_step`` as two Triton launches.  q, k (B, Hk, K), v (B, Hv, V),
     g, beta (B, Hv) fp32 contiguous; pos, slots (B,) int64; ``cache``:
     ``op.gdn_cache``'s dict (contiguous) -> o (B, Hv, V) fp32 (0 on padding rows).
     ``bv_row``, ``bks``, ``bvs``, ``bkq`` (the row's K lanes a subtree), ``state_groups``, the two
     kernels' warps and the row kernel's register cap (None: by the batch, 0: none): launch knobs
-    that cannot change bits."""
+    that cannot change bits.  ``mma``: the kernels' form (``_use_mma``), which does."""
     B, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     o = torch.empty(B, Hv, V, dtype=torch.float32, device=q.device)
     if B == 0:
         return o
     lib, opts = _launch_opts(q)
-    BK = max(2, next_power_of_2(K))
+    mma = _use_mma(lib, mma)
+    lo = 16 if mma else 2  # a tl.dot's smallest side
+    BK = max(lo, next_power_of_2(K))
     small = B * Hv <= 8 * 32
-    warps, cols = ROW_SMALL if small else ROW_LARGE
+    if mma:
+        warps, cols = ROW_SMALL_MMA if small else ROW_LARGE_MMA
+    else:
+        warps, cols = ROW_SMALL if small else ROW_LARGE
     if row_maxnreg is None:
-        row_maxnreg = 0 if small else ROW_LARGE_MAXNREG
-    BV = max(2, min(bv_row or cols, next_power_of_2(V)))
+        row_maxnreg = 0 if small or mma else ROW_LARGE_MAXNREG
+    BV = max(lo, min(bv_row or cols, next_power_of_2(V)))
     row_warps = row_warps or warps
     _gdn_decode_row_kernel[(B, Hv)](
         q, k, v, g, beta, pos, slots,
         cache["state"], cache["k"], cache["g_cum"], cache["x"], cache["v_new"], cache["n"], o,
-        Hk, Hv, K, V, BK, BV, min(BK, max(2, next_power_of_2(bkq))), CHUNK, lib, num_warps=row_warps, **opts,
+        Hk, Hv, K, V, BK, BV, min(BK, max(2, next_power_of_2(bkq))), CHUNK, lib, mma, num_warps=row_warps, **opts,
         **_regs(lib, row_maxnreg),
     )
-    bks, bvs = max(2, min(bks, next_power_of_2(K))), max(2, min(bvs, next_power_of_2(V)))
+    bks, bvs = max(lo, min(bks, next_power_of_2(K))), max(lo, min(bvs, next_power_of_2(V)))
     G = max(1, min(B, state_groups))
     _gdn_decode_state_kernel[(Hv, cdiv(K, bks) * cdiv(V, bvs), G)](
         k, pos, slots, cache["state"], cache["k"], cache["g_cum"], cache["v_new"], B, G,
-        Hk, Hv, K, V, bks, bvs, CHUNK, lib, num_warps=state_warps, **opts,
+        Hk, Hv, K, V, bks, bvs, CHUNK, lib, mma, num_warps=state_warps, **opts,
     )
     return o
 
 
 def gdn_scan_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bv_row: int = BV_ROW, bks: int = BKS,
-                    bvs: int = BVS, bkq: int = BKQ):
+                    bvs: int = BVS, bkq: int = BKQ, mma: bool | None = None):
     """The trainer / prefill path as a row-by-row scan: one program per
     (sequence, value head) runs its rows in order through the decode step's
     row and state functions (the same jit helpers), so every row has the
@@ -494,13 +588,15 @@ def gdn_scan_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bv_ro
     if B == 0 or T == 0:
         return o.zero_()
     lib, opts = _launch_opts(q)
-    BK = max(2, next_power_of_2(K))
-    BV = max(2, min(bv_row, next_power_of_2(V)))
-    bks, bvs = max(2, min(bks, next_power_of_2(K))), max(2, min(bvs, next_power_of_2(V)))
+    mma = _use_mma(lib, mma)
+    lo = 16 if mma else 2  # a tl.dot's smallest side
+    BK = max(lo, next_power_of_2(K))
+    BV = max(lo, min(bv_row, next_power_of_2(V)))
+    bks, bvs = max(lo, min(bks, next_power_of_2(K))), max(lo, min(bvs, next_power_of_2(V)))
     _gdn_scan_kernel[(B, Hv)](
         q, k, v, g, beta, cu_seqlens, starts, slots,
         cache["state"], cache["g_cum"], cache["x"], cache["v_new"], cache["k"], cache["n"], o,
-        Hk, Hv, K, V, BK, BV, min(BK, max(2, next_power_of_2(bkq))), bks, bvs, CHUNK, lib, **opts,
+        Hk, Hv, K, V, BK, BV, min(BK, max(2, next_power_of_2(bkq))), bks, bvs, CHUNK, lib, mma, **opts,
     )
     _k_rows_kernel[(B, CHUNK, Hk)](k, cu_seqlens, starts, slots, cache["k"], Hk, K, BK, CHUNK, **opts)
     return o

@@ -127,10 +127,13 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
     start_positions and slots on the host to lay out its chunks, as
     ``cpu.chunked`` does, or, for a call of few short sequences, where it is
     the faster (``_prefill_triton``), ``kernel.gdn_scan_triton`` (the decode's
-    row function over each sequence's rows in order).  Every path
-    gives a row the same bits (``cpu.py``); on CUDA, the Triton bits against
-    the torch path's are checked on the device (the gpu tests of
-    ``tests/test_gdn.py`` and ``tests/test_gdn_chunk.py``)."""
+    row function over each sequence's rows in order).  Within a backend every
+    path gives a row the same bits.  The torch path and the Triton kernels
+    under the interpreter compute ``cpu.py``'s trees; compiled on CUDA the
+    kernels form the products with the state as tf32x3 tensor-core dots
+    (``kernel.MMA``; the same function to ~1e-7, other bits), so a trainer and
+    its server must run the same backend on one device, as the defaults do
+    (the gpu tests of ``tests/test_gdn.py`` and ``tests/test_gdn_chunk.py``)."""
     _check(q, k, v, g, beta, cu_seqlens)
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     backend = _backend(backend, q)
