@@ -311,9 +311,10 @@ o_tr = gdn_chunk_triton(*xs, t(cu), ar * 0, ar, gdn_cache(3, Hk, Hv, K, V, dev),
 o_cpu = cpu.chunked(*xs, cu, [0, 0, 0])
 err = ((o_tr.double() - o_cpu.double()).norm() / o_cpu.double().norm()).item()
 assert 0 < err < 1e-5, err  # another order of the same sums (0: the switch did nothing)
-assert torch.equal(o_tr, gdn_chunk_triton(*xs, t(cu), ar * 0, ar, gdn_cache(3, Hk, Hv, K, V, dev), mma=True,
-                                          fused=False, **FAST))
-assert torch.equal(o_tr, gdn_scan_triton(*xs, t(cu), ar * 0, ar, gdn_cache(3, Hk, Hv, K, V, dev), mma=True))
+if dev == "cuda":  # the trainer form unfused and through the scan (interpreted, the calls below cover both)
+    assert torch.equal(o_tr, gdn_chunk_triton(*xs, t(cu), ar * 0, ar, gdn_cache(3, Hk, Hv, K, V, dev), mma=True,
+                                              fused=False))
+    assert torch.equal(o_tr, gdn_scan_triton(*xs, t(cu), ar * 0, ar, gdn_cache(3, Hk, Hv, K, V, dev), mma=True))
 
 
 def nan_slots():
