@@ -286,6 +286,38 @@ def _chunk_solve_kernel(
 
 
 @triton.jit
+def _seq_program(p_seq, p_sslot, p_fresh, V: tl.constexpr, BV: tl.constexpr):
+    """A state kernel's program on grid (sequences x V / BV, Hv), a sequence's column tiles
+    consecutive: (sequence, column tile, head, its first piece and the end of its pieces, slot,
+    from position 0, the tile's columns and their mask)."""
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_b, i_v, i_h = tl.program_id(0) // NV, tl.program_id(0) % NV, tl.program_id(1)
+    o_v = i_v * BV + tl.arange(0, BV)
+    return (i_b, i_v, i_h, tl.load(p_seq + i_b), tl.load(p_seq + i_b + 1), tl.load(p_sslot + i_b),
+            tl.load(p_fresh + i_b), o_v, o_v < V)
+
+
+@triton.jit
+def _store_n(p_nc, p_nend, s, i_b, i_h, i_v):
+    """The slot's n = (start + len) % 64, from one program of the sequence: a scalar store as a masked
+    2-lane store (the interpreter refuses scalar masks)."""
+    o_1 = tl.arange(0, 2)
+    tl.store(p_nc + s + o_1, tl.zeros([2], tl.int64) + tl.load(p_nend + i_b),
+             mask=o_1 < tl.where((i_h == 0) & (i_v == 0), 1, 0))
+
+
+@triton.jit
+def _piece_program(p_tok, p_rows, V: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, C: tl.constexpr):
+    """An output kernel's program on grid (pieces x (V / BV) x (64 / BR), Hv), a piece's tiles
+    consecutive: (piece, tile, head, the piece's first token, its rows, the tile's first row).  Rows in
+    32 bits: the trees' compares of row indices are then 1 op, not 2."""
+    NR: tl.constexpr = C // BR
+    NT: tl.constexpr = (V + BV - 1) // BV * NR
+    i_p, i_t = (tl.program_id(0) // NT).to(tl.int64), tl.program_id(0) % NT
+    return i_p, i_t, tl.program_id(1), tl.load(p_tok + i_p), tl.load(p_rows + i_p).to(tl.int32), (i_t % NR) * BR
+
+
+@triton.jit
 def _chunk_state_kernel(
     p_o, p_tok, p_rows, p_seq, p_sslot, p_fresh, p_nend,
     p_G, p_AT, p_QT, p_U, p_WT, p_KD, p_VN, p_S0, p_state, p_vc, p_nc,
@@ -307,14 +339,7 @@ def _chunk_state_kernel(
     go to the slot."""
     NK: tl.constexpr = (K + BKS - 1) // BKS
     W: tl.constexpr = V + K
-    NV: tl.constexpr = (V + BV - 1) // BV
-    i_b, i_v, i_h = tl.program_id(0) // NV, tl.program_id(0) % NV, tl.program_id(1)
-    p0 = tl.load(p_seq + i_b)
-    p1 = tl.load(p_seq + i_b + 1)
-    s = tl.load(p_sslot + i_b)
-    fresh = tl.load(p_fresh + i_b)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
+    i_b, i_v, i_h, p0, p1, s, fresh, o_v, m_v = _seq_program(p_seq, p_sslot, p_fresh, V, BV)
     o_vl = _in_bounds(o_v, V, BV)  # columns for the trees' unmasked loads
     o_r = tl.arange(0, BR)
     o_ks = tl.arange(0, BKS)
@@ -377,9 +402,7 @@ def _chunk_state_kernel(
                     tl.store(p_s0[None, :] + ((i_p + 1) * Hv * K + o_kb[:, None]) * V, b_S,
                              mask=(o_kb < n_next)[:, None] & m_v[None, :])
             tl.debug_barrier()
-    o_1 = tl.arange(0, 2)  # a scalar store as a masked 2-lane store (the interpreter refuses scalar masks)
-    tl.store(p_nc + s + o_1, tl.zeros([2], tl.int64) + tl.load(p_nend + i_b),
-             mask=o_1 < tl.where((i_h == 0) & (i_v == 0), 1, 0))
+    _store_n(p_nc, p_nend, s, i_b, i_h, i_v)
 
 
 @triton.jit
@@ -397,14 +420,7 @@ def _chunk_state_mma_kernel(
     ``_av_mma``) and the update is ``kernel._state_tile``'s: rows and columns past the piece or
     past K, V load as 0, so every stale scratch value stays out of a product."""
     W: tl.constexpr = V + K
-    NV: tl.constexpr = (V + BV - 1) // BV
-    i_b, i_v, i_h = tl.program_id(0) // NV, tl.program_id(0) % NV, tl.program_id(1)
-    p0 = tl.load(p_seq + i_b)
-    p1 = tl.load(p_seq + i_b + 1)
-    s = tl.load(p_sslot + i_b)
-    fresh = tl.load(p_fresh + i_b)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
+    i_b, i_v, i_h, p0, p1, s, fresh, o_v, m_v = _seq_program(p_seq, p_sslot, p_fresh, V, BV)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_i = tl.arange(0, C)
@@ -441,9 +457,7 @@ def _chunk_state_mma_kernel(
                            other=0.0)  # (BK, C) k'^T
             b_S = b_S * e_last + _mma(b_kd, b_vn)
     tl.store(p_s, b_S, mask=m_s)
-    o_1 = tl.arange(0, 2)  # a scalar store as a masked 2-lane store (the interpreter refuses scalar masks)
-    tl.store(p_nc + s + o_1, tl.zeros([2], tl.int64) + tl.load(p_nend + i_b),
-             mask=o_1 < tl.where((i_h == 0) & (i_v == 0), 1, 0))
+    _store_n(p_nc, p_nend, s, i_b, i_h, i_v)
 
 
 @triton.jit
@@ -455,11 +469,7 @@ def _chunk_out_mma_kernel(
     """``_chunk_out_kernel``'s grid and tile, o = _mma(q exp(G), S0) + _mma(A, v_new) as the fused
     state kernel forms it (a row's dots do not see the other rows)."""
     NR: tl.constexpr = C // BR
-    NT: tl.constexpr = (V + BV - 1) // BV * NR
-    i_p, i_t, i_h = (tl.program_id(0) // NT).to(tl.int64), tl.program_id(0) % NT, tl.program_id(1)
-    t0 = tl.load(p_tok + i_p)
-    nr = tl.load(p_rows + i_p).to(tl.int32)
-    r0 = (i_t % NR) * BR
+    i_p, i_t, i_h, t0, nr, r0 = _piece_program(p_tok, p_rows, V, BV, BR, C)
     if r0 < nr:
         o_i = r0 + tl.arange(0, BR)
         o_j = tl.arange(0, C)
@@ -491,11 +501,7 @@ def _chunk_out_kernel(
     tree_K((q_i exp(G_i)) S0) + tree_j(where(j <= i, A_ij v_new_j, -0.0)), from
     the piece's S0 and v_new that the state kernel wrote: every piece at once."""
     NR: tl.constexpr = C // BR
-    NT: tl.constexpr = (V + BV - 1) // BV * NR
-    i_p, i_t, i_h = (tl.program_id(0) // NT).to(tl.int64), tl.program_id(0) % NT, tl.program_id(1)
-    t0 = tl.load(p_tok + i_p)
-    nr = tl.load(p_rows + i_p).to(tl.int32)  # row indices in 32 bits: the trees' compares are 1 op, not 2
-    r0 = (i_t % NR) * BR
+    i_p, i_t, i_h, t0, nr, r0 = _piece_program(p_tok, p_rows, V, BV, BR, C)
     if r0 < nr:
         o_i = r0 + tl.arange(0, BR)
         o_v = (i_t // NR) * BV + tl.arange(0, BV)

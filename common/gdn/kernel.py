@@ -379,34 +379,34 @@ def _state_tile(p_k, p_kc, p_gc, p_vc, p_state, s, t0, start, pos, i_tile, i_h, 
     m = m_k[:, None] & m_v[None, :]
     if pos == 0:  # a sequence's first row: its slot's state becomes S0 = 0
         tl.store(p_s, tl.zeros([BKS, BVS], tl.float32), mask=m)
-    if MMA and (pos % C == C - 1):
+    if pos % C == C - 1:
         G_last = tl.load(p_gc + (s * C + C - 1) * Hv + i_h)
-        o_j = tl.arange(0, C)
-        b_g = tl.load(p_gc + (s * C + o_j) * Hv + i_h)
-        b_kd = _k_rows(p_k, p_kc, s, t0, start, pos, o_j, o_kb, m_k, i_hk, Hk, K, C) * _exp(G_last - b_g,
-                                                                                       LIBDEVICE)[:, None]
-        b_vc = tl.load(p_vc + ((s * C + o_j[:, None]) * Hv + i_h) * V + o_vb[None, :], mask=m_v[None, :], other=0.0)
-        b_S = tl.load(p_s, mask=m, other=0.0)
-        tl.store(p_s, b_S * _exp(G_last, LIBDEVICE) + _mma(tl.trans(b_kd), b_vc), mask=m)
-    if (not MMA) and (pos % C == C - 1):
-        G_last = tl.load(p_gc + (s * C + C - 1) * Hv + i_h)
-        a0 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 0, G_last, o_kb, o_vb, m_k, m_v,
-                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a1 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 8, G_last, o_kb, o_vb, m_k, m_v,
-                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a2 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 16, G_last, o_kb, o_vb, m_k, m_v,
-                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a3 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 24, G_last, o_kb, o_vb, m_k, m_v,
-                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a4 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 32, G_last, o_kb, o_vb, m_k, m_v,
-                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a5 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 40, G_last, o_kb, o_vb, m_k, m_v,
-                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a6 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 48, G_last, o_kb, o_vb, m_k, m_v,
-                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        a7 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 56, G_last, o_kb, o_vb, m_k, m_v,
-                    i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
-        upd = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+        if MMA:
+            o_j = tl.arange(0, C)
+            b_g = tl.load(p_gc + (s * C + o_j) * Hv + i_h)
+            b_kd = _k_rows(p_k, p_kc, s, t0, start, pos, o_j, o_kb, m_k, i_hk, Hk, K, C) * _exp(G_last - b_g,
+                                                                                           LIBDEVICE)[:, None]
+            b_vc = tl.load(p_vc + ((s * C + o_j[:, None]) * Hv + i_h) * V + o_vb[None, :], mask=m_v[None, :],
+                           other=0.0)
+            upd = _mma(tl.trans(b_kd), b_vc)
+        else:
+            a0 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 0, G_last, o_kb, o_vb, m_k, m_v,
+                        i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+            a1 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 8, G_last, o_kb, o_vb, m_k, m_v,
+                        i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+            a2 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 16, G_last, o_kb, o_vb, m_k, m_v,
+                        i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+            a3 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 24, G_last, o_kb, o_vb, m_k, m_v,
+                        i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+            a4 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 32, G_last, o_kb, o_vb, m_k, m_v,
+                        i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+            a5 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 40, G_last, o_kb, o_vb, m_k, m_v,
+                        i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+            a6 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 48, G_last, o_kb, o_vb, m_k, m_v,
+                        i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+            a7 = _leaf8(p_k, p_kc, p_vc, p_gc, s, t0, start, pos, 56, G_last, o_kb, o_vb, m_k, m_v,
+                        i_h, i_hk, Hk, Hv, K, V, BKS, BVS, C, LIBDEVICE)
+            upd = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
         b_S = tl.load(p_s, mask=m, other=0.0)
         tl.store(p_s, b_S * _exp(G_last, LIBDEVICE) + upd, mask=m)
 
