@@ -645,7 +645,90 @@ def test_triton_scan_kernel_interpreted():
     run_interpreted(_INTERPRETED_SCAN, expect="ok")
 
 
+_INTERPRETED_PROLOGUE = r"""
+import numpy as np
+import torch
+import triton.language as tl
+from triton.runtime import interpreter as _it
+
+# torch's exp and rsqrt in place of numpy's (the CUDA kernels take libdevice's, which are torch's
+# CUDA ops'), and fp32 -> bf16 rounded to nearest even as CUDA and torch round (the interpreter truncates)
+for _name, _fn in (("create_exp", torch.exp), ("create_rsqrt", torch.rsqrt)):
+    setattr(_it.InterpreterBuilder, _name, lambda self, arg, fn=_fn: self.unary_op(
+        arg, lambda a: fn(torch.from_numpy(np.array(a, copy=True))).numpy()))
+_cast = _it.InterpreterBuilder.cast_impl
+def _cast_rne(self, src, dst_type):
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+        t = torch.from_numpy(np.array(src.data, copy=True)).to(torch.bfloat16)
+        return _it.TensorHandle(t.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+    return _cast(self, src, dst_type)
+_it.InterpreterBuilder.cast_impl = _cast_rne
+_np_sum = _it.ReduceOps.sum
+_it.ReduceOps.sum = lambda self, x: (self.to_tensor(np.add.reduce(
+    x.handle.data, axis=self.axis, keepdims=self.keep_dims, initial=-0.0), x.dtype)
+    if x.handle.data.dtype.kind == "f" else _np_sum(self, x))
+
+from alignzoo.common.gdn import cpu
+from alignzoo.common.gdn.prologue_kernel import conv1d_triton, l2norm_triton
+
+g = torch.Generator().manual_seed(0)
+for dt in (torch.float32, torch.bfloat16):
+    C = 300  # two channel tiles, the second partial
+    # sequences: one past its tail, a 1-token continuation, an empty one, a padding row (slot -1),
+    # a fresh 5-token prompt, a continuation from 64 and a fresh 2-token prompt (zeros in its new tail)
+    lens, starts = [70, 1, 0, 2, 5, 33, 2], [0, 5, 3, 1, 0, 64, 0]
+    slots = torch.tensor([2, 0, 1, -1, 3, 4, 6])
+    cu = torch.tensor([0] + np.cumsum(lens).tolist())
+    T = int(cu[-1])
+    x = (torch.randn(T, C + 7, generator=g) * 3).to(dt)[:, 3:3 + C]  # a strided column slice, as in_proj's
+    w = torch.randn(C, 4, generator=g).to(dt)
+    tail = torch.randn(7, 3, C, generator=g).to(dt)
+    t_cpu, t_tri = tail.clone(), tail.clone()
+    y_cpu = cpu.conv1d_cpu(x, w, cu, t_cpu, slots, torch.tensor(starts))
+    y_tri = conv1d_triton(x, w, cu, t_tri, slots, torch.tensor(starts))
+    assert torch.equal(y_cpu, y_tri) and torch.equal(t_cpu, t_tri), dt
+    assert torch.equal(conv1d_triton(x, w, cu), cpu.conv1d_cpu(x, w, cu)), dt
+    for D in (128, 24, 1):
+        xx = torch.randn(37, 3, D, generator=g).to(dt)
+        xx[0, 0] = 0
+        assert torch.equal(l2norm_triton(xx), cpu.l2norm_cpu(xx)), (dt, D)
+print("ok")
+"""
+
+
+def test_prologue_kernels_interpreted():
+    """The conv1d + SiLU and l2norm kernels (the server's on CUDA) under the interpreter give the
+    torch path's bits, fp32 and bf16: outputs and every slot's new tail, across fresh, continued,
+    empty, 1- and 2-token and padding sequences (a dropped position-0 zeroing of a short fresh
+    prompt's tail, or a dropped rounding to bf16 before the SiLU, fails it)."""
+    run_interpreted(_INTERPRETED_PROLOGUE, expect="ok")
+
+
 # ------------------------------------------------------------------ GPU (not run on the CPU CI)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_prologue_kernels_equal_torch_path(dtype):
+    """On CUDA at Qwen3.5's widths: the server's conv1d and l2norm kernels give the torch path's
+    bits (libdevice's exp and rsqrt are torch's CUDA ops'), so the trainer (the torch path, for its
+    gradients) and the server agree; 1,500 tokens of five sequences, fresh and continued."""
+    from alignzoo.common.gdn import cpu
+    from alignzoo.common.gdn.prologue_kernel import conv1d_triton, l2norm_triton
+
+    g = torch.Generator().manual_seed(0)
+    lens, starts = [700, 3, 1, 540, 256], [0, 61, 64, 0, 13]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
+    T, C = sum(lens), 8192
+    x = (torch.randn(T, C + 64, generator=g) * 2).to(dtype).cuda()[:, :C]
+    w = (torch.randn(C, 4, generator=g) * 0.5).to(dtype).cuda()
+    tail = torch.randn(6, 3, C, generator=g).to(dtype).cuda()
+    slots, st = torch.tensor([5, 0, 2, 1, 4], device="cuda"), torch.tensor(starts, device="cuda")
+    t_cpu, t_tri = tail.clone(), tail.clone()
+    assert torch.equal(cpu.conv1d_cpu(x, w, cu, t_cpu, slots, st), conv1d_triton(x, w, cu, t_tri, slots, st))
+    assert torch.equal(t_cpu, t_tri)
+    q = torch.randn(T, 16, 128, generator=g).to(dtype).cuda()
+    assert torch.equal(cpu.l2norm_cpu(q), l2norm_triton(q))
 
 
 @pytest.mark.gpu

@@ -65,9 +65,19 @@ def conv1d_state_fields(channels: int, dtype: torch.dtype) -> dict[str, tuple[tu
     return {"conv_tail": ((CONV_K - 1, channels), dtype)}
 
 
+def _graded(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
 def l2norm_fwd(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x (..., D) -> fp32 x * rsqrt(sum(x * x) + eps), the sum a fixed pairwise
-    tree over D padded with -0.0 to a power of two (differentiable)."""
+    tree over D padded with -0.0 to a power of two (differentiable).  On CUDA
+    without a gradient to form: one Triton launch of the same bits
+    (``prologue_kernel.l2norm_triton``)."""
+    if x.is_cuda and not _graded(x):
+        from .prologue_kernel import l2norm_triton
+
+        return l2norm_triton(x, eps)
     return cpu.l2norm_cpu(x, eps)
 
 
@@ -234,7 +244,9 @@ def conv1d_fwd(x, weight, cu_seqlens, *, tail=None, slots=None, start_positions=
     ``slots`` (B,) and ``start_positions`` (B,): a sequence at start > 0 reads
     the taps before its first token from its slot's tail; every slot >= 0
     gets its last three inputs.  Rounding points: ``cpu.conv1d_cpu``.  No host
-    reads in any shape; differentiable (x and weight)."""
+    reads in any shape; differentiable (x and weight).  On CUDA without a
+    gradient to form: two Triton launches of the same bits
+    (``prologue_kernel.conv1d_triton``) in place of the torch path's ~110."""
     check_tensor("x", x, ndim=2, contiguous=False)
     check_tensor("weight", weight, ndim=2, contiguous=False)
     if weight.shape != (x.shape[1], CONV_K):
@@ -243,6 +255,10 @@ def conv1d_fwd(x, weight, cu_seqlens, *, tail=None, slots=None, start_positions=
         raise ValueError("tail, slots and start_positions go together")
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
+    if x.is_cuda and not _graded(x, weight):
+        from .prologue_kernel import conv1d_triton
+
+        return conv1d_triton(x, weight, cu_seqlens, tail, slots, start_positions)
     return cpu.conv1d_cpu(x, weight, cu_seqlens, tail, slots, start_positions)
 
 
