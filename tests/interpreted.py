@@ -11,6 +11,33 @@ import tempfile
 import pytest
 
 
+# A script's first lines for kernels that use exp / rsqrt (libdevice's on CUDA, which are torch's
+# CUDA ops') or round fp32 to bf16: the interpreter computes those with numpy, which differs from
+# torch in exp's and rsqrt's last bit and truncates to bf16 where CUDA and torch round to nearest
+# even; and its float tl.sum starts from +0.0 where a compiled one starts from its first element.
+TORCH_MATH = r"""
+import numpy as np
+import torch
+import triton.language as tl
+from triton.runtime import interpreter as _it
+
+for _name, _fn in (("create_exp", torch.exp), ("create_rsqrt", torch.rsqrt)):
+    setattr(_it.InterpreterBuilder, _name, lambda self, arg, fn=_fn: self.unary_op(
+        arg, lambda a: fn(torch.from_numpy(np.array(a, copy=True))).numpy()))
+_cast = _it.InterpreterBuilder.cast_impl
+def _cast_rne(self, src, dst_type):
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+        t = torch.from_numpy(np.array(src.data, copy=True)).to(torch.bfloat16)
+        return _it.TensorHandle(t.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+    return _cast(self, src, dst_type)
+_it.InterpreterBuilder.cast_impl = _cast_rne
+_np_sum = _it.ReduceOps.sum
+_it.ReduceOps.sum = lambda self, x: (self.to_tensor(np.add.reduce(
+    x.handle.data, axis=self.axis, keepdims=self.keep_dims, initial=-0.0), x.dtype)
+    if x.handle.data.dtype.kind == "f" else _np_sum(self, x))
+"""
+
+
 def run_interpreted(script: str, *, timeout: int = 600, expect: str | None = None, interpret: bool = True) -> str:
     """Run ``script`` (Python source) interpreted; it fails the calling test
     when the script exits non-zero (an assertion inside it) or, with

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import TORCH_MATH, run_interpreted
 
 from alignzoo.common.gdn import (conv1d, conv1d_fwd, conv1d_ref, conv1d_state_fields, cpu, gdn, gdn_cache, gdn_fwd,
                                  gdn_ref, gdn_state_fields, l2norm_fwd, l2norm_ref)
@@ -645,29 +645,7 @@ def test_triton_scan_kernel_interpreted():
     run_interpreted(_INTERPRETED_SCAN, expect="ok")
 
 
-_INTERPRETED_PROLOGUE = r"""
-import numpy as np
-import torch
-import triton.language as tl
-from triton.runtime import interpreter as _it
-
-# torch's exp and rsqrt in place of numpy's (the CUDA kernels take libdevice's, which are torch's
-# CUDA ops'), and fp32 -> bf16 rounded to nearest even as CUDA and torch round (the interpreter truncates)
-for _name, _fn in (("create_exp", torch.exp), ("create_rsqrt", torch.rsqrt)):
-    setattr(_it.InterpreterBuilder, _name, lambda self, arg, fn=_fn: self.unary_op(
-        arg, lambda a: fn(torch.from_numpy(np.array(a, copy=True))).numpy()))
-_cast = _it.InterpreterBuilder.cast_impl
-def _cast_rne(self, src, dst_type):
-    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-        t = torch.from_numpy(np.array(src.data, copy=True)).to(torch.bfloat16)
-        return _it.TensorHandle(t.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-    return _cast(self, src, dst_type)
-_it.InterpreterBuilder.cast_impl = _cast_rne
-_np_sum = _it.ReduceOps.sum
-_it.ReduceOps.sum = lambda self, x: (self.to_tensor(np.add.reduce(
-    x.handle.data, axis=self.axis, keepdims=self.keep_dims, initial=-0.0), x.dtype)
-    if x.handle.data.dtype.kind == "f" else _np_sum(self, x))
-
+_INTERPRETED_PROLOGUE = TORCH_MATH + r"""
 from alignzoo.common.gdn import cpu
 from alignzoo.common.gdn.prologue_kernel import conv1d_triton, l2norm_triton
 

@@ -161,6 +161,19 @@ for T, H, I, E, k, skew in ((37, 40, 24, 5, 3, False), (70, 72, 40, 7, 2, True),
     order, te, r0, r1 = tile_map(ids, E, 64)
     counts = torch.bincount(ids.reshape(-1), minlength=E)
     assert int((te >= 0).sum()) == int(((counts + 63) // 64).sum())
+# the sorted map's kernel against tile_map (torch): rows past one 1024-row block, odd E, skew, idle experts
+for T, E, k, bm, skew in ((300, 9, 8, 64, False), (129, 256, 8, 64, True), (1000, 33, 3, 128, False)):
+    scores = torch.rand(T, E, generator=g)
+    scores[:, 1] = -1
+    if skew:
+        scores[: T // 2, 5] = 2
+    ids = scores.topk(k, -1).indices
+    w = torch.rand(T, k, generator=g).to(torch.bfloat16)
+    got = kernel.sorted_map_triton(ids, w, E, bm)
+    order, te, r0, r1 = tile_map(ids, E, bm)
+    want = (order, (order // k).int(), order.int(), w.reshape(-1).float()[order], te, r0, r1)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), (T, E, k, bm)
 print("ok")
 """
 

@@ -8,6 +8,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashR
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
 
+from interpreted import TORCH_MATH, run_interpreted
 from alignzoo.common.ladder import bitwise_equal, rel_err, rung1_repeat, rung2_rows
 from alignzoo.common.matmul import matmul
 from alignzoo.common.moe import (
@@ -438,3 +439,42 @@ def test_bad_inputs():
         router_replay(x, torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 2), mode="soft", scoring="softmax")
     with pytest.raises(ValueError, match="replay_weights"):
         router_replay(x, torch.zeros(4, 2, dtype=torch.int64), torch.zeros(4, 3), mode="frozen", scoring="sigmoid")
+
+
+# ------------------------------------------------------------------ the server's softmax router kernel
+
+_INTERPRETED_ROUTER = TORCH_MATH + r"""
+from alignzoo.common.moe.router import softmax_topk_fwd
+from alignzoo.common.moe.router_kernel import softmax_topk_triton
+
+g = torch.Generator().manual_seed(0)
+for T, E, k in ((37, 256, 8), (9, 7, 3), (5, 33, 1)):
+    for dt in (torch.float32, torch.bfloat16):
+        x = (torch.randn(T, E, generator=g) * 3).to(dt)
+        x[0] = 0.5  # a row of ties: the smaller ids first
+        x[1, : E // 2] = x[1, E // 2 : 2 * (E // 2)]  # pairs of equal logits
+        x[2, -1] = -1e30  # an expert whose probability underflows to +0.0
+        for norm in (True, False):
+            want, got = softmax_topk_fwd(x, k, norm), softmax_topk_triton(x, k, norm)
+            assert torch.equal(want[1], got[1]) and torch.equal(want[0], got[0]), (T, E, k, dt, norm)
+print("ok")
+"""
+
+
+def test_softmax_router_kernel_interpreted():
+    """The server's softmax top-k kernel under the interpreter gives the CPU path's ids and weights:
+    E = 256 / 7 / 33 (padded lanes), ties, an underflowing expert, fp32 and bf16, with and without
+    normalization."""
+    run_interpreted(_INTERPRETED_ROUTER, expect="ok")
+
+
+@pytest.mark.gpu
+def test_gpu_softmax_router_kernel_equals_torch_path():
+    """On CUDA at Qwen3.5's 256 experts and top-8: the server's kernel (no gradient) gives the bits
+    of the torch path the trainer runs (a logits tensor that wants a gradient), 3,000 rows."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3000, 256, generator=g) * 2).to(torch.bfloat16).cuda()
+    x[0] = 1.0
+    w_k, ids_k = softmax_topk_fwd(x, 8)
+    w_t, ids_t = softmax_topk_fwd(x.clone().requires_grad_(), 8)
+    assert torch.equal(ids_k, ids_t) and torch.equal(w_k, w_t.detach())

@@ -26,6 +26,7 @@ from .trees import _neg0
 
 CONV_BT, CONV_BC = 16, 256  # tokens x channels a conv program (launch knobs: every element is its own)
 NORM_BR = 16  # rows an l2norm program (a launch knob: rows are independent)
+TAPS = tl.constexpr(CONV_K)
 
 
 @triton.jit
@@ -57,17 +58,17 @@ def _conv1d_kernel(p_x, s_x, p_w, p_cu, p_st, p_sl, p_tail, p_y, T, C, B, STEPS:
     if HAS_TAIL:
         pos = local + tl.load(p_st + lo).to(tl.int32)
         slot = tl.maximum(tl.load(p_sl + lo), 0).to(tl.int64)  # cpu.py's clamp: a pad row reads slot 0
-    for d in tl.static_range(CONV_K):  # tap d reads position pos - (3 - d)
-        back = CONV_K - 1 - d
+    for d in tl.static_range(TAPS):  # tap d reads position pos - (3 - d)
+        back = TAPS - 1 - d
         own = tl.load(p_x + tl.maximum(o_t - back, 0).to(tl.int64)[:, None] * s_x + o_c[None, :],
                       mask=m2 & (local >= back)[:, None], other=0.0).to(tl.float32)
         xs = own
         if HAS_TAIL:
-            row = tl.minimum(tl.maximum(CONV_K - 1 + local - back, 0), CONV_K - 2)
-            past = tl.load(p_tail + (slot * (CONV_K - 1) + row)[:, None] * C + o_c[None, :],
+            row = tl.minimum(tl.maximum(TAPS - 1 + local - back, 0), TAPS - 2)
+            past = tl.load(p_tail + (slot * (TAPS - 1) + row)[:, None] * C + o_c[None, :],
                            mask=m2 & ((local < back) & (pos - back >= 0))[:, None], other=0.0).to(tl.float32)
             xs = tl.where((local >= back)[:, None], own, past)
-        term = tl.load(p_w + o_c * CONV_K + d, mask=m_c, other=0.0).to(tl.float32)[None, :] * xs
+        term = tl.load(p_w + o_c * TAPS + d, mask=m_c, other=0.0).to(tl.float32)[None, :] * xs
         if d == 0:
             acc = term
         else:
@@ -90,12 +91,12 @@ def _conv_tail_kernel(p_x, s_x, p_cu, p_st, p_sl, p_tail, T, C, BC: tl.constexpr
         c0 = tl.load(p_cu + b)
         n = tl.load(p_cu + b + 1) - c0
         st = tl.load(p_st + b)
-        base = p_tail + slot * (CONV_K - 1) * C + o_c
+        base = p_tail + slot * (TAPS - 1) * C + o_c
         loc0, loc1, loc2 = n - 3, n - 2, n - 1
-        old0 = tl.load(base + tl.minimum(tl.maximum(CONV_K - 1 + loc0, 0), CONV_K - 2) * C, mask=m_c)
-        old1 = tl.load(base + tl.minimum(tl.maximum(CONV_K - 1 + loc1, 0), CONV_K - 2) * C, mask=m_c)
-        old2 = tl.load(base + tl.minimum(tl.maximum(CONV_K - 1 + loc2, 0), CONV_K - 2) * C, mask=m_c)
-        for m in tl.static_range(CONV_K - 1):
+        old0 = tl.load(base + tl.minimum(tl.maximum(TAPS - 1 + loc0, 0), TAPS - 2) * C, mask=m_c)
+        old1 = tl.load(base + tl.minimum(tl.maximum(TAPS - 1 + loc1, 0), TAPS - 2) * C, mask=m_c)
+        old2 = tl.load(base + tl.minimum(tl.maximum(TAPS - 1 + loc2, 0), TAPS - 2) * C, mask=m_c)
+        for m in tl.static_range(TAPS - 1):
             if m == 0:
                 loc, old = loc0, old0
             elif m == 1:

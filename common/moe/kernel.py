@@ -30,7 +30,6 @@ from .._host import cdiv
 from ..fp8.quant import BLOCK as FP8_BLOCK
 from ..fp8.quant import quantize_act
 from ..swiglu.cpu import limit_in
-from .cpu import slot_sum
 
 BLOCK_M = 64  # wgmma's smallest M: a tile never lowers to mma.sync
 BLOCK_K = 64  # the K chain's step: fixed, so every launch sums K the same way
@@ -350,6 +349,85 @@ def tile_map(ids: torch.Tensor, E: int, block_m: int = BLOCK_M):
     return order, tile_expert.to(torch.int32), r0.to(torch.int32), r1.to(torch.int32)
 
 
+@triton.jit
+def _sorted_map_kernel(p_ids, p_order, p_w, n, E, K_SLOTS, p_tok, p_dst, p_wt, p_te, p_r0, p_r1, p_scr, n_tiles,
+                       BM: tl.constexpr, EP: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr):
+    """``tile_map``'s tiles (program 0) and the sorted rows' token, destination and routing weight
+    (programs 1..), integer arithmetic throughout; p_scr: 4 x EP int32 scratch."""
+    pid = tl.program_id(0)
+    if pid > 0:
+        o = (pid - 1) * BN + tl.arange(0, BN)
+        m = o < n
+        r = tl.load(p_order + o, mask=m, other=0)
+        tl.store(p_tok + o, (r // K_SLOTS).to(tl.int32), mask=m)
+        tl.store(p_dst + o, r.to(tl.int32), mask=m)
+        tl.store(p_wt + o, tl.load(p_w + r, mask=m, other=0.0).to(tl.float32), mask=m)
+    else:
+        counts = tl.zeros((EP,), dtype=tl.int32)
+        for i0 in range(0, n, BN):
+            o = i0 + tl.arange(0, BN)
+            e = tl.load(p_ids + o, mask=o < n, other=0).to(tl.int32)
+            counts += tl.histogram(e, EP)
+        bins = tl.arange(0, EP)
+        counts -= tl.where(bins == 0, (BN - n % BN) % BN, 0)  # the last block's masked rows, counted as expert 0
+        tiles = (counts + BM - 1) // BM
+        tile_end = tl.cumsum(tiles, 0)
+        row_start = tl.cumsum(counts, 0) - counts
+        tl.store(p_scr + bins, counts)
+        tl.store(p_scr + EP + bins, tiles)
+        tl.store(p_scr + 2 * EP + bins, tile_end)
+        tl.store(p_scr + 3 * EP + bins, row_start)
+        tl.debug_barrier()  # the gathers below read other threads' stores
+        for t0 in range(0, n_tiles, BT):
+            t = t0 + tl.arange(0, BT)
+            m = t < n_tiles
+            e_of = tl.sum(((tile_end[None, :] <= t[:, None]) & (bins < E)[None, :]).to(tl.int32), 1)
+            e_c = tl.minimum(e_of, E - 1)
+            cnt = tl.load(p_scr + e_c)
+            til = tl.load(p_scr + EP + e_c)
+            end = tl.load(p_scr + 2 * EP + e_c)
+            rs = tl.load(p_scr + 3 * EP + e_c)
+            tl.store(p_r0 + t, rs + (t - (end - til)) * BM, mask=m)
+            tl.store(p_r1 + t, rs + cnt, mask=m)
+            tl.store(p_te + t, tl.where(e_of < E, e_c, -1), mask=m)
+
+
+def sorted_map_triton(ids: torch.Tensor, weights: torch.Tensor, E: int, block_m: int = BLOCK_M):
+    """``tile_map`` and the rows the kernels take from it, in one launch after a stable sort (which
+    gives the permutation of ``tile_map``'s distinct keys): -> (order, tok, dst, wt, tile_expert,
+    tile_r0, tile_r1); tok = order // k, dst = order (int32), wt = the routing weight of each sorted
+    row (fp32).  A 512-token prefill ran ~40 small torch ops a layer for these."""
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    order = torch.sort(flat, stable=True).indices
+    n_tiles = cdiv(n, block_m) + E
+    i32 = dict(dtype=torch.int32, device=ids.device)
+    tok, dst, te, r0, r1 = (torch.empty(n, **i32), torch.empty(n, **i32), torch.empty(n_tiles, **i32),
+                            torch.empty(n_tiles, **i32), torch.empty(n_tiles, **i32))
+    wt = torch.empty(n, dtype=torch.float32, device=ids.device)
+    EP = max(16, triton.next_power_of_2(E))
+    scratch = torch.empty(4 * EP, **i32)
+    BN = 1024
+    _sorted_map_kernel[(1 + cdiv(n, BN),)](flat.contiguous(), order, weights.reshape(-1).contiguous(), n, E, k,
+                                           tok, dst, wt, te, r0, r1, scratch, n_tiles, block_m, EP, BN, 64,
+                                           num_warps=8)
+    return order, tok, dst, wt, te, r0, r1
+
+
+@triton.jit
+def _slot_sum_kernel(p_c, p_y, N, H, K_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """y[t, h] = ((c[t, 0, h] + c[t, 1, h]) + c[t, 2, h]) + ... (``cpu.slot_sum``), N = T·H."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < N
+    t, h = o // H, o % H
+    base = t.to(tl.int64) * K_SLOTS * H + h
+    acc = tl.load(p_c + base, mask=m)
+    for j in tl.static_range(1, K_SLOTS):
+        acc = acc + tl.load(p_c + base + j * H, mask=m)
+    tl.store(p_y + o, acc, mask=m)
+
+
 def row_tile_map(ids: torch.Tensor):
     """One tile per (token, slot) row, in row order, for a batch with fewer
     rows than experts (decode): no sort and a grid of T·k tiles instead of
@@ -435,8 +513,12 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
     x = x.contiguous()
     (w_gu, s_gu), (w_d, s_d) = ((w.contiguous(), sc.contiguous()) for w, sc in (gate_up, down))
     # a static choice (shapes only): a graph captured for one T keeps it
-    order, t_e, t_r0, t_r1 = row_tile_map(ids) if T * k < E else tile_map(ids, E, block_m)
-    tiles, tok, n_tiles = (t_e, t_r0, t_r1), (order // k).to(torch.int32), t_e.shape[0]
+    if T * k < E:
+        order, t_e, t_r0, t_r1 = row_tile_map(ids)
+        tok, dst, wt = (order // k).to(torch.int32), order.to(torch.int32), weights.reshape(-1).float()[order]
+    else:
+        order, tok, dst, wt, t_e, t_r0, t_r1 = sorted_map_triton(ids, weights, E, block_m)
+    tiles, n_tiles = (t_e, t_r0, t_r1), t_e.shape[0]
     a = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     c = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     lim = 0.0 if limit is None else limit_in(x.dtype, limit)  # the CPU path's bound (cpu.swiglu_f32)
@@ -459,8 +541,6 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
             x, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, d_gu, H, I, lim, HAS_LIMIT=limit is not None,
             MX=mx if fmt == "mxfp4" else 0, SWAP=swap, HAS_DELTA=has, **knobs)
     d_down = _lora_term(a, sorted_rows, lora.a_down, lora.b_down, lora.s, tiles, sorted_rows, knobs) if has else c
-    wt = weights.reshape(-1).float()[order].contiguous()
-    dst = order.to(torch.int32)
     if fmt == "fp8":
         aq, as_ = quantize_act(a)  # rows in sorted order: row-local, so the order is free
         _down_fp8_kernel[(n_tiles * cdiv(H, block_n),)](
@@ -470,4 +550,6 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
         _down_kernel[(n_tiles * cdiv(H, block_n),)](
             a, w_d, s_d, wt, dst, t_e, t_r0, t_r1, c, d_down, H, I, MX=mx if fmt == "mxfp4" else 0, SWAP=swap,
             HAS_DELTA=has, **knobs)
-    return slot_sum(c.view(T, k, H))
+    y = torch.empty(T, H, dtype=torch.float32, device=x.device)
+    _slot_sum_kernel[(cdiv(T * H, 1024),)](c, y, T * H, H, k, 1024)
+    return y

@@ -210,7 +210,12 @@ def _biased_topk(s, bias, top_k, n_group=1, topk_group=1):
 
 
 def softmax_topk_fwd(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3.5's router without input checks.  (T, E) -> ((T, k) logits.dtype, (T, k) int64)."""
+    """Qwen3.5's router without input checks.  (T, E) -> ((T, k) logits.dtype, (T, k) int64).
+    On CUDA without a gradient to form: one Triton launch of the same bits (``router_kernel``)."""
+    if logits.is_cuda and not (torch.is_grad_enabled() and logits.requires_grad):
+        from .router_kernel import softmax_topk_triton
+
+        return softmax_topk_triton(logits, top_k, normalize)
     p = softmax_fp32(logits.float())
     ids = key_ids(_smallest(order_keys(p.detach()), top_k))
     return _weights_at(p, ids, "softmax", normalize, 1.0, logits.dtype), ids
