@@ -418,6 +418,19 @@ def test_l2norm_rows_and_accuracy():
     assert rel_err(y, tq.l2norm(x.float())) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_l2norm_gradient_vs_float64(dtype):
+    """The closed-form backward against float64 autograd, with a zero row (gradient dy / sqrt(eps))."""
+    x = torch.randn(50, 2, 24).to(dtype)
+    x[3, 1] = 0
+    dy = torch.randn(50, 2, 24)
+    xl, xr = x.clone().requires_grad_(), x.double().requires_grad_()
+    (l2norm_fwd(xl) * dy).sum().backward()
+    (l2norm_ref(xr) * dy.double()).sum().backward()
+    assert torch.equal(l2norm_fwd(x), l2norm_fwd(xl).detach())  # the graded forward's bits
+    assert rel_err(xl.grad.float(), xr.grad) < (1e-6 if dtype == torch.float32 else 8e-3)
+
+
 # ------------------------------------------------------------------ conv1d
 
 
@@ -489,6 +502,8 @@ def test_conv1d_gradients_vs_float64():
         (fn(xl, wl, torch.tensor([0, 5, 69]) if fn is conv1d else [0, 5, 69]) * dy.to(dtype)).sum().backward()
         grads.append((xl.grad, wl.grad))
     assert rel_err(grads[0][0], grads[1][0]) < 1e-6 and rel_err(grads[0][1], grads[1][1]) < 1e-6
+    xl = x.clone().requires_grad_()
+    assert torch.equal(conv1d(xl, w, torch.tensor([0, 5, 69])).detach(), conv1d_fwd(x, w, torch.tensor([0, 5, 69])))
 
 
 def test_bad_input():

@@ -211,7 +211,7 @@ def _chunk_solve_kernel(
     p_k, p_v, p_beta, p_tok, p_rows, p_wslot,
     p_G, p_L, p_X, p_WT, p_xc,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BW: tl.constexpr, BS: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BW: tl.constexpr, BS: tl.constexpr, C: tl.constexpr, LIBDEVICE: tl.constexpr, STORE_WT: tl.constexpr,
 ):
     """Grid (pieces x (V + K) / BW, Hv), a piece's column tiles consecutive programs (they share its
     L in L2): columns c of x = [u | w], x_i = b_i -
@@ -223,8 +223,8 @@ def _chunk_solve_kernel(
     and x + -0.0 == x): the siblings are finished rows, so whole (BS, BW) tiles
     of leaves (``_left_tile``), and only the block's subtree (BS rows, not 64)
     is summed a row at a time.  x to scratch (row-major, read back by later
-    blocks and the state kernel), w^T (the state kernel's leaves) and the slot's
-    open chunk."""
+    blocks and the state kernel), w^T (with STORE_WT: the trees' state kernel's leaves; the MMA
+    form's reads w from x) and the slot's open chunk."""
     W: tl.constexpr = V + K
     NC: tl.constexpr = (W + BW - 1) // BW
     i_p, i_c, i_h = (tl.program_id(0) // NC).to(tl.int64), tl.program_id(0) % NC, tl.program_id(1)
@@ -278,8 +278,9 @@ def _chunk_solve_kernel(
             b_l = b_ln
         m = m_i[:, None] & m_c[None, :]
         tl.store(p_xr[None, :] + o_i[:, None] * (Hv * W), b_X, mask=m)
-        tl.store(p_WT + ((i_p * Hv + i_h) * K + o_c[None, :] - V) * C + o_i[:, None], b_X,
-                 mask=m & is_w[None, :])
+        if STORE_WT:
+            tl.store(p_WT + ((i_p * Hv + i_h) * K + o_c[None, :] - V) * C + o_i[:, None], b_X,
+                     mask=m & is_w[None, :])
         tl.store(p_xc + ((s * C + o_i[:, None]) * Hv + i_h) * W + o_c[None, :], b_X,
                  mask=m & (o_i < n_slot)[:, None])
         tl.debug_barrier()  # the block's rows are the next blocks' leaves
@@ -602,7 +603,7 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         L = torch.empty(P, Hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)
         AT = torch.empty_like(L)
         QT = torch.empty(P, Hv, K, CHUNK, dtype=torch.float32, device=dev)
-        WT = torch.empty_like(QT)
+        WT = QT if mma else torch.empty_like(QT)  # w^T: the trees' state kernel's leaves only
         X = torch.empty(P, CHUNK, Hv, V + K, dtype=torch.float32, device=dev)
         KD = torch.empty(P, CHUNK, Hv, K, dtype=torch.float32, device=dev)
         KQ = torch.empty(P, Hv, 2 * K, CHUNK, dtype=torch.float32, device=dev)
@@ -614,8 +615,8 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         bw = max(2, min(bw, next_power_of_2(V + K)))
         bs = max(2, min(next_power_of_2(bs), CHUNK))
         _chunk_solve_kernel[(P * cdiv(V + K, bw), Hv)](k, v, beta, tok, rows, wslot, G, L, X, WT, cache["x"],
-                                                       Hk, Hv, K, V, bw, bs, CHUNK, lib, num_warps=solve_warps,
-                                                       **opts)
+                                                       Hk, Hv, K, V, bw, bs, CHUNK, lib, not mma,
+                                                       num_warps=solve_warps, **opts)
         lo = 16 if mma else 2  # a tl.dot's smallest side
         bv = max(lo, min(bv or (MMA_BV if mma else BV), next_power_of_2(V)))
         br = min(next_power_of_2(max(1, br)), CHUNK)

@@ -71,14 +71,36 @@ def _graded(*ts: torch.Tensor) -> bool:
 
 def l2norm_fwd(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x (..., D) -> fp32 x * rsqrt(sum(x * x) + eps), the sum a fixed pairwise
-    tree over D padded with -0.0 to a power of two (differentiable).  On CUDA
-    without a gradient to form: one Triton launch of the same bits
-    (``prologue_kernel.l2norm_triton``)."""
-    if x.is_cuda and not _graded(x):
+    tree over D padded with -0.0 to a power of two.  On CUDA the forward is one
+    Triton launch of the same bits (``prologue_kernel.l2norm_triton``).
+    Differentiable: with a gradient to form, ``_L2NormFn`` (the same forward,
+    the closed-form backward)."""
+    if _graded(x):
+        return _L2NormFn.apply(x, eps)
+    if x.is_cuda:
         from .prologue_kernel import l2norm_triton
 
         return l2norm_triton(x, eps)
     return cpu.l2norm_cpu(x, eps)
+
+
+class _L2NormFn(torch.autograd.Function):
+    """y = x r, r = rsqrt(sum x^2 + eps): dx = r dy - x r^3 sum(dy x), in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, eps):
+        with torch.no_grad():
+            y = l2norm_fwd(x, eps)
+        ctx.save_for_backward(x)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        xf = x.float()
+        r = torch.rsqrt(xf.square().sum(-1, keepdim=True) + ctx.eps)
+        return (r * dy - xf * r.pow(3) * (dy * xf).sum(-1, keepdim=True)).to(x.dtype), None
 
 
 def _check(q, k, v, g, beta, cu_seqlens):
@@ -263,5 +285,46 @@ def conv1d_fwd(x, weight, cu_seqlens, *, tail=None, slots=None, start_positions=
 
 
 def conv1d(x, weight, cu_seqlens):
-    """The trainer's differentiable conv1d + SiLU (every sequence from position 0)."""
-    return conv1d_fwd(x, weight, cu_seqlens)
+    """The trainer's differentiable conv1d + SiLU (every sequence from position 0):
+    ``conv1d_fwd``'s forward (one Triton pair on CUDA), the closed-form backward."""
+    if not _graded(x, weight):
+        return conv1d_fwd(x, weight, cu_seqlens)
+    return _Conv1dFn.apply(x, weight, cu_seqlens)
+
+
+class _Conv1dFn(torch.autograd.Function):
+    """y = silu(a), a = sum_d w_d x[t - 3 + d] within the sequence: da = dy silu'(a) in fp32
+    (silu' = s (1 + a (1 - s)), s = sigmoid(a), at the a the forward rounded), then per tap
+    d (3 - d rows back) dw_d = sum_t da[t] x[t - 3 + d] and dx[t - 3 + d] += w_d da[t], over the
+    rows whose tap stays in the sequence.  A few dozen ops on (T, C), where autograd through the
+    torch path's ~110 kept as many (T, C) fp32 tensors."""
+
+    @staticmethod
+    def forward(ctx, x, weight, cu_seqlens):
+        with torch.no_grad():
+            y = conv1d_fwd(x, weight, cu_seqlens)
+        ctx.save_for_backward(x, weight, cu_seqlens)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, cu = ctx.saved_tensors
+        T = x.shape[0]
+        t = torch.arange(T, device=x.device)
+        local = t - cu.long()[torch.searchsorted(cu[1:].long(), t, right=True).clamp(max=max(cu.shape[0] - 2, 0))]
+        xf, wf = x.float(), w.float()
+        taps = [torch.where((local >= CONV_K - 1 - d)[:, None], xf[(t - (CONV_K - 1 - d)).clamp(min=0)], 0.0)
+                for d in range(CONV_K)]
+        a = taps[0] * wf[:, 0]
+        for d in range(1, CONV_K):
+            a = a + taps[d] * wf[:, d]
+        a = a.to(x.dtype).float()
+        s = torch.sigmoid(a)
+        da = dy.float() * (s * (1 + a * (1 - s)))
+        dw = torch.stack([(da * taps[d]).sum(0) for d in range(CONV_K)], 1)
+        dx = torch.zeros_like(xf)
+        for d in range(CONV_K):
+            back = CONV_K - 1 - d
+            part = torch.where((local >= back)[:, None], da, 0.0) * wf[:, d]
+            dx[: T - back] += part[back:]
+        return dx.to(x.dtype), dw.to(w.dtype), None
