@@ -6,8 +6,8 @@ and a 512-token prefill is launch-bound on the H200.
 max and the sum by the same pairwise trees (lanes 2m, 2m + 1, level by level;
 the pad is -inf before the exp, so +0.0 after it, as ``tree_sum``'s), exp from
 libdevice (torch's CUDA exp), division rounded to nearest (torch's ``/``), and
-the k picks in probability order with ties to the smaller id (the order of
-``order_keys``: p >= 0, so no -0.0 arises).  The weights are the picked
+the k picks by ``order_keys``' integer image of p (larger first, ties to the
+smaller id; a NaN ranks as there, so the ids stay in range on any input).  The weights are the picked
 probabilities divided by their left-to-right slot sum, cast once.  So on CUDA
 it gives the torch path's bits (``tests/test_moe_router.py``'s gpu test), and
 under the interpreter, with torch's exp patched in, the CPU path's.
@@ -22,6 +22,7 @@ from .._host import cdiv, next_power_of_2
 from ..gdn.kernel import _exp, _launch_opts
 
 ROUTER_BT = 4  # rows a program (a launch knob: rows are independent)
+GONE = tl.constexpr(-(1 << 40))  # below every int32 image: a pad lane, or a lane already picked
 
 
 @triton.jit
@@ -40,20 +41,25 @@ def _softmax_topk_kernel(p_x, p_w, p_ids, T, E, K: tl.constexpr, KP: tl.constexp
     for lv in tl.static_range(LEVELS):
         s = tl.sum(tl.reshape(s, (BT, EP >> (lv + 1), 2)), axis=2)
     p = tl.div_rn(e, tl.reshape(s, (BT, 1)))
-    cur = tl.where(m_e[None, :], p, -1.0)  # pad lanes below every probability
+    # order_keys' integer image of p (any bits, NaN included, as the torch path ranks them): the
+    # picks stay in [0, E) whatever the logits (a NaN row, a pad row's stale state)
+    bits = tl.where(p == 0, 0, p.to(tl.int32, bitcast=True))
+    cur = tl.where(m_e[None, :], tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64), GONE)
     slot = tl.arange(0, KP)
     w = tl.zeros((BT, KP), dtype=tl.float32)
     ids = tl.zeros((BT, KP), dtype=tl.int64)
     for j in tl.static_range(K):  # the largest left, ties to the smaller id
         top = tl.max(cur, axis=1)
         idx = tl.min(tl.where(cur == top[:, None], lane[None, :], EP), axis=1)
-        cur = tl.where(lane[None, :] == idx[:, None], -1.0, cur)
-        w = tl.where(slot[None, :] == j, top[:, None], w)
+        cur = tl.where(lane[None, :] == idx[:, None], GONE, cur)
+        t32 = top.to(tl.int32)
+        val = tl.where(t32 >= 0, t32, t32 ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        w = tl.where(slot[None, :] == j, val[:, None], w)
         ids = tl.where(slot[None, :] == j, idx.to(tl.int64)[:, None], ids)
         if j == 0:
-            d = top
+            d = val
         else:
-            d = d + top
+            d = d + val
     if NORMALIZE:
         w = tl.div_rn(w, d[:, None])
     offs = o_t.to(tl.int64)[:, None] * K + slot[None, :]
