@@ -326,7 +326,8 @@ def _down_fp8_kernel(p_aq, p_as, p_w, p_ws, p_wt, p_dst, p_te, p_r0, p_r1, p_c, 
 
 
 def tile_map(ids: torch.Tensor, E: int, block_m: int = BLOCK_M):
-    """The sorted rows and their tiles, on the device, with no host read.
+    """The sorted rows and their tiles, on the device, with no host read: the torch statement of
+    what ``sorted_map_triton`` builds in one launch (the launcher's path; the tests compare them).
 
     ids: (T, k) -> (order (T·k,): flat (token, slot) index of each sorted row,
     tile_expert, tile_r0, tile_r1 (n_tiles,) int32: each tile's expert (-1

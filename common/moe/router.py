@@ -13,7 +13,10 @@ router is a sequence of element-wise torch ops (``exp``, ``log1p``,
 ``sqrt``, ``+ - * /``, ``maximum``, ``where``, ``gather``) on slices whose
 pairing is fixed by E and k, never by T; selections are int64 sorts of
 distinct keys; nothing reads a value on the host and every shape is static,
-so the same code runs inside a CUDA graph.
+so the same code runs inside a CUDA graph.  On CUDA the server's softmax
+router is one Triton launch that repeats these rules lane for lane
+(``router_kernel.py``, the same bits; the trainer, forming a gradient, runs
+the torch ops).
 
 * Reductions over E: one pairwise tree over the last dim padded to a power
   of two with the identity (-inf for max, +0.0 for sums of values >= 0),
