@@ -119,16 +119,18 @@ def test_vendor_server_generates_on_cpu():
 
 def test_profile_prefill_smoke_on_cpu(tmp_path):
     """benchmarks/profile_prefill.py end to end on the tiny preset (the code
-    path, not a speed): both servers, every run listed, the table written."""
+    path, not a speed): both servers, every run listed, the table written,
+    with the launch count and the host functions (--host)."""
     import subprocess
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_prefill.py"
     run = subprocess.run([sys.executable, str(script), "--config", "tiny", "--device", "cpu", "--batches", "1",
-                          "--prompt", "40", "--reps", "2", "--out", str(tmp_path)],
+                          "--prompt", "40", "--reps", "2", "--host", "5", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     md = (tmp_path / "profile_prefill.md").read_text()
     assert "| aligned | 1 |" in md and "| vendor | 1 |" in md and "top kernels of one prefill" in md
+    assert "| launches |" in md and md.count("own host time by function") == 2
 
 
 def test_bench_sync_smoke_on_cpu():
