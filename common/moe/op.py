@@ -91,9 +91,14 @@ def _experts_bwd(x, ids, weights, w_gate_up, w_down, dy, limit, lora=None, need_
     dl = None if lora is None else [torch.zeros(t.shape, dtype=torch.float32, device=dev) for t in lora.tensors()]
     s = None if lora is None else lora.s
     flat, wflat = ids.reshape(-1), weights.reshape(-1).float()
-    rows = torch.arange(T * k, device=dev)
-    for e in torch.unique(flat).tolist():  # the trainer's backward runs eager: a host read is fine
-        sel = rows[flat == e]
+    # each expert's rows in row order: slices of one stable sort, its counts read on the host once
+    # (a boolean mask an expert read the device 256 times a layer, each read draining the stream)
+    order = torch.sort(flat, stable=True).indices
+    ends = torch.bincount(flat, minlength=w_gate_up.shape[0]).cumsum(0).tolist()
+    for e, (r0, r1) in enumerate(zip([0] + ends[:-1], ends)):
+        if r0 == r1:
+            continue
+        sel = order[r0:r1]
         tok = sel // k
         xe = x[tok].float()
         wgu, wd = w_gate_up[e].float(), w_down[e].float()
