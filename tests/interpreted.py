@@ -12,9 +12,12 @@ import pytest
 
 
 # A script's first lines for kernels that use exp / rsqrt (libdevice's on CUDA, which are torch's
-# CUDA ops') or round fp32 to bf16: the interpreter computes those with numpy, which differs from
-# torch in exp's and rsqrt's last bit and truncates to bf16 where CUDA and torch round to nearest
-# even; and its float tl.sum starts from +0.0 where a compiled one starts from its first element.
+# CUDA ops') or round fp32 to bf16, so an interpreted kernel is compared with the torch path on its
+# structure (trees, masks, slots), not on numpy's math: numpy's fp32 exp differs from torch's in the
+# last bit on about a third of arguments, the interpreter truncates to bf16 where CUDA and torch
+# round to nearest even, and its float tl.sum starts from +0.0 (-0.0 + -0.0 -> +0.0) where a
+# compiled reduction starts from its first element (a tree level's pair then sums as on the GPU,
+# signed zeros included).
 TORCH_MATH = r"""
 import numpy as np
 import torch

@@ -529,23 +529,7 @@ def test_bad_input():
 
 # Both interpreted scripts start here: the inputs, and NaN-filled cache slots (a kernel that reads a
 # row or state it has not written shows).
-_INTERPRETED_PRELUDE = r"""
-import numpy as np
-import torch
-from triton.runtime import interpreter as _it
-
-# The interpreter's exp is numpy's, which differs from torch's fp32 exp in the last bit on about a
-# third of these arguments; with torch's exp in its place the comparison sees the kernels' structure
-# (trees, masks, the open-chunk rows, the state update) on any decay.
-_it.InterpreterBuilder.create_exp = lambda self, arg: self.unary_op(
-    arg, lambda a: torch.exp(torch.from_numpy(np.array(a, copy=True))).numpy())
-# Its tl.sum is numpy's, which starts from +0.0 (-0.0 + -0.0 -> +0.0); a compiled reduction starts
-# from its first element, so a tree level's pair sums as the GPU's does, signed zeros included.
-_np_sum = _it.ReduceOps.sum
-_it.ReduceOps.sum = lambda self, x: (self.to_tensor(np.add.reduce(
-    x.handle.data, axis=self.axis, keepdims=self.keep_dims, initial=-0.0), x.dtype)
-    if x.handle.data.dtype.kind == "f" else _np_sum(self, x))
-
+_INTERPRETED_PRELUDE = TORCH_MATH + r"""
 from alignzoo.common.gdn import gdn_cache, gdn_fwd, l2norm_fwd
 
 

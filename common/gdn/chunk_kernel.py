@@ -78,7 +78,8 @@ import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
 from .cpu import CHUNK, host_lists
-from .kernel import _exp, _k_rows_kernel, _launch_opts, _mma, _regs, _tree_first, _use_mma, gdn_scan_triton
+from .kernel import (_exp, _k_rows_kernel, _launch_opts, _min_side, _mma, _regs, _tree_first, _use_mma,
+                     gdn_scan_triton)
 from .trees import _av_tree, _in_bounds, _ks_tree, _kv_tree, _neg0
 
 BW = 16  # x columns per substitution program (a launch knob: columns are independent)
@@ -617,7 +618,7 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         _chunk_solve_kernel[(P * cdiv(V + K, bw), Hv)](k, v, beta, tok, rows, wslot, G, L, X, WT, cache["x"],
                                                        Hk, Hv, K, V, bw, bs, CHUNK, lib, not mma,
                                                        num_warps=solve_warps, **opts)
-        lo = 16 if mma else 2  # a tl.dot's smallest side
+        lo = _min_side(mma)
         bv = max(lo, min(bv or (MMA_BV if mma else BV), next_power_of_2(V)))
         br = min(next_power_of_2(max(1, br)), CHUNK)
         bks = max(2, min(bks, BK))

@@ -103,6 +103,11 @@ def _use_mma(lib: bool, mma: bool | None) -> bool:
     return (lib and MMA) if mma is None else bool(mma)
 
 
+def _min_side(mma: bool) -> int:
+    """A tile's smallest side in the form: 16 for a ``tl.dot`` operand (MMA), else 2."""
+    return 16 if mma else 2
+
+
 @triton.jit
 def _exp(x, LIBDEVICE: tl.constexpr):
     if LIBDEVICE:
@@ -544,7 +549,7 @@ def gdn_decode_triton(q, k, v, g, beta, pos, slots, cache, *, bv_row: int | None
         return o
     lib, opts = _launch_opts(q)
     mma = _use_mma(lib, mma)
-    lo = 16 if mma else 2  # a tl.dot's smallest side
+    lo = _min_side(mma)
     BK = max(lo, next_power_of_2(K))
     small = B * Hv <= 8 * 32
     if mma:
@@ -589,7 +594,7 @@ def gdn_scan_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bv_ro
         return o.zero_()
     lib, opts = _launch_opts(q)
     mma = _use_mma(lib, mma)
-    lo = 16 if mma else 2  # a tl.dot's smallest side
+    lo = _min_side(mma)
     BK = max(lo, next_power_of_2(K))
     BV = max(lo, min(bv_row, next_power_of_2(V)))
     bks, bvs = max(lo, min(bks, next_power_of_2(K))), max(lo, min(bvs, next_power_of_2(V)))

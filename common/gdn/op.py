@@ -296,8 +296,8 @@ class _Conv1dFn(torch.autograd.Function):
     """y = silu(a), a = sum_d w_d x[t - 3 + d] within the sequence: da = dy silu'(a) in fp32
     (silu' = s (1 + a (1 - s)), s = sigmoid(a), at the a the forward rounded), then per tap
     d (3 - d rows back) dw_d = sum_t da[t] x[t - 3 + d] and dx[t - 3 + d] += w_d da[t], over the
-    rows whose tap stays in the sequence.  A few dozen ops on (T, C), where autograd through the
-    torch path's ~110 kept as many (T, C) fp32 tensors."""
+    rows whose tap stays in the sequence.  A few dozen ops on (T, C); autograd through the torch
+    path's ~110 would keep as many (T, C) fp32 tensors."""
 
     @staticmethod
     def forward(ctx, x, weight, cu_seqlens):

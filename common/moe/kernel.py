@@ -397,7 +397,7 @@ def sorted_map_triton(ids: torch.Tensor, weights: torch.Tensor, E: int, block_m:
     """``tile_map`` and the rows the kernels take from it, in one launch after a stable sort (which
     gives the permutation of ``tile_map``'s distinct keys): -> (order, tok, dst, wt, tile_expert,
     tile_r0, tile_r1); tok = order // k, dst = order (int32), wt = the routing weight of each sorted
-    row (fp32).  A 512-token prefill ran ~40 small torch ops a layer for these."""
+    row (fp32).  In torch these are ~40 small ops a layer, and a small prefill is launch-bound."""
     T, k = ids.shape
     flat = ids.reshape(-1)
     n = flat.numel()
