@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import TORCH_MATH, run_interpreted
 
 from alignzoo.common.ladder import bitwise_equal, rel_err
 from alignzoo.common.moe.checks import make_experts
@@ -121,8 +121,30 @@ def test_bad_inputs():
         moe_experts(x, ids, w[:, :2].contiguous(), w_gu, w_d)
 
 
-_INTERPRETED = """
-import numpy as np, torch
+_EXACT_INPUTS = r"""
+import torch
+
+# values whose dots are exact in fp32 in any order: small integers over 8, and matrices with one nonzero a row
+g = torch.Generator().manual_seed(0)
+ri = lambda lo, hi, *shape: torch.randint(lo, hi, shape, generator=g).float()
+
+
+def one_per_row(E, rows, cols):
+    m = torch.zeros(E, rows, cols)
+    m[:, torch.arange(rows), torch.arange(rows) % cols] = ri(1, 4, E, rows) / 8
+    return m
+
+
+def routes(T, E, k, skew):  # top-k ids, an expert with no token (skew: every token to expert 0), weights not dyadic
+    scores = torch.rand(T, E, generator=g)
+    scores[:, E - 1] = -1
+    if skew:
+        scores[:, 0] = 2
+    return scores.topk(k, -1).indices, torch.rand(T, k, generator=g) + 0.1
+"""
+
+_INTERPRETED = _EXACT_INPUTS + r"""
+import numpy as np
 from alignzoo.common.moe.kernel import experts_fwd_triton, tile_map
 
 # Under the interpreter tl.dot is the host's np.matmul and tl.exp numpy's exp, so the reference is numpy too, on
@@ -130,18 +152,10 @@ from alignzoo.common.moe.kernel import experts_fwd_triton, tile_map
 # nonzero per output row (each output one product).  The test then sees the kernels' structure: the tile map,
 # the gathers, masks and the scatter, the SwiGLU epilogue and the slot order (the routing weights are not
 # dyadic, so the slot sums round: the slots added in another order fail it).
-g = torch.Generator().manual_seed(0)
 for T, H, I, E, k, skew in ((37, 40, 24, 5, 3, False), (70, 72, 40, 7, 2, True), (1, 40, 24, 5, 3, False)):
-    x = torch.randint(-3, 4, (T, H), generator=g).float()
-    scores = torch.rand(T, E, generator=g)
-    scores[:, E - 1] = -1  # an expert with no token
-    if skew:
-        scores[:, 0] = 2   # every token to expert 0
-    ids = scores.topk(k, -1).indices
-    w = torch.rand(T, k, generator=g) + 0.1
-    w_gu = torch.randint(-2, 3, (E, 2 * I, H), generator=g).float() / 8
-    w_d = torch.zeros(E, H, I)
-    w_d[:, torch.arange(H), torch.arange(H) % I] = torch.randint(1, 4, (E, H), generator=g).float() / 8
+    x = ri(-3, 4, T, H)
+    ids, w = routes(T, E, k, skew)
+    w_gu, w_d = ri(-2, 3, E, 2 * I, H) / 8, one_per_row(E, H, I)
     got = experts_fwd_triton(x, ids, w, w_gu, w_d)
     want = np.zeros((T, H), np.float32)
     for t in range(T):
@@ -311,24 +325,36 @@ def test_fp8_bad_inputs():
         moe_experts_fp8(x, ids + 3, w, gc, gs, dc, ds)
 
 
-_INTERPRETED_FP8 = """
-import torch
-from alignzoo.common.ladder import rel_err
+_EXACT_DOT = TORCH_MATH + r"""
+# The interpreter's dot is numpy's fp32 matmul, whose sums follow the host's BLAS: one differently rounded
+# gate / up value can move the SwiGLU output across an FP8 step.  Products of two e4m3 values are multiples of
+# 2^-18 below 2^18, so a 128-wide block's sum is exact in float64 in any order: the CPU path's exact block dot.
+def _exact_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    x, y = a.data, b.data
+    if a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating():
+        x = _it._convert_float(x, a.dtype, tl.float16, None).view(np.float16)
+    if b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating():
+        y = _it._convert_float(y, b.dtype, tl.float16, None).view(np.float16)
+    p = np.matmul(x.astype(np.float64), y.astype(np.float64)).astype(np.float32)
+    return _it.TensorHandle((p + d.data).astype(np.float32), d.dtype.scalar)
+
+
+_it.InterpreterBuilder.create_dot = _exact_dot
+"""
+
+_INTERPRETED_FP8 = _EXACT_DOT + r"""
 from alignzoo.common.moe.checks import make_experts
 from alignzoo.common.moe.cpu import experts_fwd_fp8_cpu
 from alignzoo.common.moe.kernel import experts_fwd_fp8_triton
 from alignzoo.common.moe.op import quantize_experts_fp8
 
-# fp32 activations (the interpreter's bf16 casts are not the GPU's round-to-nearest-even, and a flipped bf16 of
-# the SwiGLU output moves its FP8 group); the interpreter's block dot is numpy's, so against the CPU path's exactly
-# rounded block dots the kernels agree to fp32 accumulation: the test sees the tile map, the gate / up blocks'
-# scales, the activation groups and the scatter.
+# fp32 activations (the path the test covers is the FP8 one: x and the SwiGLU output are quantized in the kernel)
 for T, H, I, E, k, skew, lim in ((37, 200, 136, 5, 3, False, None), (70, 72, 40, 7, 2, True, 1.0),
                                  (1, 130, 24, 5, 3, False, None)):
     x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device="cpu", skew=skew, seed=1, dtype=torch.float32)
     q = quantize_experts_fp8(w_gu, w_d)
-    e = rel_err(experts_fwd_fp8_triton(x, ids, w, *q, lim), experts_fwd_fp8_cpu(x, ids, w, *q, lim))
-    assert e < 1e-6, (T, H, I, e)
+    got, want = experts_fwd_fp8_triton(x, ids, w, *q, lim), experts_fwd_fp8_cpu(x, ids, w, *q, lim)
+    assert torch.equal(got, want), (T, H, I, (got - want).abs().max())
 print("ok")
 """
 
@@ -680,28 +706,29 @@ def test_lora_in_experts_bad_inputs():
         moe_experts(x, ids, w, w_gu, w_d, lora=lora.tensors())
 
 
-_INTERPRETED_LORA = """
-import torch
-from alignzoo.common.ladder import rel_err
+_INTERPRETED_LORA = _EXACT_DOT + _EXACT_INPUTS + r"""
 from alignzoo.common.moe import cpu, kernel
-from alignzoo.common.moe.checks import make_experts
 from alignzoo.common.moe.lora import ExpertLoRA
 from alignzoo.common.moe.op import quantize_experts_fp8, quantize_experts_mxfp4
 
-# fp32 activations (exact inputs to the interpreter's numpy dots): the adapters' grouped products and the
-# delta added in the base kernels' accumulators agree with the CPU path to fp32 accumulation on every format.
-g = torch.Generator().manual_seed(0)
+# Every dot exact (the CPU path adds left to right, the kernels by blocks): x, gate / up and their adapter small
+# integers over 8, the down weight and adapter one nonzero a row.  The SwiGLU, the FP8 quantizations, the slot
+# sums and base + delta still round, so the kernels must equal the CPU path bit for bit: the adapters' grouped
+# products, and the delta added to the base kernels' accumulators after the base, on every format.
 for T, H, I, E, k, r, skew in ((37, 96, 64, 5, 3, 4, False), (70, 160, 96, 7, 2, 8, True), (1, 64, 32, 5, 3, 4, False)):
-    x, ids, w, w_gu, w_d = make_experts(T, H, I, E, k, device="cpu", skew=skew, seed=1, dtype=torch.float32)
-    lora = ExpertLoRA(torch.randn(E, r, H, generator=g) * 0.1, torch.randn(E, 2 * I, r, generator=g) * 0.3,
-                      torch.randn(E, r, I, generator=g) * 0.1, torch.randn(E, H, r, generator=g) * 0.3, 2.0)
+    x = ri(-3, 4, T, H)
+    ids, w = routes(T, E, k, skew)
+    w_gu, w_d = ri(-2, 3, E, 2 * I, H) / 8, one_per_row(E, H, I)
+    lora = ExpertLoRA(ri(-2, 3, E, r, H) / 8, ri(-2, 3, E, 2 * I, r) / 8, one_per_row(E, r, I), one_per_row(E, H, r),
+                      2.0)
     q8, q4 = quantize_experts_fp8(w_gu, w_d), quantize_experts_mxfp4(w_gu, w_d)
-    for got, want in ((kernel.experts_fwd_triton(x, ids, w, w_gu, w_d, lora=lora),
-                       cpu.experts_fwd_cpu(x, ids, w, w_gu, w_d, lora=lora)),
-                      (kernel.experts_fwd_fp8_triton(x, ids, w, *q8, lora=lora), cpu.experts_fwd_fp8_cpu(x, ids, w, *q8, lora=lora)),
-                      (kernel.experts_fwd_mxfp4_triton(x, ids, w, *q4, lora=lora),
-                       cpu.experts_fwd_mxfp4_cpu(x, ids, w, *q4, lora=lora))):
-        assert rel_err(got, want) < 1e-6, (T, H, I, rel_err(got, want))
+    for name, got, want in (("bf16", kernel.experts_fwd_triton(x, ids, w, w_gu, w_d, lora=lora),
+                             cpu.experts_fwd_cpu(x, ids, w, w_gu, w_d, lora=lora)),
+                            ("fp8", kernel.experts_fwd_fp8_triton(x, ids, w, *q8, lora=lora),
+                             cpu.experts_fwd_fp8_cpu(x, ids, w, *q8, lora=lora)),
+                            ("mxfp4", kernel.experts_fwd_mxfp4_triton(x, ids, w, *q4, lora=lora),
+                             cpu.experts_fwd_mxfp4_cpu(x, ids, w, *q4, lora=lora))):
+        assert torch.equal(got, want), (name, T, H, I, (got - want).abs().max())
 print("ok")
 """
 
