@@ -12,6 +12,7 @@ from interpreted import TORCH_MATH, run_interpreted
 from alignzoo.common.ladder import bitwise_equal, rel_err
 from alignzoo.common.moe.checks import make_experts
 from alignzoo.common.moe.cpu import experts_fwd_cpu
+from alignzoo.common.moe.lora import ExpertLoRA
 from alignzoo.common.moe.naive import experts_ref
 from alignzoo.common.moe.op import experts_fwd, moe_combine, moe_experts
 
@@ -85,6 +86,44 @@ def test_accuracy_and_gradients_against_float64(device):
         refs = torch.autograd.grad((ref * dy.double()).sum(), (xr, wr, gur, dr))
         for name, a, b in zip(("x", "weights", "w_gate_up", "w_down"), grads, refs):
             assert rel_err(a, b) < 1e-4, (name, limit, rel_err(a, b))
+
+
+def test_backward_groups_pad_under_twice_within_the_budget():
+    """Every expert with rows in exactly one group; a group's P is its largest count and under twice
+    each of its counts; a group of two or more experts stays within the byte budget."""
+    from alignzoo.common.moe.op import _bwd_groups
+
+    counts = [0, 1, 2, 3, 5, 8, 100, 64, 65, 0, 4000, 7, 120, 127, 128, 1]
+    for budget in (1, 5_000, 30_000, 1 << 40):
+        groups = _bwd_groups(counts, 1000, 10, budget)
+        assert sorted(e for es, _ in groups for e in es) == [e for e, c in enumerate(counts) if c]
+        for es, P in groups:
+            assert P == max(counts[e] for e in es) and all(P < 2 * counts[e] or P == 1 for e in es), (es, P)
+            assert len(es) == 1 or len(es) * (1000 + 10 * P) <= budget, (budget, es, P)
+    assert len(_bwd_groups(counts, 1000, 10, 1 << 40)) == 7  # one a class: 1, 2, 3, 5..8, 64, 65..128, 4000
+
+
+def test_backward_is_the_same_gradient_in_any_grouping(monkeypatch):
+    """The experts' backward batched over experts: skewed routing (slot 0 always expert 0), idle
+    experts, counts over several classes, LoRA; every expert its own group gives the default
+    grouping's gradients to fp32 rounding, and a rerun repeats them bit for bit."""
+    from alignzoo.common.moe import op
+
+    x, ids, w, w_gu, w_d = make_experts(90, 40, 24, 9, 3, device="cpu", dtype=torch.float32, seed=5, skew=True)
+    ids[:20, 1] = 1  # expert 1 gets more rows than the rest, expert 0 all 90
+    ids[:20, 2] = torch.where(ids[:20, 0] == 2, 3, 2)
+    g = torch.Generator().manual_seed(6)
+    lora = ExpertLoRA(*(torch.randn(*sh, generator=g) * 0.2 for sh in ((9, 4, 40), (9, 48, 4), (9, 4, 24), (9, 40, 4))), 2.0)
+    dy = torch.randn(90, 40, generator=g)
+    counts = torch.bincount(ids.reshape(-1), minlength=9).tolist()
+    assert counts[0] == 90 and counts[7] == counts[8] == 0 and len({(c - 1).bit_length() for c in counts if c}) >= 3
+    default = op._experts_bwd(x, ids, w, w_gu, w_d, dy, 1.5, lora)
+    again = op._experts_bwd(x, ids, w, w_gu, w_d, dy, 1.5, lora)
+    monkeypatch.setattr(op, "_BWD_GROUP_BYTES", 1)
+    alone = op._experts_bwd(x, ids, w, w_gu, w_d, dy, 1.5, lora)
+    flat = lambda out: [*out[:4], *out[4]]
+    for a, b, c in zip(flat(default), flat(again), flat(alone)):
+        assert torch.equal(a, b) and rel_err(c, a) < 1e-6
 
 
 def test_bf16_accuracy_and_the_combine():

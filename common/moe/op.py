@@ -76,64 +76,105 @@ def _swiglu_bwd(gu: torch.Tensor, da: torch.Tensor, limit: float | None, dtype: 
     return torch.cat([dg, du], dim=1)
 
 
+# fp32 bytes one group of the experts' backward holds at once (its experts' weights and padded rows)
+_BWD_GROUP_BYTES = 1 << 30
+
+
+def _bwd_groups(counts: list[int], per_expert: int, per_row: int, budget: int) -> list[tuple[list[int], int]]:
+    """The experts with rows, as (expert ids, padded rows P) groups of the batched backward: experts
+    whose counts share a power-of-two class go together (P = the group's largest count, so padding
+    stays under 2x), cut where n experts' weights and n * P rows would pass ``budget`` bytes."""
+    classes: dict[int, list[int]] = {}
+    for e, c in enumerate(counts):
+        if c:
+            classes.setdefault((c - 1).bit_length(), []).append(e)
+    groups = []
+    for _, es in sorted(classes.items()):
+        cur: list[int] = []
+        for e in es:
+            P = max(counts[i] for i in cur + [e])
+            if cur and (len(cur) + 1) * (per_expert + P * per_row) > budget:
+                groups.append((cur, max(counts[i] for i in cur)))
+                cur = []
+            cur.append(e)
+        groups.append((cur, max(counts[i] for i in cur)))
+    return groups
+
+
 def _experts_bwd(x, ids, weights, w_gate_up, w_down, dy, limit, lora=None, need_w: bool = True):
     """(dx, dweights, dW_gate_up, dW_down, LoRA grads) fp32 of the routed sum at (bf16/fp32) expert
     weights; the forward's SwiGLU rows (and adapter products) recomputed in fp32 and rounded where
     the forward rounds them, each rounding's gradient the identity.  ``need_w`` False: no base weight
     grads (frozen experts; at DeepSeek-V4's shapes an fp32 dW stack is 8 GiB).  The LoRA grads:
-    (dA_gu, dB_gu, dA_d, dB_d) or None."""
+    (dA_gu, dB_gu, dA_d, dB_d) or None.
+
+    Batched over experts (``_bwd_groups``): each group's rows are padded to (n, P) with zero rows,
+    which add nothing to any gradient, and every product is one fp32 bmm, so a layer is a few dozen
+    launches, not a dozen an expert.  dx adds a token's slots in slot order: deterministic."""
     T, k = ids.shape
+    E, I2, H = w_gate_up.shape
+    I = I2 // 2
     dy, dev = dy.float(), x.device
-    dx = torch.zeros(x.shape, dtype=torch.float32, device=dev)
-    dw = torch.zeros(T * k, dtype=torch.float32, device=dev)
+    # one row a (token, slot), and a last one that padded rows write into (no boolean index, no host read)
+    dx_rows = torch.zeros(T * k + 1, H, dtype=torch.float32, device=dev)
+    dw = torch.zeros(T * k + 1, dtype=torch.float32, device=dev)
     dgu_w = torch.zeros(w_gate_up.shape, dtype=torch.float32, device=dev) if need_w else None
     dd_w = torch.zeros(w_down.shape, dtype=torch.float32, device=dev) if need_w else None
     dl = None if lora is None else [torch.zeros(t.shape, dtype=torch.float32, device=dev) for t in lora.tensors()]
     s = None if lora is None else lora.s
     flat, wflat = ids.reshape(-1), weights.reshape(-1).float()
     # each expert's rows in row order: slices of one stable sort, its counts read on the host once
-    # (a boolean mask an expert read the device 256 times a layer, each read draining the stream)
     order = torch.sort(flat, stable=True).indices
-    ends = torch.bincount(flat, minlength=w_gate_up.shape[0]).cumsum(0).tolist()
-    for e, (r0, r1) in enumerate(zip([0] + ends[:-1], ends)):
-        if r0 == r1:
-            continue
-        sel = order[r0:r1]
-        tok = sel // k
-        xe = x[tok].float()
-        wgu, wd = w_gate_up[e].float(), w_down[e].float()
-        gu = xe @ wgu.T
+    counts = torch.bincount(flat, minlength=E)
+    starts = counts.cumsum(0) - counts
+    r = 0 if lora is None else lora.tensors()[0].shape[1]
+    per_expert = (4 + w_gate_up.element_size()) * 3 * I * H + 4 * r * (2 * H + 3 * I)
+    per_row = 4 * (6 * H + 7 * I + 4 * r)
+    bmm = torch.bmm
+    groups = _bwd_groups(counts.tolist(), per_expert, per_row, _BWD_GROUP_BYTES)
+    all_es = torch.tensor([e for es, _ in groups for e in es], device=dev)  # one copy to the device
+    e0 = 0
+    for group, P in groups:
+        es, e0 = all_es[e0:e0 + len(group)], e0 + len(group)
+        pos = torch.arange(P, device=dev)
+        valid = pos[None, :] < counts[es, None]  # (n, P)
+        sel = order[(starts[es, None] + pos).clamp_max(T * k - 1)]
+        tok, dst = sel // k, torch.where(valid, sel, T * k)
+        live = valid[..., None]
+        xe = torch.where(live, x[tok].float(), 0.0)  # (n, P, H), padded rows 0 (where: no 0 * inf)
+        wgu, wd = w_gate_up[es].float(), w_down[es].float()  # (n, 2I, H), (n, H, I)
+        gu = bmm(xe, wgu.transpose(1, 2))
         if lora is not None:
-            a1, b1, a2, b2 = (t[e].float() for t in lora.tensors())
-            t1 = (xe @ a1.T).to(x.dtype).float()
-            gu = gu + s * (t1 @ b1.T)
-        a = swiglu_f32(gu, limit, x.dtype).float()  # the forward's bf16 SwiGLU rows
-        down = a @ wd.T  # (R, H)
+            a1, b1, a2, b2 = (t[es].float() for t in lora.tensors())
+            t1 = bmm(xe, a1.transpose(1, 2)).to(x.dtype).float()
+            gu = gu + s * bmm(t1, b1.transpose(1, 2))
+        a = swiglu_f32(gu.view(-1, I2), limit, x.dtype).float().view(-1, P, I)  # the forward's bf16 SwiGLU rows
+        down = bmm(a, wd.transpose(1, 2))  # (n, P, H)
         if lora is not None:
-            t2 = (a @ a2.T).to(x.dtype).float()
-            down = down + s * (t2 @ b2.T)
-        g = dy[tok]
-        dw[sel] = (g * down).sum(1)
-        d_down = g * wflat[sel, None]
-        da = d_down @ wd
+            t2 = bmm(a, a2.transpose(1, 2)).to(x.dtype).float()
+            down = down + s * bmm(t2, b2.transpose(1, 2))
+        g = torch.where(live, dy[tok], 0.0)  # padded rows: no gradient reaches any product
+        dw[dst] = (g * down).sum(2)
+        d_down = g * wflat[sel][..., None]
+        da = bmm(d_down, wd)
         if need_w:
-            dd_w[e] += d_down.T @ a
+            dd_w.index_copy_(0, es, bmm(d_down.transpose(1, 2), a))
         if lora is not None:
-            dl[3][e] += s * (d_down.T @ t2)
-            dt2 = s * (d_down @ b2)
-            dl[2][e] += dt2.T @ a
-            da = da + dt2 @ a2
-        dgu = _swiglu_bwd(gu, da, limit, x.dtype)
+            dl[3].index_copy_(0, es, s * bmm(d_down.transpose(1, 2), t2))
+            dt2 = s * bmm(d_down, b2)
+            dl[2].index_copy_(0, es, bmm(dt2.transpose(1, 2), a))
+            da = da + bmm(dt2, a2)
+        dgu = _swiglu_bwd(gu.view(-1, I2), da.view(-1, I), limit, x.dtype).view(-1, P, I2)
         if need_w:
-            dgu_w[e] += dgu.T @ xe
-        dxe = dgu @ wgu
+            dgu_w.index_copy_(0, es, bmm(dgu.transpose(1, 2), xe))
+        dxe = bmm(dgu, wgu)
         if lora is not None:
-            dl[1][e] += s * (dgu.T @ t1)
-            dt1 = s * (dgu @ b1)
-            dl[0][e] += dt1.T @ xe
-            dxe = dxe + dt1 @ a1
-        dx.index_add_(0, tok, dxe)  # a token meets an expert once: no two rows of one call add into one row
-    return dx, dw.view(T, k), dgu_w, dd_w, dl
+            dl[1].index_copy_(0, es, s * bmm(dgu.transpose(1, 2), t1))
+            dt1 = s * bmm(dgu, b1)
+            dl[0].index_copy_(0, es, bmm(dt1.transpose(1, 2), xe))
+            dxe = dxe + bmm(dt1, a1)
+        dx_rows[dst] = dxe
+    return dx_rows[:-1].view(T, k, H).sum(1), dw[:-1].view(T, k), dgu_w, dd_w, dl
 
 
 def _lora_of(lora_tensors, scale):
