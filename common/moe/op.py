@@ -91,13 +91,14 @@ def _bwd_groups(counts: list[int], per_expert: int, per_row: int, budget: int) -
     groups = []
     for _, es in sorted(classes.items()):
         cur: list[int] = []
+        P = 0
         for e in es:
-            P = max(counts[i] for i in cur + [e])
-            if cur and (len(cur) + 1) * (per_expert + P * per_row) > budget:
-                groups.append((cur, max(counts[i] for i in cur)))
-                cur = []
+            if cur and (len(cur) + 1) * (per_expert + max(P, counts[e]) * per_row) > budget:
+                groups.append((cur, P))
+                cur, P = [], 0
             cur.append(e)
-        groups.append((cur, max(counts[i] for i in cur)))
+            P = max(P, counts[e])
+        groups.append((cur, P))
     return groups
 
 
