@@ -346,3 +346,24 @@ def test_bad_input_is_named():
         quantize_weight_fp8(torch.randn(3, 4).half())
     with pytest.raises(TypeError, match="dtype must be bfloat16 or float32"):
         dequantize_weight_fp8(codes, s, torch.float16)
+
+
+def test_weight_quantizer_takes_a_stack():
+    """quantize_weight / dequantize_weight on a (3, N, K) stack: each matrix's own codes, scales and
+    weights, bit for bit (ragged and whole blocks, an all-zero block, a block of one large value)."""
+    from alignzoo.common.fp8.quant import dequantize_weight, quantize_weight
+
+    from alignzoo.common.fp8.quant import expand_weight_scale
+
+    for N, K in ((200, 300), (256, 384)):  # ragged blocks (the scales expanded), whole ones (broadcast)
+        w = torch.randn(3, N, K, generator=torch.Generator().manual_seed(4))
+        w[1, :128, 128:256] = 0
+        w[2, 150, 290] = 1e6
+        codes, scales = quantize_weight(w)
+        assert codes.shape == (3, N, K) and scales.shape == (3, -(-N // 128), -(-K // 128))
+        deq = dequantize_weight(codes, scales, torch.bfloat16)
+        for i in range(3):
+            c, s = quantize_weight(w[i])
+            assert bitwise_equal(codes[i].view(torch.uint8), c.view(torch.uint8)) and bitwise_equal(scales[i], s)
+            assert bitwise_equal(deq[i], dequantize_weight(c, s, torch.bfloat16))
+            assert bitwise_equal(deq[i], (c.float() * expand_weight_scale(s, N, K)).bfloat16())

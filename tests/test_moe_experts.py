@@ -283,6 +283,27 @@ def test_fp8_expert_layout_is_each_checkpoint_matrix_quantized_alone():
     assert bitwise_equal(d[2], dequantize_weight_fp8(dc[2], ds[2]))
 
 
+def test_fp8_expert_stacks_quantize_in_chunks_of_experts(monkeypatch):
+    """The stacked (de)quantizers take the experts a chunk at a time: one expert a chunk, two, or
+    all seven give the same codes, scales and weights."""
+    from alignzoo.common.moe import op
+
+    _, _, _, w_gu, w_d = make_experts(5, 200, 136, 7, 2, device="cpu")
+    w_gu[3, 10:20] = 0  # a block's rows of zeros, one expert's
+    outs = []
+    monkeypatch.setitem(op._QUANT_CHUNK_BYTES, "cpu", 1 << 30)
+    for chunk in (None, 1, 2):
+        if chunk is not None:
+            monkeypatch.setitem(op._QUANT_CHUNK_BYTES, "cpu", chunk * 4 * 3 * 136 * 200)
+        assert len(op._expert_chunks(w_gu)) == (-(-7 // chunk) if chunk else 1)
+        q = op.quantize_experts_fp8(w_gu, w_d)
+        outs.append([t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+                     for t in (*q, *op.dequantize_experts_fp8(*q, dtype=torch.bfloat16))])
+    assert all(bitwise_equal(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
+    with pytest.raises(ValueError, match="must stack the same experts"):
+        op.quantize_experts_fp8(w_gu, w_d[:3])
+
+
 @pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
 @pytest.mark.parametrize("limit", [None, 1.0], ids=["plain", "clamp"])
 def test_fp8_cpu_rows_do_not_depend_on_the_batch(skew, limit):

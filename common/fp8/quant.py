@@ -51,27 +51,28 @@ def _scale_and_codes(amax: torch.Tensor, blocks: torch.Tensor, scale_view: tuple
 
 
 def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """x widened to fp32 (exact for bf16/fp32) and zero-padded to (rows, cols)."""
-    if x.shape == (rows, cols):
+    """x (..., r, c) widened to fp32 (exact for bf16/fp32) and zero-padded to (..., rows, cols)."""
+    if x.shape[-2:] == (rows, cols):
         return x.float().contiguous()
-    out = torch.zeros(rows, cols, dtype=torch.float32, device=x.device)
-    out[: x.shape[0], : x.shape[1]] = x
+    out = torch.zeros(*x.shape[:-2], rows, cols, dtype=torch.float32, device=x.device)
+    out[..., : x.shape[-2], : x.shape[-1]] = x
     return out
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (N, K) fp32/bf16 -> (codes (N, K) e4m3fn, scale_inv (ceil(N/128), ceil(K/128)) fp32).
 
+    A stack (..., N, K) gives each matrix's own (element-wise and exact max, so the same bits).
     Padding to whole blocks is zeros, which never raise an amax.
     """
-    N, K = w.shape
+    *lead, N, K = w.shape
     NB, KB = cdiv(N, BLOCK), cdiv(K, BLOCK)
-    blocks = _padded(w, NB * BLOCK, KB * BLOCK).view(NB, BLOCK, KB, BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3))  # (NB, KB)
-    codes, s = _scale_and_codes(amax, blocks, (NB, 1, KB, 1))
-    codes = codes.view(NB * BLOCK, KB * BLOCK)
-    if codes.shape != (N, K):
-        codes = codes[:N, :K].contiguous()
+    blocks = _padded(w, NB * BLOCK, KB * BLOCK).view(*lead, NB, BLOCK, KB, BLOCK)
+    amax = blocks.abs().amax(dim=(-3, -1))  # (..., NB, KB)
+    codes, s = _scale_and_codes(amax, blocks, (*lead, NB, 1, KB, 1))
+    codes = codes.view(*lead, NB * BLOCK, KB * BLOCK)
+    if codes.shape[-2:] != (N, K):
+        codes = codes[..., :N, :K].contiguous()
     return codes, s
 
 
@@ -93,18 +94,23 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def expand_weight_scale(scale_inv: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """(ceil(N/128), ceil(K/128)) -> (N, K): element (n, k) gets block (n // 128, k // 128)."""
-    return scale_inv.repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
+    """(..., ceil(N/128), ceil(K/128)) -> (..., N, K): element (n, k) gets block (n // 128, k // 128)."""
+    return scale_inv.repeat_interleave(BLOCK, -2)[..., :N, :].repeat_interleave(BLOCK, -1)[..., :K]
 
 
 def dequantize_weight(codes: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """W = dtype(fl32(code * scale_inv[n // 128, k // 128])), (N, K).
+    """W = dtype(fl32(code * scale_inv[n // 128, k // 128])), (N, K), or a stack (..., N, K).
 
     For ``dtype=torch.float32`` this is the exact product rounded once (the
     same bits as transformers' ``_dequantize_fp8_weight``); bf16 rounds that again.
     """
-    N, K = codes.shape
-    w = codes.float() * expand_weight_scale(scale_inv, N, K)
+    *lead, N, K = codes.shape
+    if N % BLOCK or K % BLOCK:
+        w = codes.float() * expand_weight_scale(scale_inv, N, K)
+    else:  # the same products, the scale broadcast over its block, not expanded to an (N, K) fp32 copy
+        NB, KB = N // BLOCK, K // BLOCK
+        w = codes.float().reshape(*lead, NB, BLOCK, KB, BLOCK) * scale_inv[..., :, None, :, None]
+        w = w.view(*lead, N, K)
     return w if dtype == torch.float32 else w.to(dtype)
 
 
