@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qwen3_rl  # noqa: E402
 
 qwen3_rl.MODEL = "qwen35_gdn"
+qwen3_rl.DESCRIPTION = __doc__
 
 if __name__ == "__main__":
     sys.exit(qwen3_rl.main())

@@ -55,11 +55,12 @@ def reward(prompt: list[int], answer: list[int], task: str = "reverse") -> float
     return sum(a == t for a, t in zip(answer, target)) / len(target)
 
 
-MODEL = "qwen3"  # examples/qwen35_gdn_rl.py runs this script with its own
+MODEL = "qwen3"  # examples/qwen35_gdn_rl.py runs this script with its own model and --help text
+DESCRIPTION = __doc__
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=MODEL, help="the zoo model (alignzoo models)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--prompts", type=int, default=8, help="groups per step")

@@ -125,3 +125,12 @@ def test_qwen35_gdn_steps_are_exact(tmp_path, lora):
     assert qwen3_rl.main(["--model", "qwen35_gdn", "--steps", "3", "--out", out, "--no-plot", *lora]) == 0
     log = read_log(out)
     assert all(r["differing_tokens"] == 0 and r["k3_max"] == 0.0 and r["tokens"] > 0 for r in log)
+
+
+def test_qwen35_gdn_example_describes_itself():
+    """``qwen35_gdn_rl.py --help`` is its own text and defaults, not the qwen3 script's."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "qwen35_gdn_rl.py")
+    out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, check=True).stdout
+    assert out.count("RL on qwen35_gdn (Gated DeltaNet + MoE)") == 1 and "A tiny Qwen3 learns" not in out
