@@ -1,6 +1,6 @@
 """benchmarks/run_suite.py's report on a synthetic result, the vendor server
 (the engine benchmark's baseline) on the CPU, and CPU smoke runs of
-profile_prefill.py and bench_sync.py."""
+profile_prefill.py, bench_sync.py and bench_moe_train.py."""
 from __future__ import annotations
 
 import json
@@ -144,6 +144,21 @@ def test_bench_sync_smoke_on_cpu():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "first (full) publish + apply" in run.stdout and "Adam step 3" in run.stdout
+
+
+def test_bench_moe_train_smoke_on_cpu(tmp_path):
+    """benchmarks/bench_moe_train.py (the experts' forward + backward against grouped experts under
+    autograd) at its CPU shape, trained and frozen experts: a row each, the gradients of the two
+    sides close (they are different functions: bf16 vs fp32 intermediates), ours repeating."""
+    import bench_moe_train
+
+    for frozen in (False, True):
+        args = ["--device", "cpu", "--out", str(tmp_path), "--tokens", "37", "--warm", "0", "--reps", "1"]
+        assert bench_moe_train.main(args + (["--frozen"] if frozen else [])) == 0
+        rows = json.loads((tmp_path / "moe_train.json").read_text())["rows"]
+        assert len(rows) == 1 and rows[0]["frozen"] == frozen and rows[0]["repeats"]
+        assert rows[0]["grad_rel_diff"] < 2e-2 and rows[0]["aligned_host_ops"] > 0
+    assert "| smoke | 37 | frozen |" in (tmp_path / "moe_train.md").read_text()
 
 
 def test_matmul_rows_cover_the_mid_m_values_and_warm_them():

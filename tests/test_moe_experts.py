@@ -113,7 +113,8 @@ def test_backward_is_the_same_gradient_in_any_grouping(monkeypatch):
     ids[:20, 1] = 1  # expert 1 gets more rows than the rest, expert 0 all 90
     ids[:20, 2] = torch.where(ids[:20, 0] == 2, 3, 2)
     g = torch.Generator().manual_seed(6)
-    lora = ExpertLoRA(*(torch.randn(*sh, generator=g) * 0.2 for sh in ((9, 4, 40), (9, 48, 4), (9, 4, 24), (9, 40, 4))), 2.0)
+    shapes = ((9, 4, 40), (9, 48, 4), (9, 4, 24), (9, 40, 4))
+    lora = ExpertLoRA(*(torch.randn(*sh, generator=g) * 0.2 for sh in shapes), 2.0)
     dy = torch.randn(90, 40, generator=g)
     counts = torch.bincount(ids.reshape(-1), minlength=9).tolist()
     assert counts[0] == 90 and counts[7] == counts[8] == 0 and len({(c - 1).bit_length() for c in counts if c}) >= 3
