@@ -2,6 +2,9 @@
 # One device call's worth of GPU work, logs and results under $OUT (or ./gpu_out):
 #   bash benchmarks/gpu_session.sh tests [pytest paths...]   # every gpu-marked test, then `alignzoo check --device cuda`
 #   bash benchmarks/gpu_session.sh perf                      # run_suite (issue 7's page), then the decode profile
+#   bash benchmarks/gpu_session.sh train                     # the MoE / trainer gpu tests, the experts' forward +
+#                                                            # backward (bench_moe_train), the qwen35_gdn trainer
+#                                                            # against transformers side by side (bench_trainer)
 # Each step has its own time limit (env TEST_S, CHECK_S, SUITE_S, PROFILE_S) so one slow step cannot
 # eat the call.  Set ALIGNZOO_COMMIT=<sha> (the device's .git is stale).  On the H200 the whole
 # gpu suite takes ~145 s with 10 workers from a warm Triton cache; more workers than ~10 can run
@@ -23,7 +26,17 @@ perf)
   timeout "${PROFILE_S:-150}" python3 benchmarks/profile_decode.py --config qwen3-8b --batches 1,64 --out "$out" \
     > "$out/profile_log.txt" 2>&1; echo "profile exit $?" >> "$out/profile_log.txt"; head -20 "$out/profile_decode.md"
   ;;
+train)
+  timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -n "${WORKERS:-4}" -p no:cacheprovider -p no:benchmark \
+    tests/test_moe_experts.py tests/test_experts_lora.py tests/test_fp8.py "tests/test_models.py" -k "moe or expert or fp8 \
+    or qwen35" > "$out/gpu_tests.txt" 2>&1; echo "pytest exit $?" >> "$out/gpu_tests.txt"; tail -8 "$out/gpu_tests.txt"
+  timeout "${MOE_S:-150}" python3 benchmarks/bench_moe_train.py --out "$out" > "$out/moe_train_log.txt" 2>&1
+  echo "bench_moe_train exit $?" >> "$out/moe_train_log.txt"; tail -8 "$out/moe_train_log.txt"
+  timeout "${TRAINER_S:-200}" python3 benchmarks/bench_trainer.py --device cuda --config qwen35_gdn/qwen3.5-35b-a3b-4l \
+    --seqs 2 --len 2048 --warm 2 --steps 3 --json "$out/trainer.json" > "$out/trainer_log.txt" 2>&1
+  echo "bench_trainer exit $?" >> "$out/trainer_log.txt"; tail -8 "$out/trainer_log.txt"
+  ;;
 *)
-  echo "usage: gpu_session.sh tests [pytest paths...] | perf" >&2; exit 2
+  echo "usage: gpu_session.sh tests [pytest paths...] | perf | train" >&2; exit 2
   ;;
 esac
