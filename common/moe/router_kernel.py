@@ -1,5 +1,5 @@
 """The softmax top-k router (Qwen3.5) as one Triton launch on CUDA, for the
-server: the torch path (``router.softmax_topk_fwd``) is ~40 small ops a layer,
+server and the trainer: the torch path (``router.softmax_topk_fwd``) is ~40 small ops a layer,
 and a 512-token prefill is launch-bound on the H200.
 
 ``router.py``'s rules written lane for lane over the E experts of a row: the
