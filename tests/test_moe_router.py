@@ -444,7 +444,7 @@ def test_bad_inputs():
 # ------------------------------------------------------------------ the server's softmax router kernel
 
 _INTERPRETED_ROUTER = TORCH_MATH + r"""
-from alignzoo.common.moe.router import softmax_topk_fwd
+from alignzoo.common.moe.router import softmax_topk_torch
 from alignzoo.common.moe.router_kernel import softmax_topk_triton
 
 g = torch.Generator().manual_seed(0)
@@ -457,7 +457,7 @@ for T, E, k in ((37, 256, 8), (9, 7, 3), (5, 33, 1)):
         if T > 5:  # NaN rows: the ids stay in range
             x[3, 1], x[4], x[5, 0] = float("nan"), float("nan"), float("inf")
         for norm in (True, False):
-            want, got = softmax_topk_fwd(x, k, norm), softmax_topk_triton(x, k, norm)
+            want, got = softmax_topk_torch(x, k, norm), softmax_topk_triton(x, k, norm)
             same_w = torch.equal(want[0].isnan(), got[0].isnan()) and torch.equal(want[0].nan_to_num(), got[0].nan_to_num())
             assert torch.equal(want[1], got[1]) and same_w, (T, E, k, dt, norm)
 print("ok")
@@ -474,13 +474,17 @@ def test_softmax_router_kernel_interpreted():
 
 @pytest.mark.gpu
 def test_gpu_softmax_router_kernel_equals_torch_path():
-    """On CUDA at Qwen3.5's 256 experts and top-8: the server's kernel (no gradient) gives the bits
-    of the torch path the trainer runs (a logits tensor that wants a gradient), 3,000 rows."""
+    """On CUDA at Qwen3.5's 256 experts and top-8: the kernel (the server's and the trainer's forward)
+    gives the bits of the torch path (the CPU's), 3,000 rows; with a gradient to form, the same."""
+    from alignzoo.common.moe.router import softmax_topk_torch
+
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(3000, 256, generator=g) * 2).to(torch.bfloat16).cuda()
     x[0] = 1.0
     w_k, ids_k = softmax_topk_fwd(x, 8)
-    w_t, ids_t = softmax_topk_fwd(x.clone().requires_grad_(), 8)
-    assert torch.equal(ids_k, ids_t) and torch.equal(w_k, w_t.detach())
+    w_t, ids_t = softmax_topk_torch(x, 8)
+    assert torch.equal(ids_k, ids_t) and torch.equal(w_k, w_t)
+    w_g, ids_g = softmax_topk_fwd(x.clone().requires_grad_(), 8)
+    assert torch.equal(ids_g, ids_t) and torch.equal(w_g.detach(), w_t)
     x[1], x[2, 7] = float("nan"), float("nan")  # a pad row's stale state: ids in range, as the torch path's
-    assert torch.equal(softmax_topk_fwd(x, 8)[1], softmax_topk_fwd(x.clone().requires_grad_(), 8)[1])
+    assert torch.equal(softmax_topk_fwd(x, 8)[1], softmax_topk_torch(x, 8)[1])

@@ -222,8 +222,14 @@ def softmax_topk_fwd(logits: torch.Tensor, top_k: int, normalize: bool = True) -
         from .router_kernel import softmax_topk_triton
 
         return softmax_topk_triton(logits, top_k, normalize)
+    return softmax_topk_torch(logits, top_k, normalize)
+
+
+def softmax_topk_torch(logits: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax router as torch ops on any device: the CPU's path, and the statement the CUDA
+    kernel is tested against."""
     p = softmax_fp32(logits.float())
-    ids = key_ids(_smallest(order_keys(p), top_k))
+    ids = key_ids(_smallest(order_keys(p.detach()), top_k))
     return _weights_at(p, ids, "softmax", normalize, 1.0, logits.dtype), ids
 
 
