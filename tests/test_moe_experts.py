@@ -118,13 +118,32 @@ def test_backward_is_the_same_gradient_in_any_grouping(monkeypatch):
     dy = torch.randn(90, 40, generator=g)
     counts = torch.bincount(ids.reshape(-1), minlength=9).tolist()
     assert counts[0] == 90 and counts[7] == counts[8] == 0 and len({(c - 1).bit_length() for c in counts if c}) >= 3
-    default = op._experts_bwd(x, ids, w, w_gu, w_d, dy, 1.5, lora)
-    again = op._experts_bwd(x, ids, w, w_gu, w_d, dy, 1.5, lora)
+    stacks = op._plain_stacks(w_gu, w_d)
+    default = op._experts_bwd(x, ids, w, stacks, dy, 1.5, lora)
+    again = op._experts_bwd(x, ids, w, stacks, dy, 1.5, lora)
     monkeypatch.setattr(op, "_BWD_GROUP_BYTES", 1)
-    alone = op._experts_bwd(x, ids, w, w_gu, w_d, dy, 1.5, lora)
+    alone = op._experts_bwd(x, ids, w, stacks, dy, 1.5, lora)
     flat = lambda out: [*out[:4], *out[4]]
     for a, b, c in zip(flat(default), flat(again), flat(alone)):
         assert torch.equal(a, b) and rel_err(c, a) < 1e-6
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_quantized_backward_decodes_a_group_at_a_time(fmt, monkeypatch):
+    """The FP8 / MXFP4 experts' backward decodes only each group's experts: the same gradients, bit
+    for bit, as the same grouping at the whole stack decoded first (bf16 weights, skewed routing,
+    idle experts), with groups of several experts or of one."""
+    from alignzoo.common.moe import op
+
+    x, ids, w, w_gu, w_d = make_experts(70, 64, 32, 9, 3, device="cpu", seed=8, skew=True)
+    codes = {"fp8": op.quantize_experts_fp8, "mxfp4": op.quantize_experts_mxfp4}[fmt](w_gu, w_d)
+    whole = op._plain_stacks(*op._FORMATS[fmt][1](*codes, dtype=torch.bfloat16))
+    dy = torch.randn(70, 64, generator=torch.Generator().manual_seed(9))
+    for budget in (op._BWD_GROUP_BYTES, 1):
+        monkeypatch.setattr(op, "_BWD_GROUP_BYTES", budget)
+        want = op._experts_bwd(x, ids, w, whole, dy, None)
+        got = op._experts_bwd(x, ids, w, op._quantized_stacks(fmt, codes, torch.bfloat16), dy, None)
+        assert all(bitwise_equal(a, b) for a, b in zip(got[:4], want[:4])), (fmt, budget)
 
 
 def test_bf16_accuracy_and_the_combine():
@@ -460,6 +479,22 @@ def test_mxfp4_codes_decode_as_the_ocp_table_and_round_to_nearest_even():
     # the OCP exponent puts amax / scale in [4, 8): above 6 it saturates, so the error reaches 2 scales
     bound = 2 * sw.float().sub(127).exp2().repeat_interleave(32, 1)
     assert bool((err <= bound).all())
+
+
+def test_mxfp4_decode_is_the_nibble_formula_for_every_byte_and_scale():
+    """dequantize_mxfp4 (a byte-pair table, the scale multiplied in place) against the element-wise
+    formula, decode_e2m1(nibble) * 2^(s - 127): every code byte under every scale byte, bit patterns
+    (signed zeros, 0 and inf scales, NaN from inf * 0), in fp32 and bf16, and on a (2, 3, N, K) stack."""
+    from alignzoo.common.moe.mxfp4 import GROUP, decode_e2m1, dequantize_mxfp4, scale_values
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # row r: every byte, under scale byte r
+    scales = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 2 * 256 // GROUP)
+    v = torch.stack([decode_e2m1(codes & 15), decode_e2m1(codes >> 4)], -1).flatten(-2)
+    want = v * scale_values(scales).repeat_interleave(GROUP, -1)
+    for dt, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        assert torch.equal(dequantize_mxfp4(codes, scales, dt).view(bits), want.to(dt).view(bits)), dt
+    stack = dequantize_mxfp4(codes.view(2, 4, 32, 256)[:, :3], scales.view(2, 4, 32, 16)[:, :3])
+    assert torch.equal(stack.view(torch.int32), want.view(2, 4, 32, 512)[:, :3].view(torch.int32))
 
 
 def test_mxfp4_encoder_goes_by_row_blocks_with_the_same_codes():

@@ -18,6 +18,8 @@ Shapes: T tokens, H hidden, E experts, I expert width, k slots.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
 from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
@@ -102,25 +104,58 @@ def _bwd_groups(counts: list[int], per_expert: int, per_row: int, budget: int) -
     return groups
 
 
-def _experts_bwd(x, ids, weights, w_gate_up, w_down, dy, limit, lora=None, need_w: bool = True):
-    """(dx, dweights, dW_gate_up, dW_down, LoRA grads) fp32 of the routed sum at (bf16/fp32) expert
-    weights; the forward's SwiGLU rows (and adapter products) recomputed in fp32 and rounded where
-    the forward rounds them, each rounding's gradient the identity.  ``need_w`` False: no base weight
-    grads (frozen experts; at DeepSeek-V4's shapes an fp32 dW stack is 8 GiB).  The LoRA grads:
-    (dA_gu, dB_gu, dA_d, dB_d) or None.
+class _Stacks(NamedTuple):
+    """The expert weights as the backward reads them, a group at a time: ``fetch(es)`` -> (gate_up
+    (n, 2I, H), down (n, H, I)) fp32 of experts ``es``; ``bytes_per_weight``: what that takes a weight
+    element while it runs (the group budget's unit)."""
+
+    E: int
+    I: int
+    H: int
+    fetch: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    bytes_per_weight: int
+
+
+def _plain_stacks(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> _Stacks:
+    E, I2, H = w_gate_up.shape
+    return _Stacks(E, I2 // 2, H, lambda es: (w_gate_up[es].float(), w_down[es].float()),
+                   4 + w_gate_up.element_size())
+
+
+def _quantized_stacks(fmt: str, codes: tuple, dtype: torch.dtype) -> _Stacks:
+    """FP8 / MXFP4 experts decoded a group at a time, each weight dtype(its exact value), as the
+    forward's: the whole dequantized stack never exists (DeepSeek-V4's MXFP4 gate-up is 8 GiB in
+    bf16, and its fp32 decode temporaries several times that)."""
+    gu_codes, _, d_codes, _ = codes
+    E, I2 = gu_codes.shape[:2]
+    H = d_codes.shape[1]
+
+    def fetch(es):
+        gu, d = _FORMATS[fmt][1](*(c[es] for c in codes), dtype=dtype)
+        return gu.float(), d.float()
+
+    return _Stacks(E, I2 // 2, H, fetch, 32 if fmt == "mxfp4" else 12)
+
+
+def _experts_bwd(x, ids, weights, stacks: _Stacks, dy, limit, lora=None, need_w: bool = True):
+    """(dx, dweights, dW_gate_up, dW_down, LoRA grads) fp32 of the routed sum at the expert weights
+    ``stacks`` gives (bf16 / fp32, or decoded); the forward's SwiGLU rows (and adapter products)
+    recomputed in fp32 and rounded where the forward rounds them, each rounding's gradient the
+    identity.  ``need_w`` False: no base weight grads (frozen experts; at DeepSeek-V4's shapes an fp32
+    dW stack is 8 GiB).  The LoRA grads: (dA_gu, dB_gu, dA_d, dB_d) or None.
 
     Batched over experts (``_bwd_groups``): each group's rows are padded to (n, P) with zero rows,
     which add nothing to any gradient, and every product is one fp32 bmm, so a layer is a few dozen
     launches, not a dozen an expert.  dx adds a token's slots in slot order: deterministic."""
     T, k = ids.shape
-    E, I2, H = w_gate_up.shape
-    I = I2 // 2
+    E, I, H = stacks.E, stacks.I, stacks.H
+    I2 = 2 * I
     dy, dev = dy.float(), x.device
     # one row a (token, slot), and a last one that padded rows write into (no boolean index, no host read)
     dx_rows = torch.zeros(T * k + 1, H, dtype=torch.float32, device=dev)
     dw = torch.zeros(T * k + 1, dtype=torch.float32, device=dev)
-    dgu_w = torch.zeros(w_gate_up.shape, dtype=torch.float32, device=dev) if need_w else None
-    dd_w = torch.zeros(w_down.shape, dtype=torch.float32, device=dev) if need_w else None
+    dgu_w = torch.zeros(E, I2, H, dtype=torch.float32, device=dev) if need_w else None
+    dd_w = torch.zeros(E, H, I, dtype=torch.float32, device=dev) if need_w else None
     dl = None if lora is None else [torch.zeros(t.shape, dtype=torch.float32, device=dev) for t in lora.tensors()]
     s = None if lora is None else lora.s
     flat, wflat = ids.reshape(-1), weights.reshape(-1).float()
@@ -129,7 +164,7 @@ def _experts_bwd(x, ids, weights, w_gate_up, w_down, dy, limit, lora=None, need_
     counts = torch.bincount(flat, minlength=E)
     starts = counts.cumsum(0) - counts
     r = 0 if lora is None else lora.tensors()[0].shape[1]
-    per_expert = (4 + w_gate_up.element_size()) * 3 * I * H + 4 * r * (2 * H + 3 * I)
+    per_expert = stacks.bytes_per_weight * 3 * I * H + 4 * r * (2 * H + 3 * I)
     per_row = 4 * (6 * H + 7 * I + 4 * r)
     bmm = torch.bmm
     groups = _bwd_groups(counts.tolist(), per_expert, per_row, _BWD_GROUP_BYTES)
@@ -143,7 +178,7 @@ def _experts_bwd(x, ids, weights, w_gate_up, w_down, dy, limit, lora=None, need_
         tok, dst = sel // k, torch.where(valid, sel, T * k)
         live = valid[..., None]
         xe = torch.where(live, x[tok].float(), 0.0)  # (n, P, H), padded rows 0 (where: no 0 * inf)
-        wgu, wd = w_gate_up[es].float(), w_down[es].float()  # (n, 2I, H), (n, H, I)
+        wgu, wd = stacks.fetch(es)  # (n, 2I, H), (n, H, I) fp32
         gu = bmm(xe, wgu.transpose(1, 2))
         if lora is not None:
             a1, b1, a2, b2 = (t[es].float() for t in lora.tensors())
@@ -198,7 +233,8 @@ class _Experts(torch.autograd.Function):
         x, ids, weights, w_gate_up, w_down, *lt = ctx.saved_tensors
         lora = _lora_of(lt, ctx.scale)
         need_w = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        dx, dw, dgu_w, dd_w, dl = _experts_bwd(x, ids, weights, w_gate_up, w_down, dy, ctx.limit, lora, need_w)
+        dx, dw, dgu_w, dd_w, dl = _experts_bwd(x, ids, weights, _plain_stacks(w_gate_up, w_down), dy, ctx.limit,
+                                               lora, need_w)
         return (dx.to(x.dtype), None, dw.to(weights.dtype), None if dgu_w is None else dgu_w.to(w_gate_up.dtype),
                 None if dd_w is None else dd_w.to(w_down.dtype), None, *_lora_grads(lora, dl), None)
 
@@ -382,10 +418,10 @@ class _QuantizedExperts(torch.autograd.Function):
     def backward(ctx, dy):
         x, ids, weights, gu_codes, gu_scale, d_codes, d_scale, *lt = ctx.saved_tensors
         lora = _lora_of(lt, ctx.scale)
-        w_gu, w_d = _FORMATS[ctx.fmt][1](gu_codes, gu_scale, d_codes, d_scale, x.dtype)
+        stacks = _quantized_stacks(ctx.fmt, (gu_codes, gu_scale, d_codes, d_scale), x.dtype)
         gu_dt, d_dt = ctx.master_dtypes
         need_w = gu_dt is not None or d_dt is not None
-        dx, dw, dgu_w, dd_w, dl = _experts_bwd(x, ids, weights, w_gu, w_d, dy, ctx.limit, lora, need_w)
+        dx, dw, dgu_w, dd_w, dl = _experts_bwd(x, ids, weights, stacks, dy, ctx.limit, lora, need_w)
         return (None, dx.to(x.dtype), None, dw.to(weights.dtype), None if gu_dt is None else dgu_w.to(gu_dt),
                 None if d_dt is None else dd_w.to(d_dt), None, None, None, None, None, *_lora_grads(lora, dl), None)
 
