@@ -5,10 +5,14 @@ conventional trainer's (``common/moe/vendor.py``'s grouped bf16 experts under au
 the real expert shapes, side by side in one run.
 
     python benchmarks/bench_moe_train.py --out DIR [--tokens 4096,16384] [--shapes ...] [--frozen]
+        [--formats bf16,fp8,mxfp4]
 
 Each side: the same bf16 x, routing (softmax top-k over random logits) and bf16 expert weights with
 ``requires_grad`` (``--frozen``: the experts frozen, gradients to x and the routing weights only, as
-LoRA on attention trains), loss = sum(out * dy).  Times: CUDA events around forward + backward,
+LoRA on attention trains), loss = sum(out * dy).  ``fp8`` / ``mxfp4``: ours runs the quantized experts
+(``moe_experts_fp8`` / ``_mxfp4`` on the codes, the bf16 weights as the straight-through masters; its
+backward decodes a group of experts at a time), the vendor the same grouped bf16 experts at the decoded
+weights.  Times: CUDA events around forward + backward,
 median of ``--reps`` after ``--warm`` untimed steps (no graph: our backward reads the per-expert counts
 once).  Also per side: the host's top-level aten ops in one step (torch.profiler) and the peak memory
 beyond the inputs.  Writes moe_train.json and moe_train.md.  On the CPU (``--device cpu``) a smoke
@@ -34,18 +38,38 @@ from alignzoo.common.moe.vendor import experts_vendor  # noqa: E402
 SMOKE = {"smoke": (64, 32, 16, 4, None)}  # the CPU's shape: hidden, width, experts, top-k, clamp
 
 
-def make_inputs(shape, T: int, device: str, frozen: bool, seed: int = 0):
+def make_experts(shape, device: str, g):
+    H, I, E, _, _ = shape
+    w_gu = (torch.randn(E, 2 * I, H, device=device, generator=g) * H ** -0.5).bfloat16()
+    w_d = (torch.randn(E, H, I, device=device, generator=g) * I ** -0.5).bfloat16()
+    return w_gu, w_d
+
+
+def quantized(fmt: str, w_gu, w_d):
+    """(codes, the bf16 weights they decode to), the vendor's side decoded an expert at a time."""
+    from alignzoo.common.moe.op import (dequantize_experts_fp8, dequantize_experts_mxfp4, quantize_experts_fp8,
+                                        quantize_experts_mxfp4)
+
+    q, dq = {"fp8": (quantize_experts_fp8, dequantize_experts_fp8),
+             "mxfp4": (quantize_experts_mxfp4, dequantize_experts_mxfp4)}[fmt]
+    codes = q(w_gu, w_d)
+    parts = [dq(*(c[e : e + 1] for c in codes), dtype=torch.bfloat16) for e in range(w_gu.shape[0])]
+    return codes, *(torch.cat(p) for p in zip(*parts))
+
+
+def make_inputs(shape, T: int, device: str, frozen: bool, experts, seed: int = 0):
+    """experts: (fmt, codes or None, w_gu, w_d) with bf16 weights (the decoded ones for fp8 / mxfp4)."""
     H, I, E, k, limit = shape
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(T, H, device=device, generator=g).bfloat16()
     p = torch.softmax(torch.randn(T, E, device=device, generator=g), -1)
     w, ids = p.topk(k, -1)
     w = (w / w.sum(-1, keepdim=True)).bfloat16()
-    w_gu = (torch.randn(E, 2 * I, H, device=device, generator=g) * H ** -0.5).bfloat16()
-    w_d = (torch.randn(E, H, I, device=device, generator=g) * I ** -0.5).bfloat16()
+    fmt, codes, w_gu, w_d = experts
+    w_gu, w_d = w_gu.detach().clone(), w_d.detach().clone()
     dy = torch.randn(T, H, device=device, generator=g)
     leaves = [t.requires_grad_() for t in ((x, w) if frozen else (x, w, w_gu, w_d))]
-    return x, ids, w, w_gu, w_d, limit, dy, leaves
+    return fmt, codes, x, ids, w, w_gu, w_d, limit, dy, leaves
 
 
 def _per_expert(xs, w, offs):
@@ -67,14 +91,21 @@ def grouped_mm_trains(device: str) -> bool:
         return False
 
 
-def step(side: str, x, ids, w, w_gu, w_d, limit, dy, leaves):
-    """One forward + backward; -> the gradients (the leaves' .grad cleared first)."""
+def step(side: str, fmt, codes, x, ids, w, w_gu, w_d, limit, dy, leaves):
+    """One forward + backward; -> the gradients (the leaves' .grad cleared first).  Quantized
+    experts: w_gu / w_d are the masters ours' straight-through gradients go to."""
+    from alignzoo.common.moe.op import moe_experts_fp8, moe_experts_mxfp4
+
     for t in leaves:
         t.grad = None
-    if side == "aligned":
+    if side == "vendor":
+        out = experts_vendor(x, ids, w, w_gu, w_d, limit)
+    elif fmt == "bf16":
         out = moe_experts(x, ids, w, w_gu, w_d, limit=limit)
     else:
-        out = experts_vendor(x, ids, w, w_gu, w_d, limit)
+        masters = {} if not w_gu.requires_grad else {"master_gate_up": w_gu, "master_down": w_d}
+        fn = {"fp8": moe_experts_fp8, "mxfp4": moe_experts_mxfp4}[fmt]
+        out = fn(x, ids, w, *codes, limit=limit, **masters)
     (out.float() * dy).sum().backward()
     return [t.grad for t in leaves]
 
@@ -119,9 +150,9 @@ def time_side(fn, device: str, warm: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def row(name, shape, T, device, frozen, warm, reps) -> dict:
-    inp = make_inputs(shape, T, device, frozen)
-    out = {"shape": name, "tokens": T, "frozen": frozen}
+def row(name, shape, T, device, frozen, warm, reps, experts) -> dict:
+    inp = make_inputs(shape, T, device, frozen, experts)
+    out = {"shape": name, "format": experts[0], "tokens": T, "frozen": frozen}
     grads = {}
     for side in ("aligned", "vendor"):
         fn = lambda: step(side, *inp)  # noqa: E731
@@ -146,9 +177,10 @@ def row(name, shape, T, device, frozen, warm, reps) -> dict:
 def render(meta, rows) -> str:
     lines = [f"# Experts forward + backward: ours vs {meta['vendor']} under autograd ({meta['device']}, torch "
              f"{meta['torch']}, `{meta['commit']}`)", "",
-             "| shape | tokens | experts | ours ms | vendor ms | ratio | host ops ours / vendor | grads rel diff |",
-             "|---|---:|---|---:|---:|---:|---|---:|"]
-    lines += [f"| {r['shape']} | {r['tokens']} | {'frozen' if r['frozen'] else 'trained'} | {r['aligned_ms']:.2f} | "
+             "| shape | format | tokens | experts | ours ms | vendor ms | ratio | host ops ours / vendor | "
+             "grads rel diff |", "|---|---|---:|---|---:|---:|---:|---|---:|"]
+    lines += [f"| {r['shape']} | {r['format']} | {r['tokens']} | {'frozen' if r['frozen'] else 'trained'} | "
+              f"{r['aligned_ms']:.2f} | "
               f"{r['vendor_ms']:.2f} | {r['ratio']:.2f}x | {r['aligned_host_ops']} / {r['vendor_host_ops']} | "
               f"{r['grad_rel_diff']:.1e} |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -161,6 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default=None, help="token counts (default 4096,16384 on cuda, 64 on cpu)")
     ap.add_argument("--shapes", default=None, help=f"of {', '.join(SHAPES)} (default all; the CPU runs a small one)")
     ap.add_argument("--frozen", action="store_true", help="experts frozen: gradients to x and the routing weights")
+    ap.add_argument("--formats", default="bf16", help="bf16,fp8,mxfp4: the quantized experts against the vendor at "
+                                                      "their decoded bf16 weights")
     ap.add_argument("--warm", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args(argv)
@@ -177,9 +211,13 @@ def main(argv=None) -> int:
             "commit": commit(), "command": " ".join(sys.argv), "vendor": vendor}
     rows = []
     for name, shape in shapes.items():
-        for T in tokens:
-            rows.append(row(name, shape, T, a.device, a.frozen, a.warm, a.reps))
-            print(json.dumps(rows[-1]), flush=True)
+        w_gu, w_d = make_experts(shape, a.device, torch.Generator(device=a.device).manual_seed(1))
+        for fmt in a.formats.split(","):
+            experts = (fmt, None, w_gu, w_d) if fmt == "bf16" else (fmt, *quantized(fmt, w_gu, w_d))
+            for T in tokens:
+                rows.append(row(name, shape, T, a.device, a.frozen, a.warm, a.reps, experts))
+                print(json.dumps(rows[-1]), flush=True)
+            del experts
     with open(os.path.join(a.out, "moe_train.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     page = render(meta, rows)

@@ -30,7 +30,8 @@ train)
   timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -n "${WORKERS:-4}" -p no:cacheprovider -p no:benchmark \
     tests/test_moe_experts.py tests/test_experts_lora.py tests/test_fp8.py "tests/test_models.py" -k "moe or expert or fp8 \
     or qwen35" > "$out/gpu_tests.txt" 2>&1; echo "pytest exit $?" >> "$out/gpu_tests.txt"; tail -8 "$out/gpu_tests.txt"
-  timeout "${MOE_S:-150}" python3 benchmarks/bench_moe_train.py --out "$out" > "$out/moe_train_log.txt" 2>&1
+  timeout "${MOE_S:-240}" python3 benchmarks/bench_moe_train.py --out "$out" --tokens 4096 --formats bf16,fp8,mxfp4 \
+    > "$out/moe_train_log.txt" 2>&1
   echo "bench_moe_train exit $?" >> "$out/moe_train_log.txt"; tail -8 "$out/moe_train_log.txt"
   timeout "${TRAINER_S:-200}" python3 benchmarks/bench_trainer.py --device cuda --config qwen35_gdn/qwen3.5-35b-a3b-4l \
     --seqs 2 --len 2048 --warm 2 --steps 3 --json "$out/trainer.json" > "$out/trainer_log.txt" 2>&1

@@ -148,17 +148,19 @@ def test_bench_sync_smoke_on_cpu():
 
 def test_bench_moe_train_smoke_on_cpu(tmp_path):
     """benchmarks/bench_moe_train.py (the experts' forward + backward against grouped experts under
-    autograd) at its CPU shape, trained and frozen experts: a row each, the gradients of the two
-    sides close (they are different functions: bf16 vs fp32 intermediates), ours repeating."""
+    autograd) at its CPU shape, bf16 / FP8 / MXFP4, trained and frozen experts: a row each, the
+    gradients of the two sides close (different functions: bf16 vs fp32 intermediates), ours repeating."""
     import bench_moe_train
 
     for frozen in (False, True):
-        args = ["--device", "cpu", "--out", str(tmp_path), "--tokens", "37", "--warm", "0", "--reps", "1"]
+        args = ["--device", "cpu", "--out", str(tmp_path), "--tokens", "37", "--warm", "0", "--reps", "1",
+                "--formats", "bf16,fp8,mxfp4"]
         assert bench_moe_train.main(args + (["--frozen"] if frozen else [])) == 0
         rows = json.loads((tmp_path / "moe_train.json").read_text())["rows"]
-        assert len(rows) == 1 and rows[0]["frozen"] == frozen and rows[0]["repeats"]
-        assert rows[0]["grad_rel_diff"] < 2e-2 and rows[0]["aligned_host_ops"] > 0
-    assert "| smoke | 37 | frozen |" in (tmp_path / "moe_train.md").read_text()
+        assert [r["format"] for r in rows] == ["bf16", "fp8", "mxfp4"]
+        for r in rows:
+            assert r["frozen"] == frozen and r["repeats"] and r["grad_rel_diff"] < 2e-2 and r["aligned_host_ops"] > 0
+    assert "| smoke | mxfp4 | 37 | frozen |" in (tmp_path / "moe_train.md").read_text()
 
 
 def test_matmul_rows_cover_the_mid_m_values_and_warm_them():
