@@ -29,7 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe import SHAPES  # noqa: E402
+from bench_moe import SHAPES, quantize  # noqa: E402
 from bench_primitives import commit  # noqa: E402
 
 from alignzoo.common.moe.op import moe_experts  # noqa: E402
@@ -45,18 +45,6 @@ def make_experts(shape, device: str, g):
     return w_gu, w_d
 
 
-def quantized(fmt: str, w_gu, w_d):
-    """(codes, the bf16 weights they decode to), the vendor's side decoded an expert at a time."""
-    from alignzoo.common.moe.op import (dequantize_experts_fp8, dequantize_experts_mxfp4, quantize_experts_fp8,
-                                        quantize_experts_mxfp4)
-
-    q, dq = {"fp8": (quantize_experts_fp8, dequantize_experts_fp8),
-             "mxfp4": (quantize_experts_mxfp4, dequantize_experts_mxfp4)}[fmt]
-    codes = q(w_gu, w_d)
-    parts = [dq(*(c[e : e + 1] for c in codes), dtype=torch.bfloat16) for e in range(w_gu.shape[0])]
-    return codes, *(torch.cat(p) for p in zip(*parts))
-
-
 def make_inputs(shape, T: int, device: str, frozen: bool, experts, seed: int = 0):
     """experts: (fmt, codes or None, w_gu, w_d) with bf16 weights (the decoded ones for fp8 / mxfp4)."""
     H, I, E, k, limit = shape
@@ -70,12 +58,6 @@ def make_inputs(shape, T: int, device: str, frozen: bool, experts, seed: int = 0
     dy = torch.randn(T, H, device=device, generator=g)
     leaves = [t.requires_grad_() for t in ((x, w) if frozen else (x, w, w_gu, w_d))]
     return fmt, codes, x, ids, w, w_gu, w_d, limit, dy, leaves
-
-
-def _per_expert(xs, w, offs):
-    """``vendor._grouped``'s loop (one matmul an expert), for a torch whose ``_grouped_mm`` cannot train."""
-    bounds = [0, *offs.tolist()]
-    return torch.cat([xs[a:b] @ w[e].T for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
 
 
 def grouped_mm_trains(device: str) -> bool:
@@ -206,18 +188,19 @@ def main(argv=None) -> int:
     if vendor != "torch._grouped_mm" and a.device == "cuda":  # _grouped_mm without a backward: the loop
         import alignzoo.common.moe.vendor as vendor_mod
 
-        vendor_mod._grouped = _per_expert
+        vendor_mod._grouped = vendor_mod.grouped_loop
     meta = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
             "commit": commit(), "command": " ".join(sys.argv), "vendor": vendor}
     rows = []
     for name, shape in shapes.items():
         w_gu, w_d = make_experts(shape, a.device, torch.Generator(device=a.device).manual_seed(1))
         for fmt in a.formats.split(","):
-            experts = (fmt, None, w_gu, w_d) if fmt == "bf16" else (fmt, *quantized(fmt, w_gu, w_d))
+            q = {"codes": None, "bf16": (w_gu, w_d)} if fmt == "bf16" else quantize(fmt, w_gu, w_d)
+            experts = (fmt, q["codes"], *q["bf16"])
             for T in tokens:
                 rows.append(row(name, shape, T, a.device, a.frozen, a.warm, a.reps, experts))
                 print(json.dumps(rows[-1]), flush=True)
-            del experts
+            del experts, q
     with open(os.path.join(a.out, "moe_train.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     page = render(meta, rows)

@@ -60,7 +60,7 @@ def gdn_matmul(q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
     kd = kc * torch.exp(G[..., -1:] - G)[..., None]
     # the chunk recurrence over (sequence, head) pairs as one batch dim, each chunk's operands views of
     # one unbind, every product with its add one baddbmm: 5 ops a chunk forward, ~38 with the backward
-    # (78 as 4-D matmuls and slices; 32 chunks a 2048-token sequence)
+    # (the loop is the backward's launch count: 32 chunks a 2048-token sequence)
     B = N * Hv
     per_chunk = [t.reshape(B, nc, *t.shape[3:]).unbind(1) for t in (u, w, qe, A)]
     kdt = kd.reshape(B, nc, C, K).transpose(-1, -2).unbind(1)  # (B, K, C) each

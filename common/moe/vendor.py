@@ -17,6 +17,11 @@ def _grouped(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Ten
     """rows xs (N, H) sorted by expert, w (E, O, H), offs (E,) int32 cumulative counts -> (N, O)."""
     if hasattr(torch, "_grouped_mm") and xs.is_cuda:
         return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
+    return grouped_loop(xs, w, offs)
+
+
+def grouped_loop(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``_grouped`` as one matmul an expert (a host read of the counts): where ``_grouped_mm`` is missing."""
     bounds = [0, *offs.tolist()]
     return torch.cat([xs[a:b] @ w[e].T for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
 
