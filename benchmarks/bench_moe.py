@@ -12,6 +12,8 @@ same bf16 tensors and routing (softmax top-k over random logits).  Ours: each
 launch config's bits are checked equal to the default's before it is timed;
 the fastest is reported.  Times: CUDA-graph replay, median of 20, with an L2
 flush; the router is not timed on either side.  Writes moe.json and moe.md.
+``--split``: each quantized row also gets both sides' CUDA time by kernel (torch.profiler over
+5 eager calls), so a miss says which launch the time is in.
 """
 from __future__ import annotations
 
@@ -74,7 +76,26 @@ def quantize(fmt: str, w_gu, w_d) -> dict:
 MX_CONFIGS = [dict(), dict(block_m=128, block_n=128, num_warps=8), dict(block_n=32)]
 
 
-def quantized_row(name, fmt, T, x, ids, w, qd, limit, mx_configs=MX_CONFIGS) -> dict:
+def by_kernel(fn, reps=5) -> dict:
+    """CUDA ms a call by kernel name (the first 60 characters), over ``reps`` eager calls back to back
+    (no L2 flush: meant for prefill sizes, whose weights are many times L2)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if us and ev.count >= reps:  # a kernel of every call (not host-side events)
+            out[ev.key[:60]] = out.get(ev.key[:60], 0.0) + us / reps / 1e3
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def quantized_row(name, fmt, T, x, ids, w, qd, limit, mx_configs=MX_CONFIGS, split=False) -> dict:
     """Our ``fmt`` experts (computed on their codes) against the vendor on the dequantized bf16 weights;
     MXFP4 at each of ``mx_configs`` with the default's bits, the fastest reported."""
     from alignzoo.common.moe.kernel import experts_fwd_fp8_triton, experts_fwd_mxfp4_triton
@@ -95,8 +116,12 @@ def quantized_row(name, fmt, T, x, ids, w, qd, limit, mx_configs=MX_CONFIGS) -> 
             best = (ms, cfg)
     v_ms = time_graph(lambda: vendor(x, ids, w, *qd["bf16"], limit))
     err = float((vendor(x, ids, w, *qd["bf16"], limit).float() - ref).abs().max())
-    return {"shape": name, "format": fmt, "tokens": T, "ours_ms": best[0], "config": best[1] or "default",
-            "repeats": exact, "vendor_ms": v_ms, "ratio": v_ms / best[0], "max_abs_vs_vendor": err}
+    row = {"shape": name, "format": fmt, "tokens": T, "ours_ms": best[0], "config": best[1] or "default",
+           "repeats": exact, "vendor_ms": v_ms, "ratio": v_ms / best[0], "max_abs_vs_vendor": err}
+    if split:
+        row["ours_by_kernel"] = by_kernel(lambda: fwd(x, ids, w, *qd["codes"], limit, **best[1]))
+        row["vendor_by_kernel"] = by_kernel(lambda: vendor(x, ids, w, *qd["bf16"], limit))
+    return row
 
 
 def main(argv=None):
@@ -109,6 +134,7 @@ def main(argv=None):
     ap.add_argument("--formats", default="bf16", help="bf16,fp8,mxfp4: the quantized experts against the vendor "
                                                        "on their bf16 dequantized weights (the default launch config)")
     ap.add_argument("--mx-configs", default=None, help="a JSON list of MXFP4 launch knob dicts (default: MX_CONFIGS)")
+    ap.add_argument("--split", action="store_true", help="the quantized rows' CUDA time by kernel, both sides")
     a = ap.parse_args(argv)
     mx_configs = json.loads(a.mx_configs) if a.mx_configs else MX_CONFIGS
     os.makedirs(a.out, exist_ok=True)
@@ -144,7 +170,7 @@ def main(argv=None):
                              "vendor_ms": v_ms, "ratio": v_ms / best[0], "max_abs_vs_vendor": err})
                 print(json.dumps(rows[-1]), flush=True)
             for fmt in [f for f in a.formats.split(",") if f != "bf16"]:
-                rows.append(quantized_row(name, fmt, T, x, ids, w, quantized[fmt], limit, mx_configs))
+                rows.append(quantized_row(name, fmt, T, x, ids, w, quantized[fmt], limit, mx_configs, a.split))
                 print(json.dumps(rows[-1]), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit(),
             "command": " ".join(sys.argv), "vendor": "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "loop"}
@@ -154,6 +180,10 @@ def main(argv=None):
              "| shape | format | tokens | ours ms | config | vendor ms | ratio |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['format']} | {r['tokens']} | {r['ours_ms']:.4f} | {r['config']} | "
               f"{r['vendor_ms']:.4f} | {r['ratio']:.2f}x |" for r in rows]
+    for r in (r for r in rows if "ours_by_kernel" in r):
+        lines += ["", f"{r['shape']} {r['format']} {r['tokens']} tokens, CUDA ms by kernel (eager):", ""]
+        lines += [f"- {side}: " + ", ".join(f"`{k}` {v:.3f}" for k, v in r[f"{side}_by_kernel"].items())
+                  for side in ("ours", "vendor")]
     with open(os.path.join(a.out, "moe.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

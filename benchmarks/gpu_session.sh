@@ -5,12 +5,16 @@
 #   bash benchmarks/gpu_session.sh train                     # the MoE / trainer gpu tests, the experts' forward +
 #                                                            # backward (bench_moe_train), the qwen35_gdn trainer
 #                                                            # against transformers side by side (bench_trainer)
+#   BASE=DIR bash benchmarks/gpu_session.sh mx               # the MoE gpu tests, then bench_moe's MXFP4 rows
+#                                                            # (GLM-5, DeepSeek-V4; 1 to 16384 tokens) with the
+#                                                            # by-kernel split, then the same bench in the tree
+#                                                            # at DIR (a `git archive` of the commit to compare)
 # Each step has its own time limit (env TEST_S, CHECK_S, SUITE_S, PROFILE_S) so one slow step cannot
 # eat the call.  Set ALIGNZOO_COMMIT=<sha> (the device's .git is stale).  On the H200 the whole
 # gpu suite takes ~145 s with 10 workers from a warm Triton cache; more workers than ~10 can run
 # out of GPU memory (each engine takes 30% of what is free).
 . "$(dirname "$0")/gpu_env.sh"
-out=${OUT:-gpu_out}; mkdir -p "$out"
+out=${OUT:-gpu_out}; mkdir -p "$out"; out=$(cd "$out" && pwd)  # absolute: the mx mode runs a second tree
 mode=${1:-tests}; shift || true
 case "$mode" in
 tests)
@@ -37,7 +41,20 @@ train)
     --seqs 2 --len 2048 --warm 2 --steps 3 --json "$out/trainer.json" > "$out/trainer_log.txt" 2>&1
   echo "bench_trainer exit $?" >> "$out/trainer_log.txt"; tail -8 "$out/trainer_log.txt"
   ;;
+mx)
+  timeout "${TEST_S:-180}" python3 -m pytest -q -m gpu -n "${WORKERS:-4}" -p no:cacheprovider -p no:benchmark \
+    tests/test_moe_experts.py tests/test_experts_lora.py > "$out/gpu_tests.txt" 2>&1
+  echo "pytest exit $?" >> "$out/gpu_tests.txt"; tail -8 "$out/gpu_tests.txt"
+  bench=(--formats mxfp4 --shapes glm-5,deepseek-v4-flash --tokens "${TOKENS:-1,64,4096,16384}" --mx-configs '[{}]')
+  timeout "${MOE_S:-200}" python3 benchmarks/bench_moe.py --out "$out/mx" "${bench[@]}" --split \
+    > "$out/mx_log.txt" 2>&1; echo "bench_moe exit $?" >> "$out/mx_log.txt"; tail -20 "$out/mx/moe.md"
+  if [ -n "${BASE:-}" ]; then
+    (cd "$BASE" && . benchmarks/gpu_env.sh && timeout "${MOE_S:-200}" python3 benchmarks/bench_moe.py \
+      --out "$out/mx_base" "${bench[@]}") > "$out/mx_base_log.txt" 2>&1
+    echo "base bench_moe exit $?" >> "$out/mx_base_log.txt"; tail -12 "$out/mx_base/moe.md"
+  fi
+  ;;
 *)
-  echo "usage: gpu_session.sh tests [pytest paths...] | perf | train" >&2; exit 2
+  echo "usage: gpu_session.sh tests [pytest paths...] | perf | train | mx" >&2; exit 2
   ;;
 esac

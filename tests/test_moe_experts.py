@@ -628,11 +628,36 @@ for T, H, I, E, k, skew in ((37, 96, 64, 5, 3, False), (70, 160, 96, 7, 2, True)
     gu, d = dequantize_experts_mxfp4(*q)
     got = experts_fwd_mxfp4_triton(x, ids, w, *q)
     assert torch.equal(got, experts_fwd_triton(x, ids, w, gu, d)), (T, H, I)
-    # the swapped dots (W · xT) are numpy's other product here: the same values to fp32 accumulation
-    assert torch.allclose(experts_fwd_mxfp4_triton(x, ids, w, *q, swap=True), got, rtol=1e-5, atol=1e-6), (T, H, I)
-    # 64 gate rows and their 64 up rows a swapped tile: I = 96 and 32 end inside one
-    wide = experts_fwd_mxfp4_triton(x, ids, w, *q, swap=True, block_n=128)
-    assert torch.allclose(wide, got, rtol=1e-5, atol=1e-6), (T, H, I)
+print("ok")
+"""
+
+_INTERPRETED_MX_SWAP = TORCH_MATH + _EXACT_INPUTS + r"""
+from alignzoo.common.moe.kernel import experts_fwd_mxfp4_triton, experts_fwd_triton
+from alignzoo.common.moe.op import dequantize_experts_mxfp4
+
+# The swapped chain (accᵀ = W · xᵀ) reads no row masks (padding points at a real row) and, when K is a
+# multiple of 64 (every real shape), no K masks.  Its dots are numpy's other product here, so the inputs make
+# every dot exact: small integers, gate/up codes under scales of 2^-3..2^0, and a down weight with one nonzero
+# code a row.  Then every tile and grid must give the unswapped kernel's bits, and the bf16 path's at the
+# decoded weights.
+def codes_scales(E, N, K, one_per_row):
+    if one_per_row:
+        c = torch.zeros(E, N, K // 2, dtype=torch.uint8)
+        n = torch.arange(N)
+        c[:, n, n % (K // 2)] = ri(1, 8, E, N).to(torch.uint8)  # a low nibble: column 2 (n % (K / 2))
+        return c, torch.full((E, N, K // 32), 127, dtype=torch.uint8)
+    return ri(0, 256, E, N, K // 2).to(torch.uint8), ri(124, 128, E, N, K // 32).to(torch.uint8)
+
+# (even H and I; a ragged H; a ragged I, a 128-wide tile's gate rows ending inside it); expert 0 has T rows
+for T, H, I, E, k in ((300, 128, 64, 5, 2), (70, 96, 128, 7, 3), (37, 192, 96, 5, 3)):
+    x = ri(-3, 4, T, H)
+    ids, w = routes(T, E, k, skew=True)
+    q = (*codes_scales(E, 2 * I, H, False), *codes_scales(E, H, I, True))
+    want = experts_fwd_mxfp4_triton(x, ids, w, *q, swap=False)
+    assert torch.equal(want, experts_fwd_triton(x, ids, w, *dequantize_experts_mxfp4(*q))), (T, H, I)
+    for knobs in (dict(block_m=64), dict(block_m=128, block_n=128), dict(block_m=256)):
+        got = experts_fwd_mxfp4_triton(x, ids, w, *q, swap=True, **knobs)
+        assert torch.equal(got, want), (T, H, I, knobs, (got - want).abs().max())
 print("ok")
 """
 
@@ -670,6 +695,10 @@ print("ok")
 
 def test_mxfp4_triton_kernels_decode_in_registers_interpreted():
     run_interpreted(_INTERPRETED_MX, expect="ok")
+
+
+def test_mxfp4_swapped_chain_gives_the_unswapped_bits_interpreted():
+    run_interpreted(_INTERPRETED_MX_SWAP, expect="ok")
 
 
 def test_mxfp4_tile_decodes_give_dequantize_bits_interpreted():
