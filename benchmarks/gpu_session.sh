@@ -8,7 +8,10 @@
 #   BASE=DIR bash benchmarks/gpu_session.sh mx               # the MoE gpu tests, then bench_moe's MXFP4 rows
 #                                                            # (GLM-5, DeepSeek-V4; 1 to 16384 tokens) with the
 #                                                            # by-kernel split, then the same bench in the tree
-#                                                            # at DIR (a `git archive` of the commit to compare)
+#                                                            # at DIR (a `git archive` of the commit to compare);
+#                                                            # NCU=1 adds Nsight Compute on GLM-5's two MXFP4
+#                                                            # kernels at 16384 tokens (stall reasons, L2 traffic);
+#                                                            # MX_CONFIGS (JSON) and TOKENS pick the bench's rows
 # Each step has its own time limit (env TEST_S, CHECK_S, SUITE_S, PROFILE_S) so one slow step cannot
 # eat the call.  Set ALIGNZOO_COMMIT=<sha> (the device's .git is stale).  On the H200 the whole
 # gpu suite takes ~145 s with 10 workers from a warm Triton cache; more workers than ~10 can run
@@ -45,13 +48,20 @@ mx)
   timeout "${TEST_S:-180}" python3 -m pytest -q -m gpu -n "${WORKERS:-4}" -p no:cacheprovider -p no:benchmark \
     tests/test_moe_experts.py tests/test_experts_lora.py > "$out/gpu_tests.txt" 2>&1
   echo "pytest exit $?" >> "$out/gpu_tests.txt"; tail -8 "$out/gpu_tests.txt"
-  bench=(--formats mxfp4 --shapes glm-5,deepseek-v4-flash --tokens "${TOKENS:-1,64,4096,16384}" --mx-configs '[{}]')
+  bench=(--formats mxfp4 --shapes glm-5,deepseek-v4-flash --tokens "${TOKENS:-1,64,4096,16384}" --mx-configs "${MX_CONFIGS:-[{}]}")
   timeout "${MOE_S:-200}" python3 benchmarks/bench_moe.py --out "$out/mx" "${bench[@]}" --split \
     > "$out/mx_log.txt" 2>&1; echo "bench_moe exit $?" >> "$out/mx_log.txt"; tail -20 "$out/mx/moe.md"
   if [ -n "${BASE:-}" ]; then
     (cd "$BASE" && . benchmarks/gpu_env.sh && timeout "${MOE_S:-200}" python3 benchmarks/bench_moe.py \
       --out "$out/mx_base" "${bench[@]}") > "$out/mx_base_log.txt" 2>&1
     echo "base bench_moe exit $?" >> "$out/mx_base_log.txt"; tail -12 "$out/mx_base/moe.md"
+  fi
+  if [ -n "${NCU:-}" ]; then  # Firecracker only (device KINDS.md); skips the bf16 reference call's two launches
+    timeout "${NCU_S:-240}" ncu --clock-control none --kernel-name regex:'_gate_up_kernel|_down_kernel' \
+      --launch-skip 2 --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
+      python3 benchmarks/bench_moe.py --out "$out/ncu_bench" --formats mxfp4 --shapes glm-5 --tokens 16384 \
+      --mx-configs '[{}]' > "$out/ncu.txt" 2>&1; echo "ncu exit $?" >> "$out/ncu.txt"; tail -4 "$out/ncu.txt"
   fi
   ;;
 *)
