@@ -11,7 +11,10 @@
 #                                                            # at DIR (a `git archive` of the commit to compare);
 #                                                            # NCU=1 adds Nsight Compute on GLM-5's two MXFP4
 #                                                            # kernels at 16384 tokens (stall reasons, L2 traffic);
-#                                                            # MX_CONFIGS (JSON) and TOKENS pick the bench's rows
+#                                                            # MX_CONFIGS (JSON) and TOKENS pick the bench's rows;
+#                                                            # CEILING=1 adds the bench on a copy whose decode is
+#                                                            # one xor a byte pair (wrong values, same loads and
+#                                                            # dots): what the decode's arithmetic costs
 # Each step has its own time limit (env TEST_S, CHECK_S, SUITE_S, PROFILE_S) so one slow step cannot
 # eat the call.  Set ALIGNZOO_COMMIT=<sha> (the device's .git is stale).  On the H200 the whole
 # gpu suite takes ~145 s with 10 workers from a warm Triton cache; more workers than ~10 can run
@@ -55,6 +58,20 @@ mx)
     (cd "$BASE" && . benchmarks/gpu_env.sh && timeout "${MOE_S:-200}" python3 benchmarks/bench_moe.py \
       --out "$out/mx_base" "${bench[@]}") > "$out/mx_base_log.txt" 2>&1
     echo "base bench_moe exit $?" >> "$out/mx_base_log.txt"; tail -12 "$out/mx_base/moe.md"
+  fi
+  if [ -n "${CEILING:-}" ]; then
+    rm -rf /tmp/ceiling && cp -r . /tmp/ceiling && python3 - /tmp/ceiling/common/moe/kernel.py <<'PY'
+import re, sys
+p = sys.argv[1]; s = open(p).read()
+s, n = re.subn(r'_E2M1X2_BF16 = tl.constexpr\("""\{.*?\}"""\)',
+               '_E2M1X2_BF16 = tl.constexpr("""{\n.reg .b32 m;\nxor.b32 m, $2, $3;\nmov.b32 {$0, $1}, m;\n}""")', s,
+               flags=re.S)
+assert n == 1, "the decode's asm was not found"
+open(p, "w").write(s)
+PY
+    (cd /tmp/ceiling && . benchmarks/gpu_env.sh && timeout "${MOE_S:-200}" python3 benchmarks/bench_moe.py \
+      --out "$out/mx_ceiling" "${bench[@]}") > "$out/mx_ceiling_log.txt" 2>&1
+    echo "ceiling bench_moe exit $?" >> "$out/mx_ceiling_log.txt"; tail -12 "$out/mx_ceiling/moe.md"
   fi
   if [ -n "${NCU:-}" ]; then  # Firecracker only (device KINDS.md); skips the bf16 reference call's two launches
     timeout "${NCU_S:-240}" ncu --clock-control none --kernel-name regex:'_gate_up_kernel|_down_kernel' \
