@@ -14,7 +14,9 @@
 #                                                            # MX_CONFIGS (JSON) and TOKENS pick the bench's rows;
 #                                                            # CEILING=1 adds the bench on a copy whose decode is
 #                                                            # one xor a byte pair (wrong values, same loads and
-#                                                            # dots): what the decode's arithmetic costs
+#                                                            # dots): what the decode's arithmetic costs;
+#                                                            # WS=1 adds probe_mx_ws.py (the gate-up with its
+#                                                            # decode in warps of its own: bits, then time)
 # Each step has its own time limit (env TEST_S, CHECK_S, SUITE_S, PROFILE_S) so one slow step cannot
 # eat the call.  Set ALIGNZOO_COMMIT=<sha> (the device's .git is stale).  On the H200 the whole
 # gpu suite takes ~145 s with 10 workers from a warm Triton cache; more workers than ~10 can run
@@ -72,6 +74,10 @@ PY
     (cd /tmp/ceiling && . benchmarks/gpu_env.sh && timeout "${MOE_S:-200}" python3 benchmarks/bench_moe.py \
       --out "$out/mx_ceiling" "${bench[@]}") > "$out/mx_ceiling_log.txt" 2>&1
     echo "ceiling bench_moe exit $?" >> "$out/mx_ceiling_log.txt"; tail -12 "$out/mx_ceiling/moe.md"
+  fi
+  if [ -n "${WS:-}" ]; then
+    timeout "${WS_S:-240}" python3 benchmarks/probe_mx_ws.py --out "$out" --tokens "${WS_TOKENS:-4096,16384}" \
+      > "$out/ws_log.txt" 2>&1; echo "probe_mx_ws exit $?" >> "$out/ws_log.txt"; tail -6 "$out/ws_log.txt"
   fi
   if [ -n "${NCU:-}" ]; then  # Firecracker only (device KINDS.md); skips the bf16 reference call's two launches
     timeout "${NCU_S:-240}" ncu --clock-control none --kernel-name regex:'_gate_up_kernel|_down_kernel' \

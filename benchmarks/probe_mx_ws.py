@@ -1,0 +1,298 @@
+"""The MXFP4 gate-up with its decode in warps of its own (Gluon, Hopper): a probe, not the package's kernel.
+
+The package's swapped gate-up (``common/moe/kernel.py``) decodes each 64-wide K step into the registers
+that feed wgmma, so a step's decode cannot start before the last step's wgmma is done: the tensor cores
+idle while one warpgroup waits, loads codes and decodes.  Here three partitions share a CTA:
+
+- the loader (1 warp) brings each step's x rows into shared memory by TMA (x gathered into sorted
+  row order first, so a tile's rows are one box);
+- the decoder (4 warps) reads each step's code bytes and scales from global memory one step ahead,
+  decodes them with the package's bf16x2 PTX (``_E2M1X2_BF16``) and stores the (64, 64) bf16 tile
+  in shared memory;
+- the MMA warpgroup runs wgmma on the two shared tiles, one step in flight, then the SwiGLU epilogue.
+
+The arithmetic is the package's: the same decoded weights, the same k16 wgmma chain into one fp32
+accumulator from zero, the same SwiGLU expression rounded once.  So the bits must be equal, and the
+probe checks ``torch.equal`` against the package's kernel on the same sorted rows before it times.
+
+    python benchmarks/probe_mx_ws.py [--shapes glm-5,deepseek-v4-flash] [--tokens 4096,16384]   # the H200
+    python benchmarks/probe_mx_ws.py --compile        # cross-compile for sm_90a here: registers, spills
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from alignzoo.common.moe.kernel import _E2M1X2_BF16  # noqa: E402
+
+_ASM = gl.constexpr(_E2M1X2_BF16.value)
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared  # 3.7 renamed it
+BLOCK_K = 64  # the package's K step
+
+
+@gluon.jit
+def _loader(x_desc, xs, x_ready, empty, r0, n_k, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Step i's x rows [r0, r0 + BLOCK_M) x [i·64, i·64 + 64) by TMA into stage i % STAGES, once the
+    MMA of step i - STAGES has released it (rows past the end come back zero, and rows of the next
+    expert fill the tile's unused columns, which are never stored)."""
+    for i in range(n_k):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
+        _tma_load(x_desc, [r0, i * BLOCK_K], x_ready.index(s), xs.index(s))
+
+
+@gluon.jit
+def _codes(p_w, p_s, o_c, o_g, i, n_k):
+    """Step i's code bytes ((128, 16) uint8: row-group rg = 2·row + g, byte j) and scale bytes
+    ((128,) uint8), step n_k - 1's past the end; ``o_c`` / ``o_g`` are the step-0 offsets."""
+    i = gl.minimum(i, n_k - 1)
+    return gl.load(p_w + o_c + i * 32), gl.load(p_s + o_g + i * 2)
+
+
+@gluon.jit
+def _decoder(p_w, p_s, ws, w_ready, empty, row0, I, H, n_k, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Step i's (BLOCK_N, 64) weight tile: BLOCK_N / 2 gate rows from ``row0`` then their up rows I
+    further, decoded from codes and scales loaded two steps ahead (an HBM read outlasts one step's
+    wgmma), stored to stage i % STAGES once the MMA of step i - STAGES has released it.  One thread
+    decodes one row's 32-weight scale group."""
+    NH: gl.constexpr = BLOCK_N // 2
+    L: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])  # (2·BLOCK_N, 16): one group a thread
+    rg = gl.arange(0, 2 * BLOCK_N, layout=gl.SliceLayout(1, L))
+    j = gl.arange(0, 16, layout=gl.SliceLayout(0, L))
+    r = rg // 2
+    row = (row0 + r % NH + (r // NH) * I).to(gl.int64)
+    o_c = row[:, None] * (H // 2) + (rg % 2)[:, None] * 16 + j[None, :]
+    o_g = row * (H // 32) + rg % 2
+    b0, s0 = _codes(p_w, p_s, o_c, o_g, 0, n_k)
+    b1, s1 = _codes(p_w, p_s, o_c, o_g, 1, n_k)
+    for i in range(n_k):
+        b2, s2n = _codes(p_w, p_s, o_c, o_g, i + 2, n_k)
+        sc = (s0.to(gl.int32) * 0x00800080)[:, None]  # the scale byte under both halves' bf16 exponent fields
+        lo, hi = gl.inline_asm_elementwise(_ASM, "=h,=h,r,r", [b0.to(gl.int32), sc],
+                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+        w = gl.reshape(gl.reshape(gl.join(lo, hi), [2 * BLOCK_N, 32]), [BLOCK_N, 64])  # low nibble first
+        st = i % STAGES
+        mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+        ws.index(st).store(w)
+        fence_async_shared()
+        mbarrier.arrive(w_ready.index(st), count=1)
+        b0, s0, b1, s1 = b1, s1, b2, s2n
+
+
+@gluon.jit
+def _mma(xs, ws, x_ready, w_ready, empty, n_k, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+         BLOCK_N: gl.constexpr):
+    """accᵀ (BLOCK_N, BLOCK_M) = Σ_i W_i (BN, 64) · x_iᵀ (64, BM): one fp32 accumulator from zero, the
+    package's k16 chain; the MMA of step i - 1 retires before step i's stage is released."""
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+    for i in range(n_k):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        mbarrier.wait(x_ready.index(s), ph)
+        mbarrier.wait(w_ready.index(s), ph)
+        acc = warpgroup_mma(ws.index(s), xs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+    return (warpgroup_mma_wait(num_outstanding=0, deps=(acc,)),)  # the default partition returns a tuple
+
+
+@gluon.jit
+def _gate_up_ws_kernel(x_desc, p_w, p_s, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS_LIMIT: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    NH: gl.constexpr = BLOCK_N // 2
+    nn = I // NH
+    pid = gl.program_id(0)
+    i_t = pid // nn
+    i_n = pid % nn
+    e = gl.load(p_te + i_t)
+    if e < 0:
+        return
+    r0 = gl.load(p_r0 + i_t)
+    r1 = gl.load(p_r1 + i_t)
+    n_k = H // 64
+    xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
+    w_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], gl.bfloat16)
+    ws = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], w_l)
+    x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(x_ready.index(s), count=1)
+        mbarrier.init(w_ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    row0 = e * (2 * I) + i_n * NH
+    acc, = gl.warp_specialize([
+        (_mma, (xs, ws, x_ready, w_ready, empty, n_k, STAGES, BLOCK_M, BLOCK_N)),
+        (_decoder, (p_w, p_s, ws, w_ready, empty, row0, I, H, n_k, STAGES, BLOCK_N)),
+        (_loader, (x_desc, xs, x_ready, empty, r0, n_k, STAGES, 64)),
+    ], [4, 1], [96, 24])
+    # the SwiGLU epilogue, as the package's: gate rows then up rows of accᵀ, through shared memory
+    scratch = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    scratch.store(acc)
+    E_L: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, 4], [0, 1])  # (NH, BLOCK_M): 8 columns a thread
+    g = scratch.slice(0, NH, dim=0).load(E_L)
+    u = scratch.slice(NH, NH, dim=0).load(E_L)
+    if HAS_LIMIT:
+        g = gl.minimum(g, LIMIT)
+        u = gl.minimum(gl.maximum(u, -LIMIT), LIMIT)
+    a = g / (1.0 + gl.exp(-g)) * u
+    o_j = i_n * NH + gl.arange(0, NH, layout=gl.SliceLayout(1, E_L))
+    o_r = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, E_L))
+    gl.store(p_a + o_r[None, :].to(gl.int64) * I + o_j[:, None], a.to(gl.bfloat16),
+             mask=(o_r < r1)[None, :] & (o_j < I)[:, None])
+
+
+def _x_desc(xg, block_m):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16)
+    return TensorDescriptor.from_tensor(xg, [block_m, 64], layout)
+
+
+def gate_up_ws(x, tok, te, r0, r1, codes, scales, limit=None, block_m=256, block_n=64, stages=3):
+    """The sorted rows' SwiGLU output (rows, I) bf16, as ``_gate_up_kernel`` writes it."""
+    from alignzoo.common.swiglu.cpu import limit_in
+
+    E, I2, _ = codes.shape
+    I, H = I2 // 2, x.shape[1]
+    if H % 64 or I % (block_n // 2):
+        raise ValueError(f"the probe needs H % 64 == 0 and I % {block_n // 2} == 0 (H={H}, I={I})")
+    xg = x[tok.long()].contiguous()  # sorted row order: a tile's rows are one TMA box
+    a = torch.empty(tok.shape[0], I, dtype=x.dtype, device=x.device)
+    lim = 0.0 if limit is None else limit_in(x.dtype, limit)
+    grid = (te.shape[0] * (I // (block_n // 2)),)
+    _gate_up_ws_kernel[grid](_x_desc(xg, block_m), codes, scales, te, r0, r1, a, H, I, lim,
+                             HAS_LIMIT=limit is not None, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+                             num_warps=4, enable_fp_fusion=False)
+    return a
+
+
+def gate_up_package(x, tok, te, r0, r1, codes, scales, limit=None, block_m=256, block_n=64):
+    """The package's swapped MXFP4 gate-up alone, on the same sorted rows."""
+    from alignzoo.common.moe.kernel import BLOCK_K as BK
+    from alignzoo.common.moe.kernel import _gate_up_kernel
+    from alignzoo.common.swiglu.cpu import limit_in
+
+    E, I2, _ = codes.shape
+    I, H = I2 // 2, x.shape[1]
+    a = torch.empty(tok.shape[0], I, dtype=x.dtype, device=x.device)
+    lim = 0.0 if limit is None else limit_in(x.dtype, limit)
+    kw = {"EVEN_H": H % BK == 0} if "EVEN_H" in _gate_up_kernel.arg_names else {}
+    _gate_up_kernel[(te.shape[0] * triton.cdiv(I, block_n // 2),)](
+        x, codes, scales, tok, te, r0, r1, a, a, H, I, lim, HAS_LIMIT=limit is not None, MX=2, SWAP=True,
+        HAS_DELTA=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BK, PRECISION="tf32", num_warps=4,
+        num_stages=3, enable_fp_fusion=False, **kw)
+    return a
+
+
+def compile_only(block_m=256):
+    """Cross-compile the probe for sm_90a (no GPU): the PTX and cubin under /tmp/probe_mx_ws, and
+    ptxas's registers and spills."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton._C.libtriton import ir
+
+    x_l = gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16)
+    types = dict(x_desc=f"tensordesc<bf16[{block_m}, 64],{x_l!r}>", p_w="*u8", p_s="*u8", p_te="*i32", p_r0="*i32",
+                 p_r1="*i32", p_a="*bf16", H="i32", I="i32", LIMIT="fp32")
+    fn = _gate_up_ws_kernel
+    names = fn.arg_names
+    cx = dict(HAS_LIMIT=False, BLOCK_M=block_m, BLOCK_N=64, STAGES=3)
+    sig = {n: types.get(n, "constexpr") for n in names}
+    aligned = [n for n, t in types.items() if t.startswith("*")] + ["H", "I"]
+    src = GluonASTSource(fn, sig, {(names.index(n),): v for n, v in cx.items()},
+                         {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    target = GPUTarget("cuda", 90, 32)
+    be = make_backend(target)
+    options = be.parse_options({"num_warps": 4, "enable_fp_fusion": False})
+    stages = {}
+    be.add_stages(stages, options, src.language)
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    be.load_dialects(ctx)
+    mod = src.make_ir(target, options, be.get_codegen_implementation(options), be.get_module_map(), ctx)
+    md = {}
+    out = {}
+    for ext in ("ttgir", "llir", "ptx", "cubin"):
+        mod = stages[ext](mod, md)
+        out[ext] = mod
+    d = f"/tmp/probe_mx_ws/{block_m}"
+    os.makedirs(d, exist_ok=True)
+    for ext in ("ptx", "cubin"):
+        with open(f"{d}/k.{ext}", "wb" if ext == "cubin" else "w") as f:
+            f.write(out[ext])
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f"{d}/k.ptx", "-o", f"{d}/ptxas.cubin"],
+                          capture_output=True, text=True).stderr
+    print(f"BLOCK_M {block_m}: {md.get('num_warps')} warps, {md.get('shared')} bytes of shared memory;",
+          " ".join(re.findall(r"Used \d+ registers|\d+ bytes spill stores", info)), f"-> {d}")
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compile", action="store_true", help="cross-compile for sm_90a here, no GPU")
+    ap.add_argument("--shapes", default="glm-5,deepseek-v4-flash")
+    ap.add_argument("--tokens", default="4096,16384")
+    ap.add_argument("--out", default="gpu_out")
+    a = ap.parse_args(argv)
+    if a.compile:
+        return max(compile_only(bm) for bm in (256, 128))
+    import bench_moe
+    from alignzoo.common.moe.kernel import mx_block_m, sorted_map_triton
+    from alignzoo.common.moe.mxfp4 import quantize_mxfp4
+
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name in a.shapes.split(","):
+        H, I, E, k, limit = bench_moe.SHAPES[name]
+        w_gu = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
+        codes, scales = quantize_mxfp4(w_gu)
+        del w_gu
+        for T in map(int, a.tokens.split(",")):
+            x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+            p = torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1)
+            w, ids = p.topk(k, -1)
+            bm = mx_block_m(ids.numel() / E)
+            _, tok, _, _, te, r0, r1 = sorted_map_triton(ids, w, E, bm)
+            args = (x, tok, te, r0, r1, codes, scales, limit)
+            want = gate_up_package(*args, block_m=bm)
+            row = {"shape": name, "tokens": T, "block_m": bm}
+            try:
+                got = gate_up_ws(*args, block_m=bm)
+                torch.cuda.synchronize()
+                row["bits_equal"] = bool(torch.equal(got, want))
+                row["max_abs"] = float((got.float() - want.float()).abs().max())
+            except Exception as ex:  # noqa: BLE001  (a probe: report and go on)
+                row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+            row["package_ms"] = bench_moe.time_graph(lambda: gate_up_package(*args, block_m=bm))
+            if row.get("bits_equal"):
+                row["ws_ms"] = bench_moe.time_graph(lambda: gate_up_ws(*args, block_m=bm))
+                row["gather_ms"] = bench_moe.time_graph(lambda: x[tok.long()].contiguous())
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "probe_mx_ws.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
