@@ -1,19 +1,22 @@
-"""The MXFP4 gate-up with its decode in warps of its own (Gluon, Hopper): a probe, not the package's kernel.
+"""The MXFP4 experts with their decode in warps of its own (Gluon, Hopper): a probe, not the package's kernels.
 
-The package's swapped gate-up (``common/moe/kernel.py``) decodes each 64-wide K step into the registers
+The package's swapped kernels (``common/moe/kernel.py``) decode each 64-wide K step into the registers
 that feed wgmma, so a step's decode cannot start before the last step's wgmma is done: the tensor cores
-idle while one warpgroup waits, loads codes and decodes.  Here three partitions share a CTA:
+idle while one warpgroup waits, loads codes and decodes.  Here each kernel (gate-up, down) splits a CTA
+into three partitions:
 
-- the loader (1 warp) brings each step's x rows into shared memory by TMA (x gathered into sorted
-  row order first, so a tile's rows are one box);
-- the decoder (4 warps) reads each step's code bytes and scales from global memory one step ahead,
+- the loader (1 warp) brings each step's input rows into shared memory by TMA (x is gathered into
+  sorted row order first, so a tile's rows are one box; the down's input already is);
+- the decoder (4 warps) reads each step's code bytes and scales from global memory two steps ahead,
   decodes them with the package's bf16x2 PTX (``_E2M1X2_BF16``) and stores the (64, 64) bf16 tile
   in shared memory;
-- the MMA warpgroup runs wgmma on the two shared tiles, one step in flight, then the SwiGLU epilogue.
+- the MMA warpgroup runs wgmma on the two shared tiles, one step in flight, then the package's
+  epilogue (the SwiGLU rounded once; the routing weight and the scatter).
 
 The arithmetic is the package's: the same decoded weights, the same k16 wgmma chain into one fp32
-accumulator from zero, the same SwiGLU expression rounded once.  So the bits must be equal, and the
-probe checks ``torch.equal`` against the package's kernel on the same sorted rows before it times.
+accumulator from zero, the same epilogue expressions.  So the bits must be equal: the probe checks
+``torch.equal`` on the (T, H) output against ``experts_fwd_mxfp4_triton`` before it times both and
+the bf16 vendor (``bench_moe``'s) side by side, and splits each side's time by kernel.
 
     python benchmarks/probe_mx_ws.py [--shapes glm-5,deepseek-v4-flash] [--tokens 4096,16384]   # the H200
     python benchmarks/probe_mx_ws.py --compile        # cross-compile for sm_90a here: registers, spills
@@ -64,9 +67,10 @@ def _codes(p_w, p_s, o_c, o_g, i, n_k):
 
 
 @gluon.jit
-def _decoder(p_w, p_s, ws, w_ready, empty, row0, I, H, n_k, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Step i's (BLOCK_N, 64) weight tile: BLOCK_N / 2 gate rows from ``row0`` then their up rows I
-    further, decoded from codes and scales loaded two steps ahead (an HBM read outlasts one step's
+def _decoder(p_w, p_s, ws, w_ready, empty, row0, I, K, n_k, GU: gl.constexpr, STAGES: gl.constexpr,
+             BLOCK_N: gl.constexpr):
+    """Step i's (BLOCK_N, 64) weight tile of an (N, K) stack: BLOCK_N rows from ``row0`` or, for the
+    gate-up (GU), BLOCK_N / 2 gate rows from ``row0`` then their up rows I further; decoded from codes and scales loaded two steps ahead (an HBM read outlasts one step's
     wgmma), stored to stage i % STAGES once the MMA of step i - STAGES has released it.  One thread
     decodes one row's 32-weight scale group."""
     NH: gl.constexpr = BLOCK_N // 2
@@ -74,9 +78,12 @@ def _decoder(p_w, p_s, ws, w_ready, empty, row0, I, H, n_k, STAGES: gl.constexpr
     rg = gl.arange(0, 2 * BLOCK_N, layout=gl.SliceLayout(1, L))
     j = gl.arange(0, 16, layout=gl.SliceLayout(0, L))
     r = rg // 2
-    row = (row0 + r % NH + (r // NH) * I).to(gl.int64)
-    o_c = row[:, None] * (H // 2) + (rg % 2)[:, None] * 16 + j[None, :]
-    o_g = row * (H // 32) + rg % 2
+    if GU:
+        row = (row0 + r % NH + (r // NH) * I).to(gl.int64)
+    else:
+        row = (row0 + r).to(gl.int64)
+    o_c = row[:, None] * (K // 2) + (rg % 2)[:, None] * 16 + j[None, :]
+    o_g = row * (K // 32) + rg % 2
     b0, s0 = _codes(p_w, p_s, o_c, o_g, 0, n_k)
     b1, s1 = _codes(p_w, p_s, o_c, o_g, 1, n_k)
     for i in range(n_k):
@@ -112,19 +119,11 @@ def _mma(xs, ws, x_ready, w_ready, empty, n_k, STAGES: gl.constexpr, BLOCK_M: gl
 
 
 @gluon.jit
-def _gate_up_ws_kernel(x_desc, p_w, p_s, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS_LIMIT: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    NH: gl.constexpr = BLOCK_N // 2
-    nn = I // NH
-    pid = gl.program_id(0)
-    i_t = pid // nn
-    i_n = pid % nn
-    e = gl.load(p_te + i_t)
-    if e < 0:
-        return
-    r0 = gl.load(p_r0 + i_t)
-    r1 = gl.load(p_r1 + i_t)
-    n_k = H // 64
+def _ws_chain(x_desc, p_w, p_s, r0, row0, I, K, GU: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr):
+    """One tile's accᵀ (BLOCK_N weight rows, BLOCK_M sorted rows from r0) over K, by the three
+    partitions; returned to the MMA warpgroup (the kernel's 4 warps) for the epilogue."""
+    n_k = K // 64
     xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
     w_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], gl.bfloat16)
     ws = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], w_l)
@@ -135,13 +134,32 @@ def _gate_up_ws_kernel(x_desc, p_w, p_s, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS
         mbarrier.init(x_ready.index(s), count=1)
         mbarrier.init(w_ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    row0 = e * (2 * I) + i_n * NH
     acc, = gl.warp_specialize([
         (_mma, (xs, ws, x_ready, w_ready, empty, n_k, STAGES, BLOCK_M, BLOCK_N)),
-        (_decoder, (p_w, p_s, ws, w_ready, empty, row0, I, H, n_k, STAGES, BLOCK_N)),
+        (_decoder, (p_w, p_s, ws, w_ready, empty, row0, I, K, n_k, GU, STAGES, BLOCK_N)),
         (_loader, (x_desc, xs, x_ready, empty, r0, n_k, STAGES, 64)),
     ], [4, 1], [96, 24])
-    # the SwiGLU epilogue, as the package's: gate rows then up rows of accᵀ, through shared memory
+    return acc
+
+
+@gluon.jit
+def _tile(p_te, p_r0, p_r1, N, COLS: gl.constexpr):
+    """(expert, r0, r1, column block) of this program on the package's 1-D grid."""
+    nn = N // COLS
+    pid = gl.program_id(0)
+    i_t = pid // nn
+    return gl.load(p_te + i_t), gl.load(p_r0 + i_t), gl.load(p_r1 + i_t), pid % nn
+
+
+@gluon.jit
+def _gate_up_ws_kernel(x_desc, p_w, p_s, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS_LIMIT: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    NH: gl.constexpr = BLOCK_N // 2
+    e, r0, r1, i_n = _tile(p_te, p_r0, p_r1, I, NH)
+    if e < 0:
+        return
+    acc = _ws_chain(x_desc, p_w, p_s, r0, e * (2 * I) + i_n * NH, I, H, True, BLOCK_M, BLOCK_N, STAGES)
+    # the package's SwiGLU epilogue: gate rows then up rows of accᵀ, split through shared memory
     scratch = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M],
                                         gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     scratch.store(acc)
@@ -158,65 +176,80 @@ def _gate_up_ws_kernel(x_desc, p_w, p_s, p_te, p_r0, p_r1, p_a, H, I, LIMIT, HAS
              mask=(o_r < r1)[None, :] & (o_j < I)[:, None])
 
 
-def _x_desc(xg, block_m):
+@gluon.jit
+def _down_ws_kernel(a_desc, p_w, p_s, p_wt, p_dst, p_te, p_r0, p_r1, p_c, H, I, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    e, r0, r1, i_n = _tile(p_te, p_r0, p_r1, H, BLOCK_N)
+    if e < 0:
+        return
+    acc = _ws_chain(a_desc, p_w, p_s, r0, e * H + i_n * BLOCK_N, I, I, False, BLOCK_M, BLOCK_N, STAGES)
+    # the package's epilogue: c[(token, slot)] = fp32 product · routing weight, scattered back
+    scratch = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    scratch.store(acc)
+    D_L: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, 4], [0, 1])  # (BLOCK_N, BLOCK_M): 4 columns a thread
+    c = scratch.load(D_L)
+    o_n = i_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, D_L))
+    o_r = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, D_L))
+    m_r = o_r < r1
+    wt = gl.load(p_wt + o_r, mask=m_r, other=0.0)
+    dst = gl.load(p_dst + o_r, mask=m_r, other=0).to(gl.int64)
+    gl.store(p_c + dst[None, :] * H + o_n[:, None], c * wt[None, :], mask=m_r[None, :] & (o_n < H)[:, None])
+
+
+def _desc(rows, block_m):
+    """A TMA descriptor over sorted rows (R, K) bf16, one (block_m, 64) box a step."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     layout = gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16)
-    return TensorDescriptor.from_tensor(xg, [block_m, 64], layout)
+    return TensorDescriptor.from_tensor(rows, [block_m, 64], layout)
 
 
-def gate_up_ws(x, tok, te, r0, r1, codes, scales, limit=None, block_m=256, block_n=64, stages=3):
-    """The sorted rows' SwiGLU output (rows, I) bf16, as ``_gate_up_kernel`` writes it."""
+def experts_ws(x, ids, weights, gc, gs, dc, ds, limit=None, block_m=None, block_n=64, stages=3):
+    """``experts_fwd_mxfp4_triton``'s contract at prefill sizes (T·k >= E) with the two warp-specialised
+    kernels: x gathered into sorted row order, gate-up, down, then the package's slot sum -> (T, H) fp32."""
+    from alignzoo.common._host import cdiv
+    from alignzoo.common.moe.kernel import _slot_sum_kernel, mx_block_m, sorted_map_triton
     from alignzoo.common.swiglu.cpu import limit_in
 
-    E, I2, _ = codes.shape
+    T, k = ids.shape
+    E, I2, _ = gc.shape
     I, H = I2 // 2, x.shape[1]
-    if H % 64 or I % (block_n // 2):
-        raise ValueError(f"the probe needs H % 64 == 0 and I % {block_n // 2} == 0 (H={H}, I={I})")
-    xg = x[tok.long()].contiguous()  # sorted row order: a tile's rows are one TMA box
-    a = torch.empty(tok.shape[0], I, dtype=x.dtype, device=x.device)
+    if H % 64 or I % 64 or T * k < E:
+        raise ValueError(f"the probe needs H and I multiples of 64 and T·k >= E (H={H}, I={I}, T·k={T * k})")
+    block_m = mx_block_m(ids.numel() / E) if block_m is None else block_m
+    _, tok, dst, wt, te, r0, r1 = sorted_map_triton(ids, weights, E, block_m)
+    xg = x[tok.long()]  # sorted row order: a tile's rows are one TMA box
+    a = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
+    c = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     lim = 0.0 if limit is None else limit_in(x.dtype, limit)
-    grid = (te.shape[0] * (I // (block_n // 2)),)
-    _gate_up_ws_kernel[grid](_x_desc(xg, block_m), codes, scales, te, r0, r1, a, H, I, lim,
-                             HAS_LIMIT=limit is not None, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-                             num_warps=4, enable_fp_fusion=False)
-    return a
+    knobs = dict(BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=4, enable_fp_fusion=False)
+    _gate_up_ws_kernel[(te.shape[0] * (I // (block_n // 2)),)](
+        _desc(xg, block_m), gc, gs, te, r0, r1, a, H, I, lim, HAS_LIMIT=limit is not None, **knobs)
+    _down_ws_kernel[(te.shape[0] * (H // block_n),)](_desc(a, block_m), dc, ds, wt, dst, te, r0, r1, c, H, I,
+                                                      **knobs)
+    y = torch.empty(T, H, dtype=torch.float32, device=x.device)
+    _slot_sum_kernel[(cdiv(T * H, 1024),)](c, y, T * H, H, k, 1024)
+    return y
 
 
-def gate_up_package(x, tok, te, r0, r1, codes, scales, limit=None, block_m=256, block_n=64):
-    """The package's swapped MXFP4 gate-up alone, on the same sorted rows."""
-    from alignzoo.common.moe.kernel import BLOCK_K as BK
-    from alignzoo.common.moe.kernel import _gate_up_kernel
-    from alignzoo.common.swiglu.cpu import limit_in
-
-    E, I2, _ = codes.shape
-    I, H = I2 // 2, x.shape[1]
-    a = torch.empty(tok.shape[0], I, dtype=x.dtype, device=x.device)
-    lim = 0.0 if limit is None else limit_in(x.dtype, limit)
-    kw = {"EVEN_H": H % BK == 0} if "EVEN_H" in _gate_up_kernel.arg_names else {}
-    _gate_up_kernel[(te.shape[0] * triton.cdiv(I, block_n // 2),)](
-        x, codes, scales, tok, te, r0, r1, a, a, H, I, lim, HAS_LIMIT=limit is not None, MX=2, SWAP=True,
-        HAS_DELTA=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BK, PRECISION="tf32", num_warps=4,
-        num_stages=3, enable_fp_fusion=False, **kw)
-    return a
-
-
-def compile_only(block_m=256):
-    """Cross-compile the probe for sm_90a (no GPU): the PTX and cubin under /tmp/probe_mx_ws, and
-    ptxas's registers and spills."""
+def compile_only(kernel: str, block_m: int = 256):
+    """Cross-compile a probe kernel for sm_90a (no GPU): its PTX and cubin under /tmp/probe_mx_ws,
+    and ptxas's registers and spills."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton._C.libtriton import ir
 
     x_l = gl.NVMMASharedLayout.get_default_for([block_m, 64], gl.bfloat16)
-    types = dict(x_desc=f"tensordesc<bf16[{block_m}, 64],{x_l!r}>", p_w="*u8", p_s="*u8", p_te="*i32", p_r0="*i32",
-                 p_r1="*i32", p_a="*bf16", H="i32", I="i32", LIMIT="fp32")
-    fn = _gate_up_ws_kernel
+    desc = f"tensordesc<bf16[{block_m}, 64],{x_l!r}>"
+    types = dict(x_desc=desc, a_desc=desc, p_w="*u8", p_s="*u8", p_te="*i32", p_r0="*i32", p_r1="*i32", p_a="*bf16",
+                 p_wt="*fp32", p_dst="*i32", p_c="*fp32", H="i32", I="i32", LIMIT="fp32")
+    fn = {"gate_up": _gate_up_ws_kernel, "down": _down_ws_kernel}[kernel]
     names = fn.arg_names
-    cx = dict(HAS_LIMIT=False, BLOCK_M=block_m, BLOCK_N=64, STAGES=3)
+    cx = {n: v for n, v in dict(HAS_LIMIT=False, BLOCK_M=block_m, BLOCK_N=64, STAGES=3).items() if n in names}
     sig = {n: types.get(n, "constexpr") for n in names}
-    aligned = [n for n, t in types.items() if t.startswith("*")] + ["H", "I"]
+    aligned = [n for n, t in types.items() if t.startswith("*") and n in names] + ["H", "I"]
     src = GluonASTSource(fn, sig, {(names.index(n),): v for n, v in cx.items()},
                          {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     target = GPUTarget("cuda", 90, 32)
@@ -233,7 +266,7 @@ def compile_only(block_m=256):
     for ext in ("ttgir", "llir", "ptx", "cubin"):
         mod = stages[ext](mod, md)
         out[ext] = mod
-    d = f"/tmp/probe_mx_ws/{block_m}"
+    d = f"/tmp/probe_mx_ws/{kernel}_{block_m}"
     os.makedirs(d, exist_ok=True)
     for ext in ("ptx", "cubin"):
         with open(f"{d}/k.{ext}", "wb" if ext == "cubin" else "w") as f:
@@ -241,7 +274,7 @@ def compile_only(block_m=256):
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f"{d}/k.ptx", "-o", f"{d}/ptxas.cubin"],
                           capture_output=True, text=True).stderr
-    print(f"BLOCK_M {block_m}: {md.get('num_warps')} warps, {md.get('shared')} bytes of shared memory;",
+    print(f"{kernel}, BLOCK_M {block_m}: {md.get('num_warps')} warps, {md.get('shared')} bytes of shared memory;",
           " ".join(re.findall(r"Used \d+ registers|\d+ bytes spill stores", info)), f"-> {d}")
     return 0
 
@@ -254,43 +287,52 @@ def main(argv=None):
     ap.add_argument("--out", default="gpu_out")
     a = ap.parse_args(argv)
     if a.compile:
-        return max(compile_only(bm) for bm in (256, 128))
+        return max(compile_only(kern, bm) for kern in ("gate_up", "down") for bm in (256, 128))
     import bench_moe
-    from alignzoo.common.moe.kernel import mx_block_m, sorted_map_triton
-    from alignzoo.common.moe.mxfp4 import quantize_mxfp4
+    from alignzoo.common.moe.kernel import experts_fwd_mxfp4_triton
 
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in a.shapes.split(","):
         H, I, E, k, limit = bench_moe.SHAPES[name]
         w_gu = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
-        codes, scales = quantize_mxfp4(w_gu)
-        del w_gu
+        w_d = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
+        qd = bench_moe.quantize("mxfp4", w_gu, w_d)
+        del w_gu, w_d
         for T in map(int, a.tokens.split(",")):
             x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
             p = torch.softmax(torch.randn(T, E, device="cuda", generator=g), -1)
             w, ids = p.topk(k, -1)
-            bm = mx_block_m(ids.numel() / E)
-            _, tok, _, _, te, r0, r1 = sorted_map_triton(ids, w, E, bm)
-            args = (x, tok, te, r0, r1, codes, scales, limit)
-            want = gate_up_package(*args, block_m=bm)
-            row = {"shape": name, "tokens": T, "block_m": bm}
+            w = (w / w.sum(-1, keepdim=True)).bfloat16()
+            package = lambda: experts_fwd_mxfp4_triton(x, ids, w, *qd["codes"], limit)  # noqa: E731
+            ws = lambda: experts_ws(x, ids, w, *qd["codes"], limit)  # noqa: E731
+            want = package()
+            row = {"shape": name, "tokens": T}
             try:
-                got = gate_up_ws(*args, block_m=bm)
+                got = ws()
                 torch.cuda.synchronize()
                 row["bits_equal"] = bool(torch.equal(got, want))
-                row["max_abs"] = float((got.float() - want.float()).abs().max())
+                row["max_abs"] = float((got - want).abs().max())
             except Exception as ex:  # noqa: BLE001  (a probe: report and go on)
                 row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-            row["package_ms"] = bench_moe.time_graph(lambda: gate_up_package(*args, block_m=bm))
+            row["package_ms"] = bench_moe.time_graph(package)
+            row["vendor_ms"] = bench_moe.time_graph(lambda: bench_moe.vendor(x, ids, w, *qd["bf16"], limit))
+            row["package_by_kernel"] = bench_moe.by_kernel(package)
             if row.get("bits_equal"):
-                row["ws_ms"] = bench_moe.time_graph(lambda: gate_up_ws(*args, block_m=bm))
-                row["gather_ms"] = bench_moe.time_graph(lambda: x[tok.long()].contiguous())
+                row["ws_ms"] = bench_moe.time_graph(ws)
+                row["ws_by_kernel"] = bench_moe.by_kernel(ws)
             rows.append(row)
             print(json.dumps(row), flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "probe_mx_ws.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    print("| shape | tokens | bits | package ms | ws ms | vendor ms | vendor / package | vendor / ws |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ws_ms = r.get("ws_ms", float("nan"))
+        print(f"| {r['shape']} | {r['tokens']} | {r.get('bits_equal', r.get('error'))} | {r['package_ms']:.3f} | "
+              f"{ws_ms:.3f} | {r['vendor_ms']:.3f} | {r['vendor_ms'] / r['package_ms']:.2f}x | "
+              f"{r['vendor_ms'] / ws_ms:.2f}x |")
     return 0
 
 
