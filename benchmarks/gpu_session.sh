@@ -53,7 +53,9 @@ mx)
   timeout "${TEST_S:-180}" python3 -m pytest -q -m gpu -n "${WORKERS:-4}" -p no:cacheprovider -p no:benchmark \
     tests/test_moe_experts.py tests/test_experts_lora.py > "$out/gpu_tests.txt" 2>&1
   echo "pytest exit $?" >> "$out/gpu_tests.txt"; tail -8 "$out/gpu_tests.txt"
-  bench=(--formats mxfp4 --shapes glm-5,deepseek-v4-flash --tokens "${TOKENS:-1,64,4096,16384}" --mx-configs "${MX_CONFIGS:-[{}]}")
+  mx_default='[{}, {"masked_rows": false}]'
+  bench=(--formats mxfp4 --shapes glm-5,deepseek-v4-flash --tokens "${TOKENS:-1,64,4096,16384}"
+         --mx-configs "${MX_CONFIGS:-$mx_default}")
   timeout "${MOE_S:-200}" python3 benchmarks/bench_moe.py --out "$out/mx" "${bench[@]}" --split \
     > "$out/mx_log.txt" 2>&1; echo "bench_moe exit $?" >> "$out/mx_log.txt"; tail -20 "$out/mx/moe.md"
   if [ -n "${BASE:-}" ]; then

@@ -142,13 +142,15 @@ def _w_tile(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, MX: tl.constexpr
 
 
 @triton.jit
-def _mx_chain_t(acc, p_w, p_s, rows, p_in, in_rows, K, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, MX: tl.constexpr, EVEN_K: tl.constexpr):
+def _mx_chain_t(acc, p_w, p_s, rows, p_in, in_rows, m_in, K, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, MX: tl.constexpr, EVEN_K: tl.constexpr, ROW_MASK: tl.constexpr):
     """accᵀ's K chain with the roles swapped: acc (BLOCK_N, BLOCK_M) + Σ dot(decoded W rows (BN, BK),
     inᵀ (BK, BM)): the decoded weights are the dot's first operand, which Hopper reads from registers.
     ``rows`` / ``in_rows`` (int64) are all in range (the callers point padding at a real row, whose
-    column of the product is never stored), so only a ragged K (EVEN_K off) masks a load: a K step of
-    the 256 x 64 gate-up is 232 SASS instructions, against 336 with row masks (Triton 3.6, sm_90a)."""
+    column of the product is never stored), so the weight loads take no mask, and the input rows
+    only with ROW_MASK (``m_in``: a masked row moves no bytes).  A ragged K (EVEN_K off) masks K.
+    A K step of the 256 x 64 gate-up is 336 SASS instructions with every mask, 294 with the row
+    mask alone, 232 with none (Triton 3.6, sm_90a)."""
     o_k = tl.arange(0, BLOCK_K)
     o_b = tl.arange(0, BLOCK_K // 2)
     o_g = tl.arange(0, BLOCK_K // 32)
@@ -157,11 +159,17 @@ def _mx_chain_t(acc, p_w, p_s, rows, p_in, in_rows, K, PRECISION: tl.constexpr, 
     p_g = p_s + rows[:, None] * (K // 32) + o_g[None, :]  # (BN, BK/32) scale bytes
     for k0 in range(0, K, BLOCK_K):  # offsets from k0: carried pointers took 306 instructions a step
         if EVEN_K:
-            b_xt = tl.load(p_xt + k0)
+            if ROW_MASK:
+                b_xt = tl.load(p_xt + k0, mask=m_in[None, :], other=0.0)
+            else:
+                b_xt = tl.load(p_xt + k0)
             b = tl.load(p_b + k0 // 2)
             s = tl.load(p_g + k0 // 32)
         else:
-            b_xt = tl.load(p_xt + k0, mask=(k0 + o_k < K)[:, None], other=0.0)
+            m_k = (k0 + o_k < K)[:, None]
+            if ROW_MASK:
+                m_k = m_k & m_in[None, :]
+            b_xt = tl.load(p_xt + k0, mask=m_k, other=0.0)
             b = tl.load(p_b + k0 // 2, mask=(k0 // 2 + o_b < K // 2)[None, :], other=0)
             s = tl.load(p_g + k0 // 32, mask=(k0 // 32 + o_g < K // 32)[None, :], other=0)
         b_w = _mx_decode(b.to(tl.int32), s.to(tl.int32), p_in.dtype.element_ty, BLOCK_N, BLOCK_K, MX)
@@ -216,7 +224,8 @@ def _grouped_linear_kernel(p_in, p_src, p_w, p_te, p_r0, p_r1, p_out, N, K, BLOC
 @triton.jit
 def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, LIMIT, HAS_LIMIT: tl.constexpr,
                     MX: tl.constexpr, SWAP: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EVEN_H: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EVEN_H: tl.constexpr,
+                    ROW_MASK: tl.constexpr):
     i_t, i_n = _tile_ids(I, BLOCK_N // 2 if MX and SWAP else BLOCK_N)
     e = tl.load(p_te + i_t)
     if e < 0:
@@ -230,8 +239,8 @@ def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, 
         o_j = tl.arange(0, BLOCK_N)
         o_h = i_n * NH + o_j % NH
         rows = e.to(tl.int64) * (2 * I) + tl.where(o_h < I, o_h, 0) + (o_j // NH) * I
-        b_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # padding rows read token 0 (tok's other)
-        b_t = _mx_chain_t(b_t, p_w, p_s, rows, p_x, tok, H, PRECISION, BLOCK_N, BLOCK_K, MX, EVEN_H)
+        b_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # unmasked, padding rows read token 0 (tok's other)
+        b_t = _mx_chain_t(b_t, p_w, p_s, rows, p_x, tok, m_r, H, PRECISION, BLOCK_N, BLOCK_K, MX, EVEN_H, ROW_MASK)
         b_gt, b_ut = tl.split(tl.permute(tl.reshape(b_t, (2, NH, BLOCK_M)), (1, 2, 0)))
         b_g, b_u = tl.trans(b_gt), tl.trans(b_ut)
         o_n = i_n * NH + tl.arange(0, NH)
@@ -257,7 +266,7 @@ def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, 
 @triton.jit
 def _down_kernel(p_a, p_w, p_s, p_wt, p_dst, p_te, p_r0, p_r1, p_c, p_delta, H, I, MX: tl.constexpr,
                  SWAP: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EVEN_I: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EVEN_I: tl.constexpr, ROW_MASK: tl.constexpr):
     i_t, i_n = _tile_ids(H, BLOCK_N)
     e = tl.load(p_te + i_t)
     if e < 0:
@@ -269,7 +278,8 @@ def _down_kernel(p_a, p_w, p_s, p_wt, p_dst, p_te, p_r0, p_r1, p_c, p_delta, H, 
     if MX and SWAP:  # the swapped chain decodes MXFP4 tiles only
         b_ct = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         b_ct = _mx_chain_t(b_ct, p_w, p_s, e.to(tl.int64) * H + tl.where(m_n, o_n, 0), p_a,
-                           tl.where(m_r, o_r, 0).to(tl.int64), I, PRECISION, BLOCK_N, BLOCK_K, MX, EVEN_I)
+                           tl.where(m_r, o_r, 0).to(tl.int64), m_r, I, PRECISION, BLOCK_N, BLOCK_K, MX, EVEN_I,
+                           ROW_MASK)
         b_c = tl.trans(b_ct)
     else:
         b_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -473,7 +483,8 @@ def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, lora=N
 
 def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None, *, lora=None,
                              block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
-                             num_stages: int = 3, swap: bool | None = None, bf16x2: bool | None = None):
+                             num_stages: int = 3, swap: bool | None = None, bf16x2: bool | None = None,
+                             masked_rows: bool = True):
     """MXFP4 experts computed packed: each K step decodes its (64 x BLOCK_N) weight tile from the
     codes and scales in registers (nothing unpacked in memory) and runs the bf16 path's dot on it,
     so the bits are ``experts_fwd_triton``'s at the exactly decoded weights (``cpu.experts_fwd_mxfp4_cpu``
@@ -482,7 +493,9 @@ def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_sc
     faster on the H200 up to 4096 tokens); its gate-up tile is BLOCK_N / 2 gate rows and their up
     rows.  ``block_m`` by default (``mx_block_m``): larger as the experts get more rows, so each
     decoded tile meets more of them.  ``bf16x2``: decode two weights at once in bf16x2 inline PTX
-    (``_E2M1X2_BF16``; bf16 on CUDA only, the default there), the same weights as the fp32 decode."""
+    (``_E2M1X2_BF16``; bf16 on CUDA only, the default there), the same weights as the fp32 decode.
+    ``masked_rows`` off: the swapped chain loads a tile's padding rows from a real row instead of
+    masking them (the same bits; fewer instructions a K step, more bytes for a tile's padding)."""
     swap = x.is_cuda if swap is None else swap
     packed = x.is_cuda and x.dtype == torch.bfloat16
     if bf16x2 and not packed:
@@ -490,7 +503,7 @@ def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_sc
     mx = 2 if (packed if bf16x2 is None else bf16x2) else 1
     block_m = mx_block_m(ids.numel() / gu_codes.shape[0]) if block_m is None else block_m
     return _launch("mxfp4", x, ids, weights, (gu_codes, gu_scales), (d_codes, d_scales), limit, lora,
-                   block_m, block_n, num_warps, num_stages, swap, mx)
+                   block_m, block_n, num_warps, num_stages, swap, mx, masked_rows)
 
 
 def mx_block_m(rows_per_expert: float) -> int:
@@ -524,7 +537,7 @@ def _lora_term(inp, src, a, b, s, tiles, sorted_rows, knobs) -> torch.Tensor:
 
 
 def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, num_warps, num_stages, swap=False,
-            mx=1):
+            mx=1, masked_rows=True):
     """The grouped launches of every format; ``gate_up`` / ``down``: (weight or codes, scales) (bf16:
     the weight twice).  With LoRA, the adapters' terms go into the base kernels' accumulators."""
     T, k = ids.shape
@@ -561,7 +574,8 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
         cols = block_n // 2 if swap and fmt == "mxfp4" else block_n  # the swapped tile: gate rows, then up rows
         _gate_up_kernel[(n_tiles * cdiv(I, cols),)](
             x, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, d_gu, H, I, lim, HAS_LIMIT=limit is not None,
-            MX=mx if fmt == "mxfp4" else 0, SWAP=swap, HAS_DELTA=has, EVEN_H=H % BLOCK_K == 0, **knobs)
+            MX=mx if fmt == "mxfp4" else 0, SWAP=swap, HAS_DELTA=has, EVEN_H=H % BLOCK_K == 0,
+            ROW_MASK=masked_rows, **knobs)
     d_down = _lora_term(a, sorted_rows, lora.a_down, lora.b_down, lora.s, tiles, sorted_rows, knobs) if has else c
     if fmt == "fp8":
         aq, as_ = quantize_act(a)  # rows in sorted order: row-local, so the order is free
@@ -571,7 +585,7 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
     else:
         _down_kernel[(n_tiles * cdiv(H, block_n),)](
             a, w_d, s_d, wt, dst, t_e, t_r0, t_r1, c, d_down, H, I, MX=mx if fmt == "mxfp4" else 0, SWAP=swap,
-            HAS_DELTA=has, EVEN_I=I % BLOCK_K == 0, **knobs)
+            HAS_DELTA=has, EVEN_I=I % BLOCK_K == 0, ROW_MASK=masked_rows, **knobs)
     y = torch.empty(T, H, dtype=torch.float32, device=x.device)
     _slot_sum_kernel[(cdiv(T * H, 1024),)](c, y, T * H, H, k, 1024)
     return y
