@@ -5,18 +5,16 @@
 #   bash benchmarks/gpu_session.sh train                     # the MoE / trainer gpu tests, the experts' forward +
 #                                                            # backward (bench_moe_train), the qwen35_gdn trainer
 #                                                            # against transformers side by side (bench_trainer)
-#   BASE=DIR bash benchmarks/gpu_session.sh mx               # the MoE gpu tests, then bench_moe's MXFP4 rows
-#                                                            # (GLM-5, DeepSeek-V4; 1 to 16384 tokens) with the
-#                                                            # by-kernel split, then the same bench in the tree
-#                                                            # at DIR (a `git archive` of the commit to compare);
-#                                                            # NCU=1 adds Nsight Compute on GLM-5's two MXFP4
-#                                                            # kernels at 16384 tokens (stall reasons, L2 traffic);
-#                                                            # MX_CONFIGS (JSON) and TOKENS pick the bench's rows;
-#                                                            # CEILING=1 adds the bench on a copy whose decode is
-#                                                            # one xor a byte pair (wrong values, same loads and
-#                                                            # dots): what the decode's arithmetic costs;
-#                                                            # WS=1 adds probe_mx_ws.py (the gate-up with its
-#                                                            # decode in warps of its own: bits, then time)
+#   STEPS=... bash benchmarks/gpu_session.sh mx              # the MXFP4 experts, the steps named in STEPS
+#                                                            # (default tests,bench): tests = the MoE gpu tests;
+#                                                            # bench = bench_moe's MXFP4 rows (GLM-5, DeepSeek-V4;
+#                                                            # TOKENS, MX_CONFIGS) split by kernel; base = the
+#                                                            # same bench in the tree at BASE (a `git archive` of
+#                                                            # the commit to compare); ceiling = the bench on a
+#                                                            # copy whose decode is one xor a byte pair (wrong
+#                                                            # values, same loads and dots); ws = probe_mx_ws.py
+#                                                            # (the decode in warps of its own); ncu = Nsight
+#                                                            # Compute on GLM-5's two kernels at 16384 tokens
 # Each step has its own time limit (env TEST_S, CHECK_S, SUITE_S, PROFILE_S) so one slow step cannot
 # eat the call.  Set ALIGNZOO_COMMIT=<sha> (the device's .git is stale).  On the H200 the whole
 # gpu suite takes ~145 s with 10 workers from a warm Triton cache; more workers than ~10 can run
@@ -50,20 +48,25 @@ train)
   echo "bench_trainer exit $?" >> "$out/trainer_log.txt"; tail -8 "$out/trainer_log.txt"
   ;;
 mx)
+  steps=",${STEPS:-tests,bench},"
+  if [[ $steps == *,tests,* ]]; then
   timeout "${TEST_S:-180}" python3 -m pytest -q -m gpu -n "${WORKERS:-4}" -p no:cacheprovider -p no:benchmark \
     tests/test_moe_experts.py tests/test_experts_lora.py > "$out/gpu_tests.txt" 2>&1
   echo "pytest exit $?" >> "$out/gpu_tests.txt"; tail -8 "$out/gpu_tests.txt"
+  fi
   mx_default='[{}, {"masked_rows": false}]'
   bench=(--formats mxfp4 --shapes glm-5,deepseek-v4-flash --tokens "${TOKENS:-1,64,4096,16384}"
          --mx-configs "${MX_CONFIGS:-$mx_default}")
+  if [[ $steps == *,bench,* ]]; then
   timeout "${MOE_S:-200}" python3 benchmarks/bench_moe.py --out "$out/mx" "${bench[@]}" --split \
     > "$out/mx_log.txt" 2>&1; echo "bench_moe exit $?" >> "$out/mx_log.txt"; tail -20 "$out/mx/moe.md"
-  if [ -n "${BASE:-}" ]; then
-    (cd "$BASE" && . benchmarks/gpu_env.sh && timeout "${MOE_S:-200}" python3 benchmarks/bench_moe.py \
+  fi
+  if [[ $steps == *,base,* ]]; then
+    (cd "${BASE:?base needs BASE=DIR}" && . benchmarks/gpu_env.sh && timeout "${MOE_S:-200}" python3 benchmarks/bench_moe.py \
       --out "$out/mx_base" "${bench[@]}") > "$out/mx_base_log.txt" 2>&1
     echo "base bench_moe exit $?" >> "$out/mx_base_log.txt"; tail -12 "$out/mx_base/moe.md"
   fi
-  if [ -n "${CEILING:-}" ]; then
+  if [[ $steps == *,ceiling,* ]]; then
     rm -rf /tmp/ceiling && cp -r . /tmp/ceiling && python3 - /tmp/ceiling/common/moe/kernel.py <<'PY'
 import re, sys
 p = sys.argv[1]; s = open(p).read()
@@ -77,11 +80,11 @@ PY
       --out "$out/mx_ceiling" "${bench[@]}") > "$out/mx_ceiling_log.txt" 2>&1
     echo "ceiling bench_moe exit $?" >> "$out/mx_ceiling_log.txt"; tail -12 "$out/mx_ceiling/moe.md"
   fi
-  if [ -n "${WS:-}" ]; then
+  if [[ $steps == *,ws,* ]]; then
     timeout "${WS_S:-240}" python3 benchmarks/probe_mx_ws.py --out "$out" --tokens "${WS_TOKENS:-4096,16384}" \
       > "$out/ws_log.txt" 2>&1; echo "probe_mx_ws exit $?" >> "$out/ws_log.txt"; tail -6 "$out/ws_log.txt"
   fi
-  if [ -n "${NCU:-}" ]; then  # Firecracker only (device KINDS.md); skips the bf16 reference call's two launches
+  if [[ $steps == *,ncu,* ]]; then  # Firecracker only (device KINDS.md); skips the bf16 reference call's two launches
     timeout "${NCU_S:-240}" ncu --clock-control none --kernel-name regex:'_gate_up_kernel|_down_kernel' \
       --launch-skip 2 --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
