@@ -39,11 +39,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from alignzoo.common.matmul.gluon_kernel import _next_stage  # noqa: E402  (ring counters, no division a step)
 from alignzoo.common.moe.kernel import _E2M1X2_BF16  # noqa: E402
 
 _ASM = gl.constexpr(_E2M1X2_BF16.value)
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared  # 3.7 renamed it
 BLOCK_K = 64  # the package's K step
+WS_MAXNREG = 168  # 12 warps (4 MMA, 4 decode, a loader rounded up to a warpgroup) share 64K registers
 
 
 @gluon.jit
@@ -51,11 +53,13 @@ def _loader(x_desc, xs, x_ready, empty, r0, n_k, STAGES: gl.constexpr, BLOCK_K: 
     """Step i's x rows [r0, r0 + BLOCK_M) x [i·64, i·64 + 64) by TMA into stage i % STAGES, once the
     MMA of step i - STAGES has released it (rows past the end come back zero, and rows of the next
     expert fill the tile's unused columns, which are never stored)."""
+    s = 0
+    phase = 0
     for i in range(n_k):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(s), phase ^ 1)  # a fresh barrier passes phase 1: the ring starts empty
         mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
         _tma_load(x_desc, [r0, i * BLOCK_K], x_ready.index(s), xs.index(s))
+        s, phase = _next_stage(s, phase, STAGES)
 
 
 @gluon.jit
@@ -86,18 +90,20 @@ def _decoder(p_w, p_s, ws, w_ready, empty, row0, I, K, n_k, GU: gl.constexpr, ST
     o_g = row * (K // 32) + rg % 2
     b0, s0 = _codes(p_w, p_s, o_c, o_g, 0, n_k)
     b1, s1 = _codes(p_w, p_s, o_c, o_g, 1, n_k)
+    st = 0
+    phase = 0
     for i in range(n_k):
         b2, s2n = _codes(p_w, p_s, o_c, o_g, i + 2, n_k)
         sc = (s0.to(gl.int32) * 0x00800080)[:, None]  # the scale byte under both halves' bf16 exponent fields
         lo, hi = gl.inline_asm_elementwise(_ASM, "=h,=h,r,r", [b0.to(gl.int32), sc],
                                            dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
         w = gl.reshape(gl.reshape(gl.join(lo, hi), [2 * BLOCK_N, 32]), [BLOCK_N, 64])  # low nibble first
-        st = i % STAGES
-        mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(st), phase ^ 1)
         ws.index(st).store(w)
         fence_async_shared()
         mbarrier.arrive(w_ready.index(st), count=1)
         b0, s0, b1, s1 = b1, s1, b2, s2n
+        st, phase = _next_stage(st, phase, STAGES)
 
 
 @gluon.jit
@@ -107,14 +113,17 @@ def _mma(xs, ws, x_ready, w_ready, empty, n_k, STAGES: gl.constexpr, BLOCK_M: gl
     package's k16 chain; the MMA of step i - 1 retires before step i's stage is released."""
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
+    s = 0
+    phase = 0
+    prev = 0
     for i in range(n_k):
-        s = i % STAGES
-        ph = (i // STAGES) & 1
-        mbarrier.wait(x_ready.index(s), ph)
-        mbarrier.wait(w_ready.index(s), ph)
+        mbarrier.wait(x_ready.index(s), phase)
+        mbarrier.wait(w_ready.index(s), phase)
         acc = warpgroup_mma(ws.index(s), xs.index(s).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+        mbarrier.arrive(empty.index(prev), count=1, pred=i > 0)  # step i - 1's wgmmas are done
+        prev = s
+        s, phase = _next_stage(s, phase, STAGES)
     return (warpgroup_mma_wait(num_outstanding=0, deps=(acc,)),)  # the default partition returns a tuple
 
 
@@ -223,7 +232,8 @@ def experts_ws(x, ids, weights, gc, gs, dc, ds, limit=None, block_m=None, block_
     a = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     c = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     lim = 0.0 if limit is None else limit_in(x.dtype, limit)
-    knobs = dict(BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=4, enable_fp_fusion=False)
+    knobs = dict(BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=WS_MAXNREG,
+                 enable_fp_fusion=False)
     _gate_up_ws_kernel[(te.shape[0] * (I // (block_n // 2)),)](
         _desc(xg, block_m), gc, gs, te, r0, r1, a, H, I, lim, HAS_LIMIT=limit is not None, **knobs)
     _down_ws_kernel[(te.shape[0] * (H // block_n),)](_desc(a, block_m), dc, ds, wt, dst, te, r0, r1, c, H, I,
@@ -254,7 +264,7 @@ def compile_only(kernel: str, block_m: int = 256, n_stages: int = 3):
                          {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     target = GPUTarget("cuda", 90, 32)
     be = make_backend(target)
-    options = be.parse_options({"num_warps": 4, "enable_fp_fusion": False})
+    options = be.parse_options({"num_warps": 4, "maxnreg": WS_MAXNREG, "enable_fp_fusion": False})
     stages = {}
     be.add_stages(stages, options, src.language)
     ctx = ir.context()
