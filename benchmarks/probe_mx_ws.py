@@ -233,8 +233,9 @@ def experts_ws(x, ids, weights, gc, gs, dc, ds, limit=None, block_m=None, block_
     T, k = ids.shape
     E, I2, _ = gc.shape
     I, H = I2 // 2, x.shape[1]
-    if H % 64 or I % 64 or T * k < E:
-        raise ValueError(f"the probe needs H and I multiples of 64 and T·k >= E (H={H}, I={I}, T·k={T * k})")
+    if H % max(64, block_n) or I % 64 or T * k < E:
+        raise ValueError(f"the probe needs H % {max(64, block_n)} == I % 64 == 0 and T·k >= E "
+                         f"(H={H}, I={I}, T·k={T * k})")
     block_m = mx_block_m(ids.numel() / E) if block_m is None else block_m
     _, tok, dst, wt, te, r0, r1 = sorted_map_triton(ids, weights, E, block_m)
     xg = x[tok.long()]  # sorted row order: a tile's rows are one TMA box
