@@ -81,7 +81,7 @@ PY
     echo "ceiling bench_moe exit $?" >> "$out/mx_ceiling_log.txt"; tail -12 "$out/mx_ceiling/moe.md"
   fi
   if [[ $steps == *,ws,* ]]; then
-    timeout "${WS_S:-240}" python3 benchmarks/probe_mx_ws.py --out "$out" --tokens "${WS_TOKENS:-4096,16384}" \
+    timeout "${WS_S:-420}" python3 benchmarks/probe_mx_ws.py --out "$out" --tokens "${WS_TOKENS:-4096,16384}" \
       > "$out/ws_log.txt" 2>&1; echo "probe_mx_ws exit $?" >> "$out/ws_log.txt"; tail -6 "$out/ws_log.txt"
   fi
   if [[ $steps == *,ncu,* ]]; then  # Firecracker only (device KINDS.md); skips the bf16 reference call's two launches
