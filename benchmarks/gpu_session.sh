@@ -54,7 +54,7 @@ mx)
     tests/test_moe_experts.py tests/test_experts_lora.py > "$out/gpu_tests.txt" 2>&1
   echo "pytest exit $?" >> "$out/gpu_tests.txt"; tail -8 "$out/gpu_tests.txt"
   fi
-  mx_default='[{}, {"masked_rows": false}]'
+  mx_default='[{}]'
   bench=(--formats mxfp4 --shapes glm-5,deepseek-v4-flash --tokens "${TOKENS:-1,64,4096,16384}"
          --mx-configs "${MX_CONFIGS:-$mx_default}")
   if [[ $steps == *,bench,* ]]; then

@@ -541,8 +541,8 @@ def test_mxfp4_gpu_at_deepseek_v4_shapes(skew):
     from alignzoo.common.moe.kernel import experts_fwd_mxfp4_triton
 
     for knobs in (dict(swap=False), dict(swap=True, block_m=128, block_n=128, num_warps=8), dict(block_m=128),
-                  dict(block_m=256), dict(block_m=256, block_n=128, num_warps=8), dict(masked_rows=False),
-                  dict(block_m=256, masked_rows=False), dict(bf16x2=False), dict(bf16x2=False, swap=False)):
+                  dict(block_m=256), dict(block_m=256, block_n=128, num_warps=8),
+                  dict(bf16x2=False), dict(bf16x2=False, swap=False)):
         assert bitwise_equal(experts_fwd_mxfp4_triton(x, ids, w, *q, 10.0, **knobs), full), knobs
 
 
@@ -635,11 +635,10 @@ _INTERPRETED_MX_SWAP = TORCH_MATH + _EXACT_INPUTS + r"""
 from alignzoo.common.moe.kernel import experts_fwd_mxfp4_triton, experts_fwd_triton
 from alignzoo.common.moe.op import dequantize_experts_mxfp4
 
-# The swapped chain (accᵀ = W · xᵀ) reads weight rows unmasked (padding points at a real row), input rows
-# masked or (masked_rows=False) not, and, when K is a multiple of 64 (every real shape), no K masks.  Its dots are numpy's other product here, so the inputs make
-# every dot exact: small integers, gate/up codes under scales of 2^-3..2^0, and a down weight with one nonzero
-# code a row.  Then every tile and grid must give the unswapped kernel's bits, and the bf16 path's at the
-# decoded weights.
+# The swapped chain (accᵀ = W · xᵀ): its dots are numpy's other product here, so the inputs make every dot
+# exact: small integers, gate/up codes under scales of 2^-3..2^0, and a down weight with one nonzero code a
+# row.  Then every tile and grid must give the unswapped kernel's bits, and the bf16 path's at the decoded
+# weights.
 def codes_scales(E, N, K, one_per_row):
     if one_per_row:
         c = torch.zeros(E, N, K // 2, dtype=torch.uint8)
@@ -655,8 +654,7 @@ for T, H, I, E, k in ((300, 128, 64, 5, 2), (70, 96, 128, 7, 3), (37, 192, 96, 5
     q = (*codes_scales(E, 2 * I, H, False), *codes_scales(E, H, I, True))
     want = experts_fwd_mxfp4_triton(x, ids, w, *q, swap=False)
     assert torch.equal(want, experts_fwd_triton(x, ids, w, *dequantize_experts_mxfp4(*q))), (T, H, I)
-    for knobs in (dict(block_m=64), dict(block_m=128, block_n=128), dict(block_m=256), dict(masked_rows=False),
-                  dict(block_m=256, masked_rows=False)):
+    for knobs in (dict(block_m=64), dict(block_m=128, block_n=128), dict(block_m=256)):
         got = experts_fwd_mxfp4_triton(x, ids, w, *q, swap=True, **knobs)
         assert torch.equal(got, want), (T, H, I, knobs, (got - want).abs().max())
 print("ok")

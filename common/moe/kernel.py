@@ -94,10 +94,17 @@ mov.b32 {$0, $1}, m;
 
 
 @triton.jit
-def _mx_decode(b, s, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MX: tl.constexpr):
-    """(BLOCK_N, BLOCK_K) weights from their (BN, BK/2) code bytes and (BN, BK/32) E8M0 scale bytes
-    (int32), decoded in registers (``mxfp4.py``: exact in ``dtype``).  MX 2 (bf16 on CUDA): two
-    weights a byte in bf16x2 arithmetic (``_E2M1X2_BF16``), the same values."""
+def _mx_rows(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             MX: tl.constexpr):
+    """(BLOCK_N, BLOCK_K) weights of rows ``rows`` (int64) of an (N, K) MXFP4 stack, columns k0..,
+    decoded from the codes and E8M0 scales in registers (``mxfp4.py``: exact in ``dtype``).  MX 2
+    (bf16 on CUDA): two weights a byte in bf16x2 arithmetic (``_E2M1X2_BF16``), the same values."""
+    o_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    b = tl.load(p_w + rows[:, None] * (K // 2) + o_b[None, :], mask=m_rows[:, None] & (o_b < K // 2)[None, :],
+                other=0).to(tl.int32)  # (BN, BK/2) bytes
+    o_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    s = tl.load(p_s + rows[:, None] * (K // 32) + o_g[None, :], mask=m_rows[:, None] & (o_g < K // 32)[None, :],
+                other=0).to(tl.int32)  # (BN, BK/32) scale bytes
     if MX == 2:
         s2 = s * 0x00800080  # the scale byte under both halves' bf16 exponent fields
         s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
@@ -115,20 +122,6 @@ def _mx_decode(b, s, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
 
 
 @triton.jit
-def _mx_rows(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             MX: tl.constexpr):
-    """(BLOCK_N, BLOCK_K) weights of rows ``rows`` (int64) of an (N, K) MXFP4 stack, columns k0..,
-    decoded (``_mx_decode``)."""
-    o_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    b = tl.load(p_w + rows[:, None] * (K // 2) + o_b[None, :], mask=m_rows[:, None] & (o_b < K // 2)[None, :],
-                other=0).to(tl.int32)  # (BN, BK/2) bytes
-    o_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    s = tl.load(p_s + rows[:, None] * (K // 32) + o_g[None, :], mask=m_rows[:, None] & (o_g < K // 32)[None, :],
-                other=0).to(tl.int32)  # (BN, BK/32) scale bytes
-    return _mx_decode(b, s, dtype, BLOCK_N, BLOCK_K, MX)
-
-
-@triton.jit
 def _w_tile(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, MX: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr):
     """(BLOCK_K, BLOCK_N) tile of Wᵀ for weight rows ``rows`` (int64) of an (N, K) stack, columns k0..:
@@ -142,39 +135,14 @@ def _w_tile(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, MX: tl.constexpr
 
 
 @triton.jit
-def _mx_chain_t(acc, p_w, p_s, rows, p_in, in_rows, m_in, K, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, MX: tl.constexpr, EVEN_K: tl.constexpr, ROW_MASK: tl.constexpr):
-    """accᵀ's K chain with the roles swapped: acc (BLOCK_N, BLOCK_M) + Σ dot(decoded W rows (BN, BK),
-    inᵀ (BK, BM)): the decoded weights are the dot's first operand, which Hopper reads from registers.
-    ``rows`` / ``in_rows`` (int64) are all in range (the callers point padding at a real row, whose
-    column of the product is never stored), so the weight loads take no mask, and the input rows
-    only with ROW_MASK (``m_in``: a masked row moves no bytes).  A ragged K (EVEN_K off) masks K.
-    A K step of the 256 x 64 gate-up is 336 SASS instructions with every mask, 277 with the
-    input-row mask alone (the default), 232 with none (Triton 3.6, sm_90a)."""
-    o_k = tl.arange(0, BLOCK_K)
-    o_b = tl.arange(0, BLOCK_K // 2)
-    o_g = tl.arange(0, BLOCK_K // 32)
-    p_xt = p_in + in_rows[None, :] * K + o_k[:, None]  # (BK, BM) at k0 = 0
-    p_b = p_w + rows[:, None] * (K // 2) + o_b[None, :]  # (BN, BK/2) code bytes
-    p_g = p_s + rows[:, None] * (K // 32) + o_g[None, :]  # (BN, BK/32) scale bytes
-    for k0 in range(0, K, BLOCK_K):  # offsets from k0: carried pointers took 306 instructions a step
-        if EVEN_K:
-            if ROW_MASK:
-                b_xt = tl.load(p_xt + k0, mask=m_in[None, :], other=0.0)
-            else:
-                b_xt = tl.load(p_xt + k0)
-            b = tl.load(p_b + k0 // 2)
-            s = tl.load(p_g + k0 // 32)
-        else:
-            m_k = (k0 + o_k < K)[:, None]
-            if ROW_MASK:
-                m_k = m_k & m_in[None, :]
-            b_xt = tl.load(p_xt + k0, mask=m_k, other=0.0)
-            b = tl.load(p_b + k0 // 2, mask=(k0 // 2 + o_b < K // 2)[None, :], other=0)
-            s = tl.load(p_g + k0 // 32, mask=(k0 // 32 + o_g < K // 32)[None, :], other=0)
-        b_w = _mx_decode(b.to(tl.int32), s.to(tl.int32), p_in.dtype.element_ty, BLOCK_N, BLOCK_K, MX)
-        acc = tl.dot(b_w, b_xt, acc, input_precision=PRECISION)
-    return acc
+def _mx_dot_t(acc, p_w, p_s, rows, m_rows, p_in, in_rows, m_in, k0, K, PRECISION: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MX: tl.constexpr):
+    """accᵀ chain step with the roles swapped: acc (BLOCK_N, BLOCK_M) + dot(decoded W rows (BN, BK),
+    inᵀ (BK, BM)): the decoded weights are the dot's first operand, which Hopper reads from registers."""
+    o_k = k0 + tl.arange(0, BLOCK_K)
+    b_xt = tl.load(p_in + in_rows[None, :] * K + o_k[:, None], mask=(o_k < K)[:, None] & m_in[None, :], other=0.0)
+    b_w = _mx_rows(p_w, p_s, rows, m_rows, k0, K, p_in.dtype.element_ty, BLOCK_N, BLOCK_K, MX)
+    return tl.dot(b_w, b_xt, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -224,8 +192,8 @@ def _grouped_linear_kernel(p_in, p_src, p_w, p_te, p_r0, p_r1, p_out, N, K, BLOC
 @triton.jit
 def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, LIMIT, HAS_LIMIT: tl.constexpr,
                     MX: tl.constexpr, SWAP: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EVEN_H: tl.constexpr,
-                    ROW_MASK: tl.constexpr):
+                    BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     i_t, i_n = _tile_ids(I, BLOCK_N // 2 if MX and SWAP else BLOCK_N)
     e = tl.load(p_te + i_t)
     if e < 0:
@@ -238,9 +206,10 @@ def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, 
         NH: tl.constexpr = BLOCK_N // 2
         o_j = tl.arange(0, BLOCK_N)
         o_h = i_n * NH + o_j % NH
-        rows = e.to(tl.int64) * (2 * I) + tl.where(o_h < I, o_h, 0) + (o_j // NH) * I
-        b_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # unmasked, padding rows read token 0 (tok's other)
-        b_t = _mx_chain_t(b_t, p_w, p_s, rows, p_x, tok, m_r, H, PRECISION, BLOCK_N, BLOCK_K, MX, EVEN_H, ROW_MASK)
+        rows = e.to(tl.int64) * (2 * I) + o_h + (o_j // NH) * I
+        b_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            b_t = _mx_dot_t(b_t, p_w, p_s, rows, o_h < I, p_x, tok, m_r, k0, H, PRECISION, BLOCK_N, BLOCK_K, MX)
         b_gt, b_ut = tl.split(tl.permute(tl.reshape(b_t, (2, NH, BLOCK_M)), (1, 2, 0)))
         b_g, b_u = tl.trans(b_gt), tl.trans(b_ut)
         o_n = i_n * NH + tl.arange(0, NH)
@@ -265,8 +234,8 @@ def _gate_up_kernel(p_x, p_w, p_s, p_tok, p_te, p_r0, p_r1, p_a, p_delta, H, I, 
 
 @triton.jit
 def _down_kernel(p_a, p_w, p_s, p_wt, p_dst, p_te, p_r0, p_r1, p_c, p_delta, H, I, MX: tl.constexpr,
-                 SWAP: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EVEN_I: tl.constexpr, ROW_MASK: tl.constexpr):
+                 SWAP: tl.constexpr, HAS_DELTA: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     i_t, i_n = _tile_ids(H, BLOCK_N)
     e = tl.load(p_te + i_t)
     if e < 0:
@@ -277,9 +246,9 @@ def _down_kernel(p_a, p_w, p_s, p_wt, p_dst, p_te, p_r0, p_r1, p_c, p_delta, H, 
     rows = e.to(tl.int64) * H + o_n
     if MX and SWAP:  # the swapped chain decodes MXFP4 tiles only
         b_ct = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        b_ct = _mx_chain_t(b_ct, p_w, p_s, e.to(tl.int64) * H + tl.where(m_n, o_n, 0), p_a,
-                           tl.where(m_r, o_r, 0).to(tl.int64), m_r, I, PRECISION, BLOCK_N, BLOCK_K, MX, EVEN_I,
-                           ROW_MASK)
+        for k0 in range(0, I, BLOCK_K):
+            b_ct = _mx_dot_t(b_ct, p_w, p_s, rows, m_n, p_a, o_r.to(tl.int64), m_r, k0, I, PRECISION, BLOCK_N,
+                             BLOCK_K, MX)
         b_c = tl.trans(b_ct)
     else:
         b_c = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -483,8 +452,7 @@ def experts_fwd_triton(x, ids, weights, w_gate_up, w_down, limit=None, *, lora=N
 
 def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_scales, limit=None, *, lora=None,
                              block_m: int | None = None, block_n: int = 64, num_warps: int = 4,
-                             num_stages: int = 3, swap: bool | None = None, bf16x2: bool | None = None,
-                             masked_rows: bool = True):
+                             num_stages: int = 3, swap: bool | None = None, bf16x2: bool | None = None):
     """MXFP4 experts computed packed: each K step decodes its (64 x BLOCK_N) weight tile from the
     codes and scales in registers (nothing unpacked in memory) and runs the bf16 path's dot on it,
     so the bits are ``experts_fwd_triton``'s at the exactly decoded weights (``cpu.experts_fwd_mxfp4_cpu``
@@ -493,9 +461,7 @@ def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_sc
     faster on the H200 up to 4096 tokens); its gate-up tile is BLOCK_N / 2 gate rows and their up
     rows.  ``block_m`` by default (``mx_block_m``): larger as the experts get more rows, so each
     decoded tile meets more of them.  ``bf16x2``: decode two weights at once in bf16x2 inline PTX
-    (``_E2M1X2_BF16``; bf16 on CUDA only, the default there), the same weights as the fp32 decode.
-    ``masked_rows`` off: the swapped chain loads a tile's padding rows from a real row instead of
-    masking them (the same bits; fewer instructions a K step, more bytes for a tile's padding)."""
+    (``_E2M1X2_BF16``; bf16 on CUDA only, the default there), the same weights as the fp32 decode."""
     swap = x.is_cuda if swap is None else swap
     packed = x.is_cuda and x.dtype == torch.bfloat16
     if bf16x2 and not packed:
@@ -503,7 +469,7 @@ def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_sc
     mx = 2 if (packed if bf16x2 is None else bf16x2) else 1
     block_m = mx_block_m(ids.numel() / gu_codes.shape[0]) if block_m is None else block_m
     return _launch("mxfp4", x, ids, weights, (gu_codes, gu_scales), (d_codes, d_scales), limit, lora,
-                   block_m, block_n, num_warps, num_stages, swap, mx, masked_rows)
+                   block_m, block_n, num_warps, num_stages, swap, mx)
 
 
 def mx_block_m(rows_per_expert: float) -> int:
@@ -537,7 +503,7 @@ def _lora_term(inp, src, a, b, s, tiles, sorted_rows, knobs) -> torch.Tensor:
 
 
 def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, num_warps, num_stages, swap=False,
-            mx=1, masked_rows=True):
+            mx=1):
     """The grouped launches of every format; ``gate_up`` / ``down``: (weight or codes, scales) (bf16:
     the weight twice).  With LoRA, the adapters' terms go into the base kernels' accumulators."""
     T, k = ids.shape
@@ -574,8 +540,7 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
         cols = block_n // 2 if swap and fmt == "mxfp4" else block_n  # the swapped tile: gate rows, then up rows
         _gate_up_kernel[(n_tiles * cdiv(I, cols),)](
             x, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, d_gu, H, I, lim, HAS_LIMIT=limit is not None,
-            MX=mx if fmt == "mxfp4" else 0, SWAP=swap, HAS_DELTA=has, EVEN_H=H % BLOCK_K == 0,
-            ROW_MASK=masked_rows, **knobs)
+            MX=mx if fmt == "mxfp4" else 0, SWAP=swap, HAS_DELTA=has, **knobs)
     d_down = _lora_term(a, sorted_rows, lora.a_down, lora.b_down, lora.s, tiles, sorted_rows, knobs) if has else c
     if fmt == "fp8":
         aq, as_ = quantize_act(a)  # rows in sorted order: row-local, so the order is free
@@ -585,7 +550,7 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
     else:
         _down_kernel[(n_tiles * cdiv(H, block_n),)](
             a, w_d, s_d, wt, dst, t_e, t_r0, t_r1, c, d_down, H, I, MX=mx if fmt == "mxfp4" else 0, SWAP=swap,
-            HAS_DELTA=has, EVEN_I=I % BLOCK_K == 0, ROW_MASK=masked_rows, **knobs)
+            HAS_DELTA=has, **knobs)
     y = torch.empty(T, H, dtype=torch.float32, device=x.device)
     _slot_sum_kernel[(cdiv(T * H, 1024),)](c, y, T * H, H, k, 1024)
     return y
