@@ -14,7 +14,9 @@
 #                                                            # copy whose decode is one xor a byte pair (wrong
 #                                                            # values, same loads and dots); ws = probe_mx_ws.py
 #                                                            # (the decode in warps of its own); ncu = Nsight
-#                                                            # Compute on GLM-5's two kernels at 16384 tokens
+#                                                            # Compute on GLM-5's two kernels at 16384 tokens;
+#                                                            # repeat = probe_mx_repeat.py (each launch config
+#                                                            # 20 times, quiet and beside a busy stream)
 # Each step has its own time limit (env TEST_S, CHECK_S, SUITE_S, PROFILE_S) so one slow step cannot
 # eat the call.  Set ALIGNZOO_COMMIT=<sha> (the device's .git is stale).  On the H200 the whole
 # gpu suite takes ~145 s with 10 workers from a warm Triton cache; more workers than ~10 can run
@@ -83,6 +85,11 @@ PY
   if [[ $steps == *,ws,* ]]; then
     timeout "${WS_S:-420}" python3 benchmarks/probe_mx_ws.py --out "$out" --tokens "${WS_TOKENS:-4096,16384}" \
       > "$out/ws_log.txt" 2>&1; echo "probe_mx_ws exit $?" >> "$out/ws_log.txt"; tail -6 "$out/ws_log.txt"
+  fi
+  if [[ $steps == *,repeat,* ]]; then
+    timeout "${REPEAT_S:-240}" bash -c "python3 benchmarks/probe_mx_repeat.py --out $out/repeat && \
+      python3 benchmarks/probe_mx_repeat.py --busy --out $out/repeat_busy" > "$out/repeat_log.txt" 2>&1
+    echo "probe_mx_repeat exit $?" >> "$out/repeat_log.txt"; tail -16 "$out/repeat_log.txt"
   fi
   if [[ $steps == *,ncu,* ]]; then  # Firecracker only (device KINDS.md); skips the bf16 reference call's two launches
     timeout "${NCU_S:-240}" ncu --clock-control none --kernel-name regex:'_gate_up_kernel|_down_kernel' \
