@@ -1,7 +1,7 @@
 """Run the MXFP4 experts' launch configs again and again on the GPU: does any config's output change from run
 to run, or differ from the default's?  A bit difference that comes and goes is a race or an uninitialised
-read, which the contract cannot have (``test_mxfp4_gpu_at_deepseek_v4_shapes`` caught one once in two runs,
-2026-12-05 record).
+read, which the contract cannot have, and which a single pass of ``test_mxfp4_gpu_at_deepseek_v4_shapes``
+can miss.
 
     python benchmarks/probe_mx_repeat.py [--reps 20] [--configs JSON] [--busy]
 
