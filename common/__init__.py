@@ -7,3 +7,7 @@ batch-invariant by construction, a float64 reference, launchers, an autograd
 Function and one public function.  ``ladder`` holds the rung 1-2 checks and
 ``checks`` the registry behind ``alignzoo check``.
 """
+
+from ._mkl import warm_vml
+
+warm_vml()  # before any CPU path: a concurrent first call of an MKL VML function can pick a wrong kernel

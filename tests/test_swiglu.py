@@ -1,6 +1,9 @@
 """SwiGLU: bitwise promises, one rounding, DeepSeek-V4's clamp, accuracy, gradients, bad input."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -155,6 +158,20 @@ def test_cpu_exp_is_elementwise_invariant():
             assert torch.equal(torch.exp(x[off : off + n]), full[off : off + n])  # unaligned view
     assert torch.equal(torch.exp(x[::3]), full[::3])
 
+
+
+def test_importing_alignzoo_resolves_the_mkl_vml_kernels_first():
+    """oneMKL picks a VML function's kernel on its first call, and a first call from several threads
+    at once can run a low-accuracy kernel on one thread's chunk (common/_mkl.py).  In a fresh process,
+    ``import alignzoo`` alone has already called every such function, fp32 and fp64, on one thread."""
+    code = ("import sys, alignzoo; m = sys.modules.get('alignzoo.common._mkl');"
+            "print(','.join(m.WARMED) if m else 'not imported')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    from alignzoo.common._mkl import VML_OPS
+
+    assert run.stdout.strip() == ",".join(VML_OPS)
+    assert {"exp", "log", "sqrt", "sin", "cos"} <= set(VML_OPS)  # those the package calls (RoPE's tables: sin, cos)
 
 # ---------------------------------------------------------------- the checks can fail
 
