@@ -547,6 +547,21 @@ def test_mxfp4_gpu_at_deepseek_v4_shapes(skew):
 
 
 @pytest.mark.gpu
+def test_mxfp4_gpu_launch_configs_repeat_their_bits():
+    """Each launch config 20 times at DeepSeek-V4-Flash's shapes, every output against the default's:
+    a race or an uninitialised read changes the bits of some runs and not others, so one run a config
+    (the test above) can miss it.  ``benchmarks/probe_mx_repeat.py`` does the same beside a busy stream."""
+    from alignzoo.common.moe.kernel import experts_fwd_mxfp4_triton as fwd
+
+    x, ids, w, _, _, q = _mx_experts(1024, 4096, 2048, 16, 6, device="cuda", skew=False)
+    want = fwd(x, ids, w, *q, 10.0)
+    for knobs in (dict(), dict(swap=False), dict(block_m=128, block_n=128, num_warps=8), dict(block_m=128),
+                  dict(block_m=256), dict(block_m=256, block_n=128, num_warps=8), dict(bf16x2=False)):
+        outs = [fwd(x, ids, w, *q, 10.0, **knobs) for _ in range(20)]
+        differ = [i for i, o in enumerate(outs) if not bitwise_equal(o, want)]
+        assert not differ, (knobs, differ)
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mx", [1, 2], ids=["fp32", "bf16x2"])
 def test_mxfp4_gpu_decode_every_code_under_every_scale(mx):
     """The kernels' in-register decode (``kernel._mx_rows``; MX 2 is the bf16x2 inline PTX) gives
