@@ -17,19 +17,15 @@ import sys
 
 import torch
 
-CONFIGS = [dict(), dict(swap=False), dict(block_m=128, block_n=128, num_warps=8), dict(block_m=128),
-           dict(block_m=256), dict(block_m=256, block_n=128, num_warps=8), dict(bf16x2=False)]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--configs", default=None, help="a JSON list of experts_fwd_mxfp4_triton knob dicts")
+    ap.add_argument("--configs", default=None, help="a JSON list of experts_fwd_mxfp4_triton knob dicts (default: the GPU test's)")
     ap.add_argument("--busy", action="store_true", help="a matmul loop on another stream meanwhile")
     ap.add_argument("--out", default="gpu_out")
     a = ap.parse_args(argv)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from test_moe_experts import _mx_experts
+    from test_moe_experts import MX_LAUNCH_CONFIGS, _mx_experts
 
     from alignzoo.common.moe.kernel import experts_fwd_mxfp4_triton as fwd
 
@@ -38,7 +34,7 @@ def main(argv=None):
     side = torch.cuda.Stream()
     big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for cfg in json.loads(a.configs) if a.configs else CONFIGS:
+    for cfg in json.loads(a.configs) if a.configs else MX_LAUNCH_CONFIGS:
         if a.busy:
             with torch.cuda.stream(side):
                 for _ in range(4 * a.reps):

@@ -546,6 +546,11 @@ def test_mxfp4_gpu_at_deepseek_v4_shapes(skew):
         assert bitwise_equal(experts_fwd_mxfp4_triton(x, ids, w, *q, 10.0, **knobs), full), knobs
 
 
+# experts_fwd_mxfp4_triton's launch configs that a repeat run compares with the default (also the probe's)
+MX_LAUNCH_CONFIGS = (dict(), dict(swap=False), dict(block_m=128, block_n=128, num_warps=8), dict(block_m=128),
+                     dict(block_m=256), dict(block_m=256, block_n=128, num_warps=8), dict(bf16x2=False))
+
+
 @pytest.mark.gpu
 def test_mxfp4_gpu_launch_configs_repeat_their_bits():
     """Each launch config 20 times at DeepSeek-V4-Flash's shapes, every output against the default's:
@@ -555,8 +560,7 @@ def test_mxfp4_gpu_launch_configs_repeat_their_bits():
 
     x, ids, w, _, _, q = _mx_experts(1024, 4096, 2048, 16, 6, device="cuda", skew=False)
     want = fwd(x, ids, w, *q, 10.0)
-    for knobs in (dict(), dict(swap=False), dict(block_m=128, block_n=128, num_warps=8), dict(block_m=128),
-                  dict(block_m=256), dict(block_m=256, block_n=128, num_warps=8), dict(bf16x2=False)):
+    for knobs in MX_LAUNCH_CONFIGS:
         outs = [fwd(x, ids, w, *q, 10.0, **knobs) for _ in range(20)]
         differ = [i for i, o in enumerate(outs) if not bitwise_equal(o, want)]
         assert not differ, (knobs, differ)
