@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU work, logs and results under $OUT (or ./gpu_out):
-#   bash benchmarks/gpu_session.sh tests [pytest paths...]   # every gpu-marked test, then `alignzoo check --device cuda`
-#   bash benchmarks/gpu_session.sh perf                      # run_suite (issue 7's page), then the decode profile
+# A device call's GPU work in one command, one mode a call; logs and results go under $OUT (default ./gpu_out).
+#   bash benchmarks/gpu_session.sh tests [pytest paths...]   # every gpu-marked test (or those under the paths),
+#                                                            # then `alignzoo check --device cuda`
+#   bash benchmarks/gpu_session.sh perf                      # run_suite (the suite's results.json and the
+#                                                            # docs/PERFORMANCE.md page), then profile_decode at
+#                                                            # qwen3-8b, batch 1 and 64
 #   bash benchmarks/gpu_session.sh train                     # the MoE / trainer gpu tests, the experts' forward +
 #                                                            # backward (bench_moe_train), the qwen35_gdn trainer
 #                                                            # against transformers side by side (bench_trainer)
@@ -12,15 +15,18 @@
 #                                                            # same bench in the tree at BASE (a `git archive` of
 #                                                            # the commit to compare); ceiling = the bench on a
 #                                                            # copy whose decode is one xor a byte pair (wrong
-#                                                            # values, same loads and dots); ws = probe_mx_ws.py
-#                                                            # (the decode in warps of its own); ncu = Nsight
-#                                                            # Compute on GLM-5's two kernels at 16384 tokens;
-#                                                            # repeat = probe_mx_repeat.py (each launch config
+#                                                            # values, same loads and dots); ws =
+#                                                            # experiments/probe_mx_ws.py (the decode in warps of
+#                                                            # its own; WS_TOKENS); ncu = Nsight Compute on
+#                                                            # GLM-5's two kernels at 16384 tokens; repeat =
+#                                                            # experiments/probe_mx_repeat.py (each launch config
 #                                                            # 20 times, quiet and beside a busy stream)
-# Each step has its own time limit (env TEST_S, CHECK_S, SUITE_S, PROFILE_S) so one slow step cannot
-# eat the call.  Set ALIGNZOO_COMMIT=<sha> (the device's .git is stale).  On the H200 the whole
-# gpu suite takes ~145 s with 10 workers from a warm Triton cache; more workers than ~10 can run
-# out of GPU memory (each engine takes 30% of what is free).
+# Each step has its own time limit in seconds (env TEST_S, CHECK_S, SUITE_S, PROFILE_S, MOE_S, TRAINER_S, WS_S,
+# REPEAT_S, NCU_S) so one slow step cannot eat the call; WORKERS sets pytest's workers (8 for tests, 4 otherwise).
+# Set ALIGNZOO_COMMIT=<sha> where the device's .git is stale: the results record the commit they ran.
+# The whole gpu suite (607 tests) needs more than the default 300 s: 8 workers reached ~602 in 420 s on the H200
+# (results/2026-12-05-h200-mxfp4-readings-repeat.md); more workers than ~10 can run out of GPU memory (each
+# engine takes 30% of what is free).
 . "$(dirname "$0")/gpu_env.sh"
 out=${OUT:-gpu_out}; mkdir -p "$out"; out=$(cd "$out" && pwd)  # absolute: the mx mode runs a second tree
 mode=${1:-tests}; shift || true
@@ -83,12 +89,13 @@ PY
     echo "ceiling bench_moe exit $?" >> "$out/mx_ceiling_log.txt"; tail -12 "$out/mx_ceiling/moe.md"
   fi
   if [[ $steps == *,ws,* ]]; then
-    timeout "${WS_S:-420}" python3 benchmarks/probe_mx_ws.py --out "$out" --tokens "${WS_TOKENS:-4096,16384}" \
-      > "$out/ws_log.txt" 2>&1; echo "probe_mx_ws exit $?" >> "$out/ws_log.txt"; tail -6 "$out/ws_log.txt"
+    timeout "${WS_S:-420}" python3 benchmarks/experiments/probe_mx_ws.py --out "$out" \
+      --tokens "${WS_TOKENS:-4096,16384}" > "$out/ws_log.txt" 2>&1
+    echo "probe_mx_ws exit $?" >> "$out/ws_log.txt"; tail -6 "$out/ws_log.txt"
   fi
   if [[ $steps == *,repeat,* ]]; then
-    timeout "${REPEAT_S:-240}" bash -c "python3 benchmarks/probe_mx_repeat.py --out $out/repeat && \
-      python3 benchmarks/probe_mx_repeat.py --busy --out $out/repeat_busy" > "$out/repeat_log.txt" 2>&1
+    timeout "${REPEAT_S:-240}" bash -c "python3 benchmarks/experiments/probe_mx_repeat.py --out $out/repeat && \
+      python3 benchmarks/experiments/probe_mx_repeat.py --busy --out $out/repeat_busy" > "$out/repeat_log.txt" 2>&1
     echo "probe_mx_repeat exit $?" >> "$out/repeat_log.txt"; tail -16 "$out/repeat_log.txt"
   fi
   if [[ $steps == *,ncu,* ]]; then  # Firecracker only (device KINDS.md); skips the bf16 reference call's two launches

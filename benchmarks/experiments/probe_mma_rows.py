@@ -2,7 +2,7 @@
 an exact kernel stands on: a decode step that pads its one row into the prefill's tile must get
 the prefill's bits for that row.
 
-    python benchmarks/probe_mma_rows.py --out DIR        # CUDA; writes probe_mma_rows.json / .md
+    python benchmarks/experiments/probe_mma_rows.py --out DIR   # CUDA; writes probe_mma_rows.json / .md
 
 For fp32 operands, per input precision (tf32x3, tf32, ieee) and tile (M rows, N columns, K-step BK,
 warps), against the full tile's product (random A (M, K), B (K, N), K = 128):

@@ -18,8 +18,8 @@ accumulator from zero, the same epilogue expressions.  So the bits must be equal
 times it, beside the package and the bf16 vendor (``bench_moe``'s) in one run, and splits the package
 and the fastest config by kernel.  128-row weight tiles halve the x each weight row re-reads.
 
-    python benchmarks/probe_mx_ws.py [--shapes glm-5,deepseek-v4-flash] [--tokens 4096,16384]   # the H200
-    python benchmarks/probe_mx_ws.py --compile        # cross-compile every config for sm_90a here
+    python benchmarks/experiments/probe_mx_ws.py [--shapes glm-5,deepseek-v4-flash] [--tokens 4096,16384]  # the H200
+    python benchmarks/experiments/probe_mx_ws.py --compile  # cross-compile every config for sm_90a here
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench_moe's shapes, vendor, timers
 
 from alignzoo.common.matmul.gluon_kernel import _next_stage  # noqa: E402  (ring counters, no division a step)
 from alignzoo.common.moe.kernel import _E2M1X2_BF16  # noqa: E402
