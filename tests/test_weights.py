@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from alignzoo.models.qwen3.weights import qwen3_expected, qwen3_from_hf, qwen3_to_hf
+from alignzoo.models.qwen3 import weights as qwen3
 from alignzoo.weights import (
     CheckpointError,
     HFCheckpoint,
@@ -66,9 +66,9 @@ def test_from_hf_matches_state_dict(hf_models, hf_dirs, tie, sharded, dtype):
     sd = {k: v.to(dtype) for k, v in hf_models[tie].state_dict().items()}
     if sharded:
         assert (hf_dirs[tie, sharded] / "model.safetensors.index.json").is_file()
-    ours = qwen3_from_hf(hf_dirs[tie, sharded], ours_cfg(tie), dtype=dtype)
+    ours = qwen3.from_hf(hf_dirs[tie, sharded], ours_cfg(tie), dtype=dtype)
 
-    assert set(ours) == set(qwen3_expected(ours_cfg(tie), dtype))
+    assert set(ours) == set(qwen3.expected(ours_cfg(tie), dtype))
     assert ("lm_head.weight" in ours) == (not tie)
     want = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
     if not tie:
@@ -94,8 +94,8 @@ def test_from_hf_matches_state_dict(hf_models, hf_dirs, tie, sharded, dtype):
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("max_shard_bytes", [30_000, 2**30], ids=["sharded", "single"])
 def test_round_trip_through_transformers(hf_models, hf_dirs, tmp_path, tie, max_shard_bytes):
-    ours = qwen3_from_hf(hf_dirs[tie, False], ours_cfg(tie), dtype=torch.float32)
-    hf = qwen3_to_hf(ours, ours_cfg(tie))
+    ours = qwen3.from_hf(hf_dirs[tie, False], ours_cfg(tie), dtype=torch.float32)
+    hf = qwen3.to_hf(ours, ours_cfg(tie))
     assert ("lm_head.weight" in hf) == (not tie)
     files = save_hf_checkpoint(tmp_path, read_hf_config(hf_dirs[tie, False]), hf, max_shard_bytes=max_shard_bytes)
 
@@ -137,7 +137,7 @@ def test_mismatch_lists_every_problem_at_once(hf_models, hf_dirs, tmp_path, on_d
         save_hf_checkpoint(tmp_path, read_hf_config(hf_dirs[False, False]), sd, max_shard_bytes=50_000)
         source = tmp_path
     with pytest.raises(WeightMismatchError) as info:
-        qwen3_from_hf(source, ours_cfg(False), dtype=torch.float32)
+        qwen3.from_hf(source, ours_cfg(False), dtype=torch.float32)
     e, msg = info.value, str(info.value)
     assert "1 missing, 1 unexpected, 2 mis-shaped" in msg
     assert "model.layers.1.self_attn.k_proj.weight (part of layers.1.qkv.weight)" in msg
@@ -151,7 +151,7 @@ def test_untied_checkpoint_requires_lm_head(hf_models):
     sd = dict(hf_models[False].state_dict())
     del sd["lm_head.weight"]
     with pytest.raises(WeightMismatchError, match=r"(?s)missing \(1\):\n  lm_head.weight\n.*tie_word_embeddings false"):
-        qwen3_from_hf(sd, ours_cfg(False), dtype=torch.float32)
+        qwen3.from_hf(sd, ours_cfg(False), dtype=torch.float32)
 
 
 def test_tolerated_extras_are_logged(hf_models, caplog):
@@ -161,7 +161,7 @@ def test_tolerated_extras_are_logged(hf_models, caplog):
     sd["lm_head.weight"] = model.lm_head.weight.detach().clone()
     sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(12)
     with caplog.at_level(logging.DEBUG, logger="alignzoo.weights.name_map"):
-        ours = qwen3_from_hf(sd, ours_cfg(True), dtype=torch.float32)
+        ours = qwen3.from_hf(sd, ours_cfg(True), dtype=torch.float32)
     assert "lm_head.weight" not in ours
     assert "lm_head.weight" in caplog.text and "rotary_emb.inv_freq" in caplog.text
 
@@ -197,14 +197,14 @@ def test_llama_checkpoint_refused(tmp_path):
     LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  intermediate_size=40, vocab_size=64)).save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match=r"checkpoint is llama \(LlamaForCausalLM\), not qwen3"):
-        qwen3_from_hf(tmp_path, ours_cfg(False))
+        qwen3.from_hf(tmp_path, ours_cfg(False))
 
 
 def test_pickled_checkpoint_refused(hf_dirs, tmp_path):
     shutil.copy(hf_dirs[False, False] / "config.json", tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"never unpickled")
     with pytest.raises(CheckpointError, match=r"pytorch_model.bin: pickled checkpoints are refused.*save_pretrained"):
-        qwen3_from_hf(tmp_path, ours_cfg(False))
+        qwen3.from_hf(tmp_path, ours_cfg(False))
 
 
 def test_missing_files_named(hf_dirs, tmp_path):
@@ -220,7 +220,7 @@ def test_missing_files_named(hf_dirs, tmp_path):
     shards = sorted(set(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"].values()))
     (d / shards[1]).unlink()
     with pytest.raises(FileNotFoundError, match=rf"names 1 shard\(s\) missing .*: {shards[1]}"):
-        qwen3_from_hf(d, ours_cfg(False))
+        qwen3.from_hf(d, ours_cfg(False))
 
 
 def test_index_entry_absent_from_its_shard(hf_dirs, tmp_path):

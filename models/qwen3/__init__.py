@@ -12,7 +12,7 @@ from ..spec import ModelSpec
 from .config import PRESETS, Qwen3Config
 from .serve import Qwen3Server
 from .train import Qwen3Trainer
-from .weights import MODEL_TYPE as NAME, lora_from_hf, lora_to_hf, qwen3_from_hf, qwen3_to_hf
+from .weights import MODEL_TYPE as NAME, from_hf, lora_from_hf, lora_to_hf, to_hf
 
 
 def _vendor_server():
@@ -23,7 +23,7 @@ def _vendor_server():
 
 SPEC = ModelSpec(
     name=NAME, config_cls=Qwen3Config, presets=PRESETS, trainer_cls=Qwen3Trainer, server_cls=Qwen3Server,
-    vendor_server_cls=_vendor_server, from_hf=qwen3_from_hf, to_hf=qwen3_to_hf, lora_from_hf=lora_from_hf,
+    vendor_server_cls=_vendor_server, from_hf=from_hf, to_hf=to_hf, lora_from_hf=lora_from_hf,
     lora_to_hf=lora_to_hf, init_weights=loading.init_weights,
 )
 

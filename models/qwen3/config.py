@@ -59,9 +59,9 @@ class Qwen3Config:
         """From a transformers Qwen3 ``config.json`` (a path, its directory, or
         the dict; ``where`` names a dict's file in error messages)."""
         config, where = read_config_json(config, "qwen3", where)
-        from .weights import check_qwen3_checkpoint
+        from .weights import check_checkpoint_config
 
-        check_qwen3_checkpoint(config)
+        check_checkpoint_config(config)
         require_keys(config, _REQUIRED_HF, where, "a qwen3 config.json")
         unsupported = {k: config[k] for k in ("attention_bias", "use_sliding_window") if config.get(k)}
         if unsupported:

@@ -76,7 +76,7 @@ def lora_from_hf(module: str) -> str | None:
     return f"layers.{int(parts[2])}.{proj}"
 
 
-def qwen3_name_map(cfg) -> NameMap:
+def name_map(cfg) -> NameMap:
     d = cfg.head_dim
     return NameMap(
         HF_NAMES,
@@ -90,7 +90,7 @@ def qwen3_name_map(cfg) -> NameMap:
     )
 
 
-def qwen3_expected(cfg, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected(cfg, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{our name: (shape, dtype)}``; ``lm_head.weight`` only when embeddings are untied."""
     V, H, I, D = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     layer = {
@@ -111,22 +111,22 @@ def qwen3_expected(cfg, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], 
     return {k: (s, dtype) for k, s in shapes.items()}
 
 
-def check_qwen3_checkpoint(config: dict) -> None:
+def check_checkpoint_config(config: dict) -> None:
     """Raise, naming what it is, unless ``config`` (config.json) is a Qwen3 causal LM."""
     check_model_type(config, MODEL_TYPE, ARCHITECTURES)
 
 
-def qwen3_from_hf(source, cfg, dtype: torch.dtype = torch.bfloat16, device="cpu") -> dict[str, torch.Tensor]:
+def from_hf(source, cfg, dtype: torch.dtype = torch.bfloat16, device="cpu") -> dict[str, torch.Tensor]:
     """Our tensors from a checkpoint directory, an ``HFCheckpoint`` or a ``{hf_name: tensor}`` dict.
 
     A directory's config.json must be Qwen3. Fused: ``layers.{i}.qkv.weight`` ((Hq+2Hkv)·D, H) =
     cat(q_proj, k_proj, v_proj); ``layers.{i}.gate_up.weight`` (2I, H) = cat(gate_proj, up_proj).
     """
     if isinstance(source, (str, os.PathLike, HFCheckpoint)):
-        check_qwen3_checkpoint(read_hf_config(source.path if isinstance(source, HFCheckpoint) else source))
-    return qwen3_name_map(cfg).from_hf(source, qwen3_expected(cfg, dtype), device=device)
+        check_checkpoint_config(read_hf_config(source.path if isinstance(source, HFCheckpoint) else source))
+    return name_map(cfg).from_hf(source, expected(cfg, dtype), device=device)
 
 
-def qwen3_to_hf(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+def to_hf(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     """HF-named tensors (views of ours) for ``save_hf_checkpoint``; lm_head dropped when tied."""
-    return qwen3_name_map(cfg).to_hf(tensors)
+    return name_map(cfg).to_hf(tensors)

@@ -105,11 +105,11 @@ class Qwen35GdnConfig:
         return PRESETS[name]
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any] | str | os.PathLike) -> "Qwen35GdnConfig":
-        """From a transformers config.json (a path, its directory or the dict):
-        ``Qwen3_5MoeTextConfig`` (model_type qwen3_5_moe_text) or the multimodal
-        ``Qwen3_5MoeConfig`` (qwen3_5_moe, the text model under text_config)."""
-        config, where = read_config_json(config, "qwen35_gdn")
+    def from_hf(cls, config: dict[str, Any] | str | os.PathLike, *, where: str | None = None) -> "Qwen35GdnConfig":
+        """From a transformers config.json (a path, its directory or the dict; ``where`` names a dict's
+        file in error messages): ``Qwen3_5MoeTextConfig`` (model_type qwen3_5_moe_text) or the
+        multimodal ``Qwen3_5MoeConfig`` (qwen3_5_moe, the text model under text_config)."""
+        config, where = read_config_json(config, "qwen35_gdn", where)
         from .weights import check_checkpoint_config, text_config
 
         check_checkpoint_config(config)

@@ -18,11 +18,12 @@ Ours, per layer i (fused where one GEMM reads several HF projections):
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 import torch
 
-from ...weights import CheckpointError, Fuse, NameMap, OneOf, Stack
+from ...weights import CheckpointError, Fuse, HFCheckpoint, NameMap, OneOf, Stack, open_source, read_hf_config
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 log = logging.getLogger("alignzoo.models")
@@ -48,6 +49,7 @@ def text_config(config: dict) -> dict:
 
 
 def check_checkpoint_config(config: dict) -> None:
+    """Raise, naming what it is, unless ``config`` (config.json) is a Qwen3.5-MoE model, text-only or multimodal."""
     if config.get("model_type") not in MODEL_TYPES:
         arch = ", ".join(config.get("architectures") or []) or "no architectures listed"
         raise CheckpointError(f"checkpoint is {config.get('model_type')} ({arch}), not Qwen3.5-MoE (model_type one of "
@@ -182,10 +184,11 @@ def checkpoint_prefix(names) -> str:
 
 
 def from_hf(source, cfg, dtype: torch.dtype = torch.bfloat16, device="cpu") -> dict[str, torch.Tensor]:
-    """Our tensors from a checkpoint (directory, ``HFCheckpoint`` or {hf_name: tensor}); a multimodal
-    checkpoint's vision tower and MTP head are left out, and the log says so."""
-    from ...weights.name_map import open_source
-
+    """Our tensors from a checkpoint (directory, ``HFCheckpoint`` or {hf_name: tensor}); a directory's
+    config.json must be Qwen3.5-MoE; a multimodal checkpoint's vision tower and MTP head are left out,
+    and the log says so."""
+    if isinstance(source, (str, os.PathLike, HFCheckpoint)):
+        check_checkpoint_config(read_hf_config(source.path if isinstance(source, HFCheckpoint) else source))
     with open_source(source) as src:
         names = list(src.keys())
         prefix = checkpoint_prefix(names)
