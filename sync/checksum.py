@@ -34,6 +34,7 @@ import json
 import torch
 
 from ..common._host import cdiv
+from ..common._launch import FP_FUSION
 
 _MASK64 = (1 << 64) - 1
 _CHUNK_WORDS = 1 << 25  # 128 MiB of input; bounds the int64 temporaries to 256 MiB each; even (float64's rule)
@@ -101,7 +102,7 @@ def _word_sums_triton(words: torch.Tensor, rule) -> tuple[torch.Tensor, torch.Te
     bad = torch.empty(part.numel() if rule is not None else 1, dtype=torch.int64, device=words.device)
     lanes, mask, pattern, odd = rule if rule is not None else (0, 0, 0, False)
     checksum_kernel[(part.numel(),)](words, part, bad, n, _K0, _K1, _K2, mask, pattern, BLOCK=_BLOCK_WORDS,
-                                     LANES=lanes, ODD_WORDS=odd)
+                                     LANES=lanes, ODD_WORDS=odd, enable_fp_fusion=FP_FUSION, num_warps=4)
     return part.sum(), (bad.sum() if rule is not None else None)
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import re
 
+from alignzoo.common._launch import FP_FUSION
+
 
 def sm90_ttgir(fn, types, constexprs, aligned, num_warps: int, num_stages: int = 3) -> str:
     """TTGIR of ``fn`` (a ``triton.jit`` function) for sm_90, through the ttir
@@ -35,7 +37,7 @@ def sm90_ttgir(fn, types, constexprs, aligned, num_warps: int, num_stages: int =
                     {(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
-    options = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": False,
+    options = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": FP_FUSION,
                                      **src.parse_options()})
     stages: dict = {}
     backend.add_stages(stages, options, src.language)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from interpreted import TORCH_MATH, run_interpreted
 
+from alignzoo.common._launch import FP_FUSION
 from alignzoo.common.ladder import bitwise_equal, rel_err
 from alignzoo.common.moe.checks import make_experts
 from alignzoo.common.moe.cpu import experts_fwd_cpu
@@ -588,7 +589,7 @@ def test_mxfp4_gpu_decode_every_code_under_every_scale(mx):
     codes = torch.arange(256, dtype=torch.uint8).repeat(256, 1).cuda()
     scales = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, K // 32).cuda()
     out = torch.empty(256, K, dtype=torch.bfloat16, device="cuda")
-    decode[(4,)](codes, scales, out, K, mx, enable_fp_fusion=False)
+    decode[(4,)](codes, scales, out, K, mx, num_warps=4, enable_fp_fusion=FP_FUSION)
     want = dequantize_mxfp4(codes, scales).bfloat16()
     same = (out.view(torch.int16) == want.view(torch.int16)) | (out.isnan() & want.isnan())
     assert bool(same.all()), (~same).nonzero()[:8].tolist()

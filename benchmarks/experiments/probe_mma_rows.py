@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from alignzoo.common._launch import FP_FUSION
+
 
 @triton.jit
 def _dot_kernel(p_a, p_b, p_c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
@@ -47,7 +49,7 @@ def dot(a, b, *, bk, warps, prec):
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty(M, N, dtype=torch.float32, device=a.device)
-    h = _dot_kernel[(1,)](a, b, c, M, N, K, bk, prec, num_warps=warps, enable_fp_fusion=False)
+    h = _dot_kernel[(1,)](a, b, c, M, N, K, bk, prec, num_warps=warps, enable_fp_fusion=FP_FUSION)
     return c, h
 
 

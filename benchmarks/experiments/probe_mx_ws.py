@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench_moe's shapes, vendor, timers
 
+from alignzoo.common._launch import FP_FUSION
 from alignzoo.common.matmul.gluon_kernel import _next_stage  # noqa: E402  (ring counters, no division a step)
 from alignzoo.common.moe.kernel import _E2M1X2_BF16  # noqa: E402
 
@@ -245,13 +246,14 @@ def experts_ws(x, ids, weights, gc, gs, dc, ds, limit=None, block_m=None, block_
     if block_n not in (64, 128):
         raise ValueError(f"block_n is 64 or 128 (one or two MMA warpgroups), got {block_n}")
     knobs = dict(BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, num_warps=block_n // 16,
-                 maxnreg=ws_maxnreg(block_n, block_m), enable_fp_fusion=False)
+                 maxnreg=ws_maxnreg(block_n, block_m))
     _gate_up_ws_kernel[(te.shape[0] * (I // (block_n // 2)),)](
-        _desc(xg, block_m), gc, gs, te, r0, r1, a, H, I, lim, HAS_LIMIT=limit is not None, **knobs)
+        _desc(xg, block_m), gc, gs, te, r0, r1, a, H, I, lim, HAS_LIMIT=limit is not None, **knobs,
+        enable_fp_fusion=FP_FUSION)
     _down_ws_kernel[(te.shape[0] * (H // block_n),)](_desc(a, block_m), dc, ds, wt, dst, te, r0, r1, c, H, I,
-                                                      **knobs)
+                                                      **knobs, enable_fp_fusion=FP_FUSION)
     y = torch.empty(T, H, dtype=torch.float32, device=x.device)
-    _slot_sum_kernel[(cdiv(T * H, 1024),)](c, y, T * H, H, k, 1024)
+    _slot_sum_kernel[(cdiv(T * H, 1024),)](c, y, T * H, H, k, 1024, enable_fp_fusion=FP_FUSION, num_warps=4)
     return y
 
 
@@ -278,7 +280,7 @@ def compile_only(kernel: str, block_m: int = 256, n_stages: int = 3, block_n: in
     target = GPUTarget("cuda", 90, 32)
     be = make_backend(target)
     options = be.parse_options({"num_warps": block_n // 16, "maxnreg": ws_maxnreg(block_n, block_m),
-                                "enable_fp_fusion": False})
+                                "enable_fp_fusion": FP_FUSION})
     stages = {}
     be.add_stages(stages, options, src.language)
     ctx = ir.context()

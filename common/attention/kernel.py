@@ -144,6 +144,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._launch import FP_FUSION
 from .._pdl import pdl_options, wait_prior
 from ..kv_cache.op import PAGE_SIZE
 from .op import SEGMENT
@@ -754,7 +755,7 @@ def _fwd_launch(q, k, v, cu_q, seq_lens, block_table, max_q_len, window, scale, 
         G=G, HPT=hpt, N_HC=n_hc, TPT=tpt,
         WINDOW=window, PAGED=paged, MASK_ALL=mask_all, PRECISION=_precision(q.dtype),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, SEG_BLOCKS=SEG_BLOCKS,
-        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, **pdl_options(q.device, q.shape[0]),
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=FP_FUSION, **pdl_options(q.device, q.shape[0]),
     )
     return o, lse
 
@@ -802,7 +803,7 @@ def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mas
         D=d, BLOCK_D=block_d, G=G, HPT=hpt, N_HC=n_hc,
         WINDOW=window, MASK_ALL=mask_all, PRECISION=_precision(q.dtype),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, SEG_BLOCKS=seg_blocks,
-        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False, **pdl_options(q.device, q.shape[0]),
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=FP_FUSION, **pdl_options(q.device, q.shape[0]),
     )
     if not final:
         block_h = min(16, next_power_of_2(hq))
@@ -810,7 +811,7 @@ def _decode_launch(q, k, v, cu_q, seq_lens, block_table, window, scale, cfg, mas
             o, lse, ws_m, ws_l, ws_acc, cu_q, seq_lens,
             o.stride(0), o.stride(1), lse.stride(0), T, hq,
             D=d, BLOCK_D=block_d, BLOCK_H=block_h, WINDOW=window, BLOCK_N=BLOCK_N, SEG_BLOCKS=seg_blocks,
-            num_warps=4, enable_fp_fusion=False, **pdl_options(o.device, o.shape[0]),
+            num_warps=4, enable_fp_fusion=FP_FUSION, **pdl_options(o.device, o.shape[0]),
         )
     return o, lse
 
@@ -857,19 +858,21 @@ def attention_bwd_triton(q, k, v, o, lse, do, cu_seqlens, max_seqlen, window, sc
         return dq.zero_(), dk.zero_(), dv.zero_()
     block_d = max(16, next_power_of_2(d))
     delta = torch.empty(T, hq, dtype=torch.float32, device=q.device)
-    _bwd_preprocess_kernel[(cdiv(T * hq, 64),)](o, do, delta, T * hq, D=d, BLOCK_D=block_d, BLOCK_R=64)
+    _bwd_preprocess_kernel[(cdiv(T * hq, 64),)](o, do, delta, T * hq, D=d, BLOCK_D=block_d, BLOCK_R=64,
+        enable_fp_fusion=FP_FUSION, num_warps=4)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), lse.stride(0))
 
     def consts(cfg):
         hpt, n_hc, tpt = _tiling(G, cfg["block_m"])
         return dict(D=d, BLOCK_D=block_d, G=G, HPT=hpt, N_HC=n_hc, TPT=tpt, WINDOW=window,
                     PRECISION=_precision(q.dtype), BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=False)
+                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     c = consts(dq_cfg)
     n_m = cdiv(max_seqlen, c["TPT"])
     _attn_bwd_dq_kernel[(n_m, B, hkv * c["N_HC"])](
-        q, k, v, do, lse, delta, dq, cu_seqlens, *strides, scale * _LOG2E, scale, n_m, **c)
+        q, k, v, do, lse, delta, dq, cu_seqlens, *strides, scale * _LOG2E, scale, n_m, **c, enable_fp_fusion=FP_FUSION)
     _attn_bwd_dkdv_kernel[(cdiv(max_seqlen, dkdv_cfg["block_n"]), B, hkv)](
-        q, k, v, do, lse, delta, dk, dv, cu_seqlens, *strides, scale * _LOG2E, scale, **consts(dkdv_cfg))
+        q, k, v, do, lse, delta, dk, dv, cu_seqlens, *strides, scale * _LOG2E, scale, **consts(dkdv_cfg),
+        enable_fp_fusion=FP_FUSION)
     return dq, dk, dv

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv
+from .._launch import FP_FUSION
 from .quant import BLOCK
 
 
@@ -108,5 +109,5 @@ def fp8_gemm_triton(x_codes: torch.Tensor, x_scales: torch.Tensor, w_codes: torc
     _fp8_gemm_kernel[grid](
         x_codes, x_scales, w_codes, w_scale_inv, y, M, N, K, x_scales.shape[1],
         x_codes.stride(0), x_scales.stride(0), w_codes.stride(0), w_scale_inv.stride(0), y.stride(0),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK, GROUP_M=8, num_warps=nw, num_stages=ns, enable_fp_fusion=False)
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BLOCK, GROUP_M=8, num_warps=nw, num_stages=ns, enable_fp_fusion=FP_FUSION)
     return y

@@ -77,6 +77,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._launch import FP_FUSION
 from .cpu import CHUNK, host_lists
 from .kernel import (_exp, _k_rows_kernel, _launch_opts, _min_side, _mma, _regs, _tree_first, _use_mma,
                      gdn_scan_triton)
@@ -612,12 +613,12 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
         bi = min(next_power_of_2(max(1, bi)), CHUNK)
         _chunk_rows_kernel[(P, Hv)](q, k, g, beta, tok, rows, wslot, G, L, AT, QT, KD, KQ, cache["g_cum"],
                                     Hk, Hv, K, BK, bi, CHUNK, lib, num_warps=rows_warps, **opts,
-                                    **_regs(lib, rows_maxnreg))
+                                    **_regs(lib, rows_maxnreg), enable_fp_fusion=FP_FUSION)
         bw = max(2, min(bw, next_power_of_2(V + K)))
         bs = max(2, min(next_power_of_2(bs), CHUNK))
         _chunk_solve_kernel[(P * cdiv(V + K, bw), Hv)](k, v, beta, tok, rows, wslot, G, L, X, WT, cache["x"],
                                                        Hk, Hv, K, V, bw, bs, CHUNK, lib, not mma,
-                                                       num_warps=solve_warps, **opts)
+                                                       num_warps=solve_warps, **opts, enable_fp_fusion=FP_FUSION)
         lo = _min_side(mma)
         bv = max(lo, min(bv or (MMA_BV if mma else BV), next_power_of_2(V)))
         br = min(next_power_of_2(max(1, br)), CHUNK)
@@ -633,14 +634,14 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
                 o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, X, KD, VN, S0,
                 cache["state"], cache["v_new"], cache["n"],
                 Hv, K, V, max(lo, BK), bv, CHUNK, bool(fused), lib, num_warps=state_warps, **opts,
-                **_regs(lib, state_maxnreg),
+                **_regs(lib, state_maxnreg), enable_fp_fusion=FP_FUSION,
             )
         else:
             _chunk_state_kernel[(NB * cdiv(V, bv), Hv)](
                 o, tok, rows, seq, sslot, fresh, nend, G, AT, QT, X, WT, KD, VN, S0,
                 cache["state"], cache["v_new"], cache["n"],
                 Hv, K, V, BK, bv, br, bks, CHUNK, bool(fused), lib, num_warps=state_warps, **opts,
-                **_regs(lib, state_maxnreg),
+                **_regs(lib, state_maxnreg), enable_fp_fusion=FP_FUSION,
             )
         if not fused:
             bvo = max(lo, min(bvo, next_power_of_2(V)))
@@ -648,7 +649,8 @@ def gdn_chunk_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bw: 
             out = _chunk_out_mma_kernel if mma else _chunk_out_kernel
             out[(P * cdiv(V, bvo) * (CHUNK // bro), Hv)](
                 o, tok, rows, AT, QT, VN, S0, Hv, K, V, max(lo, BK), bvo, bro, CHUNK, num_warps=out_warps, **opts,
+                enable_fp_fusion=FP_FUSION,
             )
     _k_rows_kernel[(B, CHUNK, Hk)](k, cu_seqlens, starts, slots, cache["k"], Hk, K, max(2, next_power_of_2(K)),
-                                   CHUNK, **_launch_opts(q)[1])
+                                   CHUNK, **_launch_opts(q)[1], enable_fp_fusion=FP_FUSION, num_warps=4)
     return o

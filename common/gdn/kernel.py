@@ -68,6 +68,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .._host import cdiv, next_power_of_2
+from .._launch import FP_FUSION
 from .cpu import CHUNK
 from .trees import _neg0
 
@@ -523,7 +524,7 @@ def _interpreted() -> bool:
 
 def _launch_opts(x):
     lib = not _interpreted() and x.is_cuda
-    return lib, ({"enable_fp_fusion": False, "enable_reflect_ftz": False} if lib else {})
+    return lib, ({"enable_reflect_ftz": False} if lib else {})
 
 
 def _regs(lib: bool, maxnreg: int | None) -> dict:
@@ -564,13 +565,13 @@ def gdn_decode_triton(q, k, v, g, beta, pos, slots, cache, *, bv_row: int | None
         q, k, v, g, beta, pos, slots,
         cache["state"], cache["k"], cache["g_cum"], cache["x"], cache["v_new"], cache["n"], o,
         Hk, Hv, K, V, BK, BV, min(BK, max(2, next_power_of_2(bkq))), CHUNK, lib, mma, num_warps=row_warps, **opts,
-        **_regs(lib, row_maxnreg),
+        **_regs(lib, row_maxnreg), enable_fp_fusion=FP_FUSION,
     )
     bks, bvs = max(lo, min(bks, next_power_of_2(K))), max(lo, min(bvs, next_power_of_2(V)))
     G = max(1, min(B, state_groups))
     _gdn_decode_state_kernel[(Hv, cdiv(K, bks) * cdiv(V, bvs), G)](
         k, pos, slots, cache["state"], cache["k"], cache["g_cum"], cache["v_new"], B, G,
-        Hk, Hv, K, V, bks, bvs, CHUNK, lib, mma, num_warps=state_warps, **opts,
+        Hk, Hv, K, V, bks, bvs, CHUNK, lib, mma, num_warps=state_warps, **opts, enable_fp_fusion=FP_FUSION,
     )
     return o
 
@@ -602,6 +603,8 @@ def gdn_scan_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, *, bv_ro
         q, k, v, g, beta, cu_seqlens, starts, slots,
         cache["state"], cache["g_cum"], cache["x"], cache["v_new"], cache["k"], cache["n"], o,
         Hk, Hv, K, V, BK, BV, min(BK, max(2, next_power_of_2(bkq))), bks, bvs, CHUNK, lib, mma, **opts,
+        enable_fp_fusion=FP_FUSION, num_warps=4,
     )
-    _k_rows_kernel[(B, CHUNK, Hk)](k, cu_seqlens, starts, slots, cache["k"], Hk, K, BK, CHUNK, **opts)
+    _k_rows_kernel[(B, CHUNK, Hk)](k, cu_seqlens, starts, slots, cache["k"], Hk, K, BK, CHUNK, **opts,
+        enable_fp_fusion=FP_FUSION, num_warps=4)
     return o

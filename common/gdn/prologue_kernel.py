@@ -19,6 +19,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .._host import cdiv, next_power_of_2
+from .._launch import FP_FUSION
 from .cpu import CONV_K
 from .kernel import _exp, _launch_opts
 from .trees import _neg0
@@ -127,9 +128,10 @@ def conv1d_triton(x, weight, cu_seqlens, tail=None, slots=None, starts=None):
     bc = min(CONV_BC, next_power_of_2(C))
     _conv1d_kernel[(cdiv(T, CONV_BT), cdiv(C, bc))](
         x, x.stride(0), weight, cu, st, sl, tail if has else x, y, T, C, B, max(1, (B - 1).bit_length()), has, CONV_BT, bc, lib,
-        **opts)
+        **opts, enable_fp_fusion=FP_FUSION, num_warps=4)
     if has and B:
-        _conv_tail_kernel[(B, cdiv(C, bc))](x, x.stride(0), cu, st, sl, tail, T, C, bc, **opts)
+        _conv_tail_kernel[(B, cdiv(C, bc))](x, x.stride(0), cu, st, sl, tail, T, C, bc, **opts,
+            enable_fp_fusion=FP_FUSION, num_warps=4)
     return y
 
 
@@ -158,5 +160,6 @@ def l2norm_triton(x, eps: float = 1e-6):
         return y
     lib, opts = _launch_opts(x)
     dp = max(2, next_power_of_2(D))
-    _l2norm_kernel[(cdiv(R, NORM_BR),)](x.contiguous(), y, R, D, eps, dp, dp.bit_length() - 1, NORM_BR, lib, **opts)
+    _l2norm_kernel[(cdiv(R, NORM_BR),)](x.contiguous(), y, R, D, eps, dp, dp.bit_length() - 1, NORM_BR, lib, **opts,
+        enable_fp_fusion=FP_FUSION, num_warps=4)
     return y

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._launch import FP_FUSION
+
 
 @triton.jit
 def _recurrent_decode_kernel(q, k, v, g, beta, slots, state, o, H: tl.constexpr, HV: tl.constexpr,
@@ -45,5 +47,5 @@ def recurrent_decode(q, k, v, g, beta, slots, state) -> torch.Tensor:
     BV = min(8, triton.next_power_of_2(V))  # fla's choice: small value tiles, many programs
     grid = (triton.cdiv(V, BV) * B * HV,)
     _recurrent_decode_kernel[grid](q, k, v, g, beta, slots, state, o, H, HV, K, V, triton.next_power_of_2(K), BV,
-                                   num_warps=1, num_stages=3)
+                                   num_warps=1, num_stages=3, enable_fp_fusion=FP_FUSION)
     return o

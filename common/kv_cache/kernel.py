@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .._host import next_power_of_2
+from .._launch import FP_FUSION
 from .._pdl import pdl_options, wait_prior
 
 
@@ -45,5 +46,5 @@ def write_kv_triton(
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        D=d, BLOCK_D=next_power_of_2(d), **pdl_options(k.device, k.shape[0]),
+        D=d, BLOCK_D=next_power_of_2(d), **pdl_options(k.device, k.shape[0]), enable_fp_fusion=FP_FUSION, num_warps=4,
     )

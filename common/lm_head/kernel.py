@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._launch import FP_FUSION
 from .._pdl import pdl_options, wait_prior
 from .cpu import VOCAB_GROUP
 
@@ -274,7 +275,7 @@ def _fwd_launch(h, w, targets, block_m, write_logits, want_stats):
         T, V, K, G,
         BM=BM, BV=VOCAB_GROUP, LOG2BV=_LOG2_GROUP, **_proj_consts(h.dtype, BM),
         WRITE_LOGITS=write_logits, WRITE_STATS=want_stats, HAS_TARGETS=has_t,
-        num_stages=_FWD_STAGES, enable_fp_fusion=False, **pdl_options(h.device, T),
+        num_stages=_FWD_STAGES, enable_fp_fusion=FP_FUSION, **pdl_options(h.device, T),
     )
     if want_stats:
         G2 = max(2, next_power_of_2(G))
@@ -282,7 +283,7 @@ def _fwd_launch(h, w, targets, block_m, write_logits, want_stats):
         _lm_head_merge_kernel[(cdiv(T, BR),)](
             m, l, zt, lp if has_t else dummy, lse, T, G,
             BR=BR, G2=G2, LOG2G2=G2.bit_length() - 1, HAS_TARGETS=has_t,
-            num_warps=4, enable_fp_fusion=False, **pdl_options(h.device, T),
+            num_warps=4, enable_fp_fusion=FP_FUSION, **pdl_options(h.device, T),
         )
     return lp, lse, logits
 
@@ -317,7 +318,8 @@ def split_hi_lo_triton(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi, lo = torch.empty_like(g, dtype=torch.bfloat16), torch.empty_like(g, dtype=torch.bfloat16)
     n = g.numel()
     if n:
-        _split_hi_lo_kernel[(cdiv(n, _SPLIT_BLOCK),)](g, hi, lo, n, BLOCK=_SPLIT_BLOCK, num_warps=8)
+        _split_hi_lo_kernel[(cdiv(n, _SPLIT_BLOCK),)](g, hi, lo, n, BLOCK=_SPLIT_BLOCK, num_warps=8,
+            enable_fp_fusion=FP_FUSION)
     return hi, lo
 
 
@@ -327,7 +329,7 @@ def _gemm(a, a_strides, b, b_strides, c, c_strides, M, N, L, accumulate):
     _gemm_kernel[(cdiv(M, BM), cdiv(N, BN))](
         a, b, c, M, N, L, *a_strides, *b_strides, *c_strides,
         BM=BM, BN=BN, BL=_GEMM_BL, IEEE=ieee, ACCUMULATE=accumulate,
-        num_warps=_GEMM_WARPS, num_stages=3, enable_fp_fusion=False,
+        num_warps=_GEMM_WARPS, num_stages=3, enable_fp_fusion=FP_FUSION,
     )
 
 
@@ -354,7 +356,7 @@ def lm_head_bwd_triton(h, w, targets, lse, grad, *, block_m=None, vocab_chunk=No
         _lm_head_dz_kernel[(cdiv(T, BM), g1 - g0)](
             h, w, targets, lse, grad, dz, T, V, K, g0, n_cols,
             BM=BM, BV=VOCAB_GROUP, **_proj_consts(h.dtype, BM),
-            num_stages=_FWD_STAGES, enable_fp_fusion=False,
+            num_stages=_FWD_STAGES, enable_fp_fusion=FP_FUSION,
         )
         w_c = w[v0:v1]  # (Vc, K)
         # dh (T, K) += dz (T, Vc) · W_c (Vc, K)

@@ -49,6 +49,7 @@ import functools
 import torch
 
 from .._host import cdiv
+from .._launch import FP_FUSION
 
 try:
     from triton.experimental import gluon
@@ -342,5 +343,6 @@ def matmul_fwd_gluon(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, *, seg_k
     kernel, extra = (_mm_ws_kernel, {"maxnreg": WS_MAXNREG}) if ws else (_mm_pipe_kernel, {})
     kernel[(progs,)](_desc(x, [BLOCK_M, BK]), _desc(w, [bn, BK]), _desc(w, [w2, BK]),
                               _desc(y, [BLOCK_M, bn]), _desc(y, [BLOCK_M, w2]), M, N, n_seg * seg_k // BK, progs,
-                              SEG_STEPS=seg_k // BK, BN2=bn2, GROUP_M=group_m, NUM_BUF=stages, num_warps=NUM_WARPS, **extra)
+                              SEG_STEPS=seg_k // BK, BN2=bn2, GROUP_M=group_m, NUM_BUF=stages, num_warps=NUM_WARPS,
+                              **extra, enable_fp_fusion=FP_FUSION)
     return y

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv
+from .._launch import FP_FUSION
 from .._pdl import pdl_options, pdl_pair, wait_prior
 from . import gluon_kernel
 from .launches import graph_launches_active
@@ -447,7 +448,7 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
         _mm_tma_persistent_kernel[(progs,)](
             TensorDescriptor.from_tensor(x, [BM, BK]), d_w, d_w2, d_y, d_y2, M, N, K, n_seg,
             SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=bn, BLOCK_N2=bn2, BLOCK_K=BK, GROUP_M=8, NUM_PROGS=progs,
-            num_warps=nw, num_stages=ns, **pdl)
+            num_warps=nw, num_stages=ns, **pdl, enable_fp_fusion=FP_FUSION)
     elif schedule == "tma_split" or (schedule == "split" and n_seg > 1):
         ws = torch.empty((n_seg, M, N), dtype=torch.float32, device=x.device)
         pdl_split, pdl_merge = pdl_pair(x.device, M)  # the merge's launch overlaps the split's last wave
@@ -456,17 +457,20 @@ def matmul_fwd_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None =
 
             _mm_tma_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
                 TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]), ws, M, N,
-                SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=nw, num_stages=ns, **pdl_split)
+                SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=nw, num_stages=ns, **pdl_split,
+                enable_fp_fusion=FP_FUSION)
         else:
             _mm_split_kernel[(cdiv(M, BM), cdiv(N, BN), n_seg)](
                 x, w, ws, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns, **pdl_split)
-        _mm_merge_kernel[(cdiv(M * N, 1024),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=1024, **pdl_merge)
+                SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, IEEE=ieee, num_warps=nw, num_stages=ns, **pdl_split,
+                enable_fp_fusion=FP_FUSION)
+        _mm_merge_kernel[(cdiv(M * N, 1024),)](ws, y, M, N, y.stride(0), y.stride(1), n_seg, BLOCK=1024, **pdl_merge,
+            enable_fp_fusion=FP_FUSION, num_warps=4)
     else:  # fused, or split with a single K segment
         _mm_fused_kernel[(tiles,)](
             x, w, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
             n_seg, SEG_K=seg_k, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, IEEE=ieee,
-            num_warps=nw, num_stages=ns, **pdl)
+            num_warps=nw, num_stages=ns, **pdl, enable_fp_fusion=FP_FUSION)
     return y
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv
+from .._launch import FP_FUSION
 from ..fp8.quant import BLOCK as FP8_BLOCK
 from ..fp8.quant import quantize_act
 from ..swiglu.cpu import limit_in
@@ -412,7 +413,7 @@ def sorted_map_triton(ids: torch.Tensor, weights: torch.Tensor, E: int, block_m:
     BN = 1024
     _sorted_map_kernel[(1 + cdiv(n, BN),)](flat.contiguous(), order, weights.reshape(-1).contiguous(), n, E, k,
                                            tok, dst, wt, te, r0, r1, scratch, n_tiles, block_m, EP, BN, 64,
-                                           num_warps=8)
+                                           num_warps=8, enable_fp_fusion=FP_FUSION)
     return order, tok, dst, wt, te, r0, r1
 
 
@@ -495,10 +496,11 @@ def _lora_term(inp, src, a, b, s, tiles, sorted_rows, knobs) -> torch.Tensor:
     R, r, N, K = src.shape[0], a.shape[1], b.shape[1], inp.shape[1]
     bn = knobs["BLOCK_N"]
     t = torch.empty(R, r, dtype=inp.dtype, device=inp.device)
-    _grouped_linear_kernel[(t_e.shape[0] * cdiv(r, bn),)](inp, src, a.contiguous(), t_e, t_r0, t_r1, t, r, K, **knobs)
+    _grouped_linear_kernel[(t_e.shape[0] * cdiv(r, bn),)](inp, src, a.contiguous(), t_e, t_r0, t_r1, t, r, K,
+        **knobs, enable_fp_fusion=FP_FUSION)
     u = torch.empty(R, N, dtype=torch.float32, device=inp.device)
     _grouped_linear_kernel[(t_e.shape[0] * cdiv(N, bn),)](t, sorted_rows, b.contiguous(), t_e, t_r0, t_r1, u, N, r,
-                                                        **knobs)
+                                                        **knobs, enable_fp_fusion=FP_FUSION)
     return u * s
 
 
@@ -525,9 +527,9 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
     lim = 0.0 if limit is None else limit_in(x.dtype, limit)  # the CPU path's bound (cpu.swiglu_f32)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 experts (tests, fp32 trainers): no tf32 rounding
     knobs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": BLOCK_K, "PRECISION": prec, "num_warps": num_warps,
-             "num_stages": num_stages, "enable_fp_fusion": False}
+             "num_stages": num_stages}
     fp8 = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": FP8_BLOCK, "num_warps": num_warps,
-           "num_stages": num_stages, "enable_fp_fusion": False}
+           "num_stages": num_stages}
     has = lora is not None
     sorted_rows = torch.arange(T * k, dtype=torch.int32, device=x.device) if has else None
     d_gu = _lora_term(x, tok, lora.a_gate_up, lora.b_gate_up, lora.s, tiles, sorted_rows, knobs) if has else c
@@ -535,22 +537,22 @@ def _launch(fmt, x, ids, weights, gate_up, down, limit, lora, block_m, block_n, 
         xq, xs = quantize_act(x)
         _gate_up_fp8_kernel[(n_tiles * cdiv(I, block_n),)](
             xq, xs, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, d_gu, H, I, cdiv(H, FP8_BLOCK), cdiv(I, FP8_BLOCK), lim,
-            HAS_LIMIT=limit is not None, HAS_DELTA=has, **fp8)
+            HAS_LIMIT=limit is not None, HAS_DELTA=has, **fp8, enable_fp_fusion=FP_FUSION)
     else:
         cols = block_n // 2 if swap and fmt == "mxfp4" else block_n  # the swapped tile: gate rows, then up rows
         _gate_up_kernel[(n_tiles * cdiv(I, cols),)](
             x, w_gu, s_gu, tok, t_e, t_r0, t_r1, a, d_gu, H, I, lim, HAS_LIMIT=limit is not None,
-            MX=mx if fmt == "mxfp4" else 0, SWAP=swap, HAS_DELTA=has, **knobs)
+            MX=mx if fmt == "mxfp4" else 0, SWAP=swap, HAS_DELTA=has, **knobs, enable_fp_fusion=FP_FUSION)
     d_down = _lora_term(a, sorted_rows, lora.a_down, lora.b_down, lora.s, tiles, sorted_rows, knobs) if has else c
     if fmt == "fp8":
         aq, as_ = quantize_act(a)  # rows in sorted order: row-local, so the order is free
         _down_fp8_kernel[(n_tiles * cdiv(H, block_n),)](
             aq, as_, w_d, s_d, wt, dst, t_e, t_r0, t_r1, c, d_down, H, I, cdiv(I, FP8_BLOCK), cdiv(H, FP8_BLOCK),
-            HAS_DELTA=has, **fp8)
+            HAS_DELTA=has, **fp8, enable_fp_fusion=FP_FUSION)
     else:
         _down_kernel[(n_tiles * cdiv(H, block_n),)](
             a, w_d, s_d, wt, dst, t_e, t_r0, t_r1, c, d_down, H, I, MX=mx if fmt == "mxfp4" else 0, SWAP=swap,
-            HAS_DELTA=has, **knobs)
+            HAS_DELTA=has, **knobs, enable_fp_fusion=FP_FUSION)
     y = torch.empty(T, H, dtype=torch.float32, device=x.device)
-    _slot_sum_kernel[(cdiv(T * H, 1024),)](c, y, T * H, H, k, 1024)
+    _slot_sum_kernel[(cdiv(T * H, 1024),)](c, y, T * H, H, k, 1024, enable_fp_fusion=FP_FUSION, num_warps=4)
     return y

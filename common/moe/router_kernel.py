@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._launch import FP_FUSION
 from ..gdn.kernel import _exp, _launch_opts
 
 ROUTER_BT = 4  # rows a program (a launch knob: rows are independent)
@@ -80,5 +81,6 @@ def softmax_topk_triton(logits: torch.Tensor, top_k: int, normalize: bool = True
     ep = max(2, next_power_of_2(E))
     _softmax_topk_kernel[(cdiv(T, ROUTER_BT),)](logits.contiguous(), w, ids, T, E, top_k,
                                                 max(2, next_power_of_2(top_k)), ep, ep.bit_length() - 1,
-                                                bool(normalize), ROUTER_BT, lib, **opts)
+                                                bool(normalize), ROUTER_BT, lib, **opts, enable_fp_fusion=FP_FUSION,
+                                                num_warps=4)
     return w, ids

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._launch import FP_FUSION
 from .._pdl import pdl_options, wait_prior
 from ..rmsnorm.cpu import tree_width
 from ..rmsnorm.kernel import _normalize, _row_tree_sum, _rstd
@@ -167,6 +168,6 @@ def qk_norm_rope_kv_triton(qkv, q_w, k_w, eps, positions, cos, sin, k_cache, v_c
         HALF_PAD=next_power_of_2(D // 2),
         BH=bh,
         num_warps=num_warps or (1 if bh * chunk <= 512 else 2 if bh * chunk <= 1024 else 4),
-        enable_fp_fusion=False, **pdl_options(qkv.device, T),
+        enable_fp_fusion=FP_FUSION, **pdl_options(qkv.device, T),
     )
     return q

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv
+from .._launch import FP_FUSION
 from .._pdl import pdl_options, wait_prior
 from .cpu import DW_SLOTS2, DW_TILES, ROW_CHUNK, dw_slots, tree_width
 
@@ -338,7 +339,7 @@ def rmsnorm_fwd_triton(x, w, eps, residual=None, z=None, block_rows=None, num_wa
         HAS_RES=residual is not None,
         HAS_Z=z is not None,
         num_warps=nw,
-        enable_fp_fusion=False, **pdl_options(x.device, M),
+        enable_fp_fusion=FP_FUSION, **pdl_options(x.device, M),
     )
     return y, new_res, rstd
 
@@ -373,11 +374,12 @@ def rmsnorm_bwd_triton(dy, x, w, rstd, dres=None, z=None, num_warps=None):
         HAS_DRES=dres is not None,
         HAS_Z=z is not None,
         num_warps=nw,
-        enable_fp_fusion=False,
+        enable_fp_fusion=FP_FUSION,
     )
     dw = torch.empty_like(w)
     block = min(128, tree_width(H))
     _dw_sum_kernel[(cdiv(H, block),)](
-        part, dw, nb, H, S2=DW_SLOTS2, LOG2_S2=DW_SLOTS2.bit_length() - 1, BLOCK=block, num_warps=4, enable_fp_fusion=False
+        part, dw, nb, H, S2=DW_SLOTS2, LOG2_S2=DW_SLOTS2.bit_length() - 1, BLOCK=block, num_warps=4,
+        enable_fp_fusion=FP_FUSION
     )
     return dx, dz, dw

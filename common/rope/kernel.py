@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._launch import FP_FUSION
 from .._pdl import pdl_options, wait_prior
 
 
@@ -148,6 +149,6 @@ def rope_rotate_triton(
         NEGATE_SIN=negate_sin,
         BLOCK_R=block_r,
         num_warps=4,
-        enable_fp_fusion=False, **pdl_options(x.device, T),
+        enable_fp_fusion=FP_FUSION, **pdl_options(x.device, T),
     )
     return y

@@ -139,6 +139,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._launch import FP_FUSION
 from .._pdl import pdl_options, wait_prior
 
 BLOCK_V = 4096  # sorted positions per chunk in _support_kernel: shapes the scan
@@ -553,7 +554,7 @@ def order_keys_triton(logits: torch.Tensor, temperature: torch.Tensor, *, padded
     if B:
         grid = (B, cdiv(W, ELEM_BLOCK))
         _order_keys_kernel[grid](logits, temperature, keys, V, W, BLOCK=ELEM_BLOCK, num_warps=4,
-                                 enable_fp_fusion=False, **pdl_options(logits.device, B))
+                                 enable_fp_fusion=FP_FUSION, **pdl_options(logits.device, B))
     return keys
 
 
@@ -578,7 +579,7 @@ def sorted_head_triton(logits: torch.Tensor, temperature: torch.Tensor, head: in
     if B:
         _head_keys_kernel[(B,)](logits, temperature.contiguous(), vals, ids, cand, V, head, cs,
                                 BLOCK_H=next_power_of_2(cs), BLOCK=TIE_BLOCK, num_warps=4,
-                                enable_fp_fusion=False, **pdl_options(logits.device, B))
+                                enable_fp_fusion=FP_FUSION, **pdl_options(logits.device, B))
     return torch.sort(cand, dim=-1).values[:, :head]
 
 
@@ -595,7 +596,7 @@ def sorted_values_triton(logits: torch.Tensor, temperature: torch.Tensor) -> tup
     s = torch.empty(B, W, dtype=torch.float32, device=logits.device)
     if B:
         _scaled_kernel[(B, cdiv(W, ELEM_BLOCK))](logits.contiguous(), temperature.contiguous(), s, V, W,
-                                                 BLOCK=ELEM_BLOCK, num_warps=4, enable_fp_fusion=False,
+                                                 BLOCK=ELEM_BLOCK, num_warps=4, enable_fp_fusion=FP_FUSION,
                                                  **pdl_options(logits.device, B))
     vals, ids = torch.sort(s, dim=-1, descending=True, stable=True)
     return vals, ids
@@ -654,13 +655,13 @@ def rows_triton(logits, temperature, top_k, top_p, min_p, seed, step, tokens, he
         cfirst = torch.empty(B, nc, dtype=torch.int32, device=dev)
         _chunk_partials_kernel[(B, nc)](skeys, svals, ins[0], ins[1], ins[3], parts[0], parts[1], cfirst, V, sv16,
                                         sv2, nc, BLOCK=BLOCK_V, VALUES=values, num_warps=NUM_WARPS,
-                                        enable_fp_fusion=False, **pdl)
+                                        enable_fp_fusion=FP_FUSION, **pdl)
     else:
         parts, cfirst = v0.expand(2, B), tok.view(torch.int32)  # unused
     _support_kernel[(B,)](skeys, svals, sids, parts[0], parts[1], cfirst, logits, *ins, tok, lp, v0, logz, last, V,
                           sv16, sv2, sids.stride(0), nc, BLOCK=BLOCK_V, DRAW=draw, VALUES=values, PRE=pre,
                           FOLD=FOLD if logits.is_cuda else FOLD_INTERPRETED, num_warps=NUM_WARPS,
-                          enable_fp_fusion=False, **pdl)
+                          enable_fp_fusion=FP_FUSION, **pdl)
     return (tok if draw else tokens), lp, v0, logz, last
 
 
@@ -668,7 +669,8 @@ def uniform01_triton(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """The kernel's own uniforms, exposed so tests can hold them to rules.uniform01."""
     u = torch.empty(seed.shape[0], dtype=torch.float32, device=seed.device)
     if seed.shape[0]:
-        _uniform01_kernel[(seed.shape[0],)](seed.contiguous(), step.contiguous(), u, num_warps=1)
+        _uniform01_kernel[(seed.shape[0],)](seed.contiguous(), step.contiguous(), u, num_warps=1,
+            enable_fp_fusion=FP_FUSION)
     return u
 
 
@@ -680,7 +682,7 @@ def replay_bwd_triton(logits, tau, tokens, v0, logz, last_key, coef):
     if B:
         grid = (B, cdiv(V, ELEM_BLOCK))
         _replay_bwd_kernel[grid](logits, tau, tokens, v0, logz, last_key, coef, dl, V,
-                                 BLOCK=ELEM_BLOCK, num_warps=4, enable_fp_fusion=False)
+                                 BLOCK=ELEM_BLOCK, num_warps=4, enable_fp_fusion=FP_FUSION)
     return dl
 
 
@@ -727,5 +729,5 @@ def uncut_logprobs_triton(logits, temperature, tokens):
     lp, v0, logz = (torch.empty(B, dtype=torch.float32, device=logits.device) for _ in range(3))
     if B:
         _uncut_kernel[(B,)](logits, temperature, tokens, lp, v0, logz, V, BLOCK=UNCUT_CHUNK,
-                            LOG2_BLOCK=UNCUT_CHUNK.bit_length() - 1, num_warps=8, enable_fp_fusion=False)
+                            LOG2_BLOCK=UNCUT_CHUNK.bit_length() - 1, num_warps=8, enable_fp_fusion=FP_FUSION)
     return lp, v0, logz, torch.full((B,), INT64_MAX, dtype=torch.int64, device=logits.device)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._launch import FP_FUSION
 from .._pdl import pdl_options, wait_prior
 
 
@@ -118,7 +119,7 @@ def swiglu_fwd_triton(gate, up, lim, block_rows=None, block_cols=None, num_warps
         gate, up, y, M, I, gate.stride(0), up.stride(0), y.stride(0),
         0.0 if lim is None else lim,
         HAS_LIMIT=lim is not None, BM=bm, BN=bn,
-        num_warps=num_warps or 4, enable_fp_fusion=False, **pdl_options(gate.device, M),
+        num_warps=num_warps or 4, enable_fp_fusion=FP_FUSION, **pdl_options(gate.device, M),
     )
     return y
 
@@ -134,6 +135,6 @@ def swiglu_bwd_triton(dy, gate, up, lim, dgate, dup, block_rows=None, block_cols
         dy.stride(0), gate.stride(0), up.stride(0), dgate.stride(0), dup.stride(0),
         0.0 if lim is None else lim,
         HAS_LIMIT=lim is not None, BM=bm, BN=bn,
-        num_warps=num_warps or 4, enable_fp_fusion=False,
+        num_warps=num_warps or 4, enable_fp_fusion=FP_FUSION,
     )
     return dgate, dup

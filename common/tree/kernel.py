@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .._host import cdiv, next_power_of_2
+from .._launch import FP_FUSION
 
 
 @triton.jit
@@ -43,5 +44,6 @@ def tree_reduce_triton(parts: torch.Tensor, out_dtype: torch.dtype, block: int |
         return out
     n_pow2 = next_power_of_2(N)
     BLOCK = block or max(16, min(1024, 4096 // n_pow2))
-    _tree_kernel[(cdiv(numel, BLOCK),)](flat, out, N, numel, N_POW2=n_pow2, LOG2_N=n_pow2.bit_length() - 1, BLOCK=BLOCK)
+    _tree_kernel[(cdiv(numel, BLOCK),)](flat, out, N, numel, N_POW2=n_pow2, LOG2_N=n_pow2.bit_length() - 1,
+        BLOCK=BLOCK, enable_fp_fusion=FP_FUSION, num_warps=4)
     return out
