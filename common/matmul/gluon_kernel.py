@@ -17,22 +17,20 @@ wgmmas, waits for step g - 1 (its stage is then free) and refills that stage
 with step g + STAGES - 1, which may belong to the next segment or the next
 tile; nothing drains until the program's last step.  The load side keeps its
 own (k-step, tile) counters, so the per-step path holds no integer division
-(ncu on the H200: divisions there doubled the issued instructions and cost
-~25%).  Epilogue: the tile goes through shared memory and a TMA store that
+(one there doubled the issued instructions).  Epilogue: the tile goes through shared memory and a TMA store that
 overlaps the next tile's steps.
 
 Bits equal Triton's kernel at the same tile, at ragged M and for rows
-computed alone.  On the H200 at M = 256 the 192 and 96 tiles reach 0.80-0.82x
-cuBLAS where Triton's tiles reach 0.73-0.77x; at M = 4096 Triton's 128 x 256
-tile stays the pick (benchmarks/results/2026-11-30-h200-matmul.md).
+computed alone.  The launch router picks it for the 192 and 96 tiles at
+middle M, where Triton's tiles are slower, and keeps Triton's 128 x 256 tile
+at large M (figures: benchmarks/results/2026-11-30-h200-matmul.md).
 
 Warp-specialized form (``_mm_ws_kernel``, schedule "gluon_ws"): the same
 MMA steps in the kernel's 8 warps, while a producer warp (``gl.warp_specialize``)
 issues every TMA load behind a ready / empty barrier pair per ring stage, so
 no expect / load issue (and none of the CTA barriers Triton 3.6 emits around
 them) sits between the wgmmas.  The router runs the two-block tiles (192, 96)
-in this form: 1.00-1.29x the one-partition form on the H200 (median 1.05 at
-192, 1.15 at 96), same bits; at 128 x 128 it gains nothing (0.95-1.01x).
+in this form, same bits; at 128 x 128 it gains nothing.
 
 Its launch costs more Python than Triton's (five descriptors with layouts, and
 their binding), so the defaults pick it only inside

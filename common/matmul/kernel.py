@@ -266,17 +266,11 @@ def _split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
 
 
 def _tma_split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
-    """The TMA split's tile (H200 figures: benchmarks/results/2026-11-30-h200-matmul.md):
-
-    * M <= 64: 64x32 with BLOCK_K 128 for N <= 2048 (k/v), else 64x128,
-      4 stages (0-5% ahead of the pointer split at M = 32-64, where
-      launch_config takes it; behind it below 32 rows);
-    * above: the widest of 64x32 (BLOCK_K 128, 4 stages) and 64x64 (BLOCK_K
-      128, 3 stages) whose programs fit two an SM in one wave, else 64x64
-      with BLOCK_K 64 on 4 stages while they fit three an SM (k/v at M = 256
-      0.93-1.07x cuBLAS, at M = 320-384 0.87-0.95x), else a 128x64 or 64x128
-      tile with BLOCK_K 64, whichever pads fewer rows, two an SM (q/o M = 128
-      0.82 -> 0.89x, k/v M = 512 0.75 -> 0.80x, M = 448 0.72 -> 0.82x)."""
+    """The TMA split's tile: 64 x 32 (BLOCK_K 128) for M <= 64 and N <= 2048, else 64 x 128; above 64 rows the
+    widest of 64 x 32 (BLOCK_K 128) and 64 x 64 (BLOCK_K 128) whose programs fit two an SM in one wave, else
+    64 x 64 with BLOCK_K 64 while they fit three an SM, else the 128 x 64 or 64 x 128 tile (BLOCK_K 64) that pads
+    fewer rows.  A launch knob: every tile gives the same bits.  Figures by M:
+    benchmarks/results/2026-11-30-h200-matmul.md."""
     cfg = {"schedule": "tma_split", "BLOCK_M": 64, "num_warps": 4}
     if M <= 64:
         return {**cfg, **({"BLOCK_N": 32, "BLOCK_K": 128} if N <= 2048 else {"BLOCK_N": 128, "BLOCK_K": 64}),
