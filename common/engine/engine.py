@@ -45,7 +45,7 @@ from ..sampling import SamplingParams
 from .model_api import ServeModel
 from .model_runner import Launched, ModelRunner
 from .scheduler import Chunk, Scheduler
-from .sequence import Completion, Sequence, Status, adapter_position, check_token_ids, one_each
+from .sequence import Completion, Sequence, Status, StopRule, adapter_position, check_token_ids, one_each
 
 CPU_KV_CACHE_BYTES = 1 << 30
 CUDA_KV_CACHE_FRACTION = 0.3  # of free memory after the model loaded; the rest: the trainer (it shares the GPU), activations, logits, graphs
@@ -78,6 +78,8 @@ class Engine:
         kv_cache_bytes: int | None = None,
         freeze_gc: bool = True,
         overlap: bool = True,
+        eos_token_ids: Seq[int] = (),
+        tokenizer=None,
     ):
         """``num_pages`` None sizes the KV cache from ``kv_cache_bytes`` (default:
         30% of free GPU memory, 1 GiB on the CPU), capped at what
@@ -97,7 +99,16 @@ class Engine:
         tokens (the module docstring); False reads every step before the next.
 
         ``kv_cache_bytes``: an int of at least one page's bytes (a smaller
-        cache could hold no request)."""
+        cache could hold no request).
+
+        ``eos_token_ids``: the model's EOS ids; every generated request stops
+        at one of them (and at its own ``stop_token_ids``) unless its
+        ``SamplingParams.ignore_eos``.  ``tokenizer``: what decodes a
+        completion's tail for ``SamplingParams.stop`` strings (an object with
+        ``decode(ids)`` and ``encode(text, add_special_tokens=False)``; a
+        transformers tokenizer); None refuses stop strings.  ``load_pair``
+        passes both from the checkpoint.  Stop rules end a completion; they
+        never change a bit of it."""
         if not isinstance(model, ServeModel):
             raise TypeError(f"model must implement ServeModel (vocab_size, max_position, device, weights, "
                             f"cache_pools, forward); got {type(model).__name__}")
@@ -111,6 +122,11 @@ class Engine:
             raise ValueError(f"cuda_graphs=True needs a model on CUDA; this one is on {device}")
         self.model = model
         self.adapter_names = tuple(getattr(model, "adapter_names", ()))
+        try:
+            self.eos_token_ids = tuple(check_token_ids(eos_token_ids, model.vocab_size) if len(eos_token_ids) else ())
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"eos_token_ids: {e}") from None
+        self.tokenizer = tokenizer
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.progress = progress
@@ -174,14 +190,29 @@ class Engine:
         try:
             prompt = self._check_request(prompt_token_ids, sampling)
             lora = self._adapter(adapter)
+            stop = self.stop_rule(sampling)
         except (TypeError, ValueError) as e:
             rid = next(Sequence._ids)
             self._rejected.append(Completion(_as_list(prompt_token_ids), [], torch.empty(0), "error", str(e),
                                              request_id=rid, adapter=adapter if isinstance(adapter, str) else None))
             return rid
-        seq = Sequence(prompt, sampling, adapter=lora)
+        seq = Sequence(prompt, sampling, adapter=lora, stop=stop)
         self.scheduler.add(seq)
         return seq.id
+
+    def stop_rule(self, sampling: SamplingParams) -> StopRule:
+        """Where a request with ``sampling`` stops besides its length: its
+        ``stop_token_ids`` and the model's EOS ids (none with ``ignore_eos``),
+        and its ``stop`` strings (ValueError without a tokenizer)."""
+        ids = () if sampling.ignore_eos else (*sampling.stop_token_ids, *self.eos_token_ids)
+        if not sampling.stop:
+            return StopRule(ids)
+        if self.tokenizer is None:
+            raise ValueError("stop strings need the checkpoint's tokenizer; this engine has none "
+                             "(stop on token ids with stop_token_ids)")
+        tok = self.tokenizer
+        window = max(len(tok.encode(s, add_special_tokens=False)) for s in sampling.stop) + 1
+        return StopRule(ids, sampling.stop, tok.decode, window)
 
     def has_unfinished(self) -> bool:
         return not self.scheduler.idle or bool(self._rejected or self._unclaimed or self._drained)

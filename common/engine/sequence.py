@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import operator
 import itertools
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -28,10 +28,12 @@ class Status(enum.Enum):
 class Completion:
     """One finished request.
 
-    tokens:          generated ids, the stop token included if one ended it
+    tokens:          generated ids, the stop token included if one ended it (and every
+                     token up to the one that completed a stop string)
     logprobs:        (len(tokens),) fp32 CPU: the log-prob the sampler returned
     finish_reason:   "stop" | "length" | "error" (then ``error`` says why; ``tokens`` holds
                      those sampled before a step of its own failed)
+    matched:         what stopped it (finish_reason "stop"): the token id, or the stop string
     weight_version:  the version the last token was sampled under (-1: no token)
     weight_versions: the version of each token
     request_id:      what ``Engine.add_request`` returned
@@ -51,17 +53,49 @@ class Completion:
     request_id: int = -1
     adapter: str | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    matched: int | str | None = None
+
+
+class StopRule:
+    """When a generated sequence ends before its length: at a token of ``token_ids``, or once the
+    decoded tail of its tokens holds one of ``strings``.  As SGLang checks a stop string: after
+    each token, ``decode`` (the tokenizer's, special tokens kept) of the last ``window`` tokens
+    (the longest stop string's token count + 1), so a string is found at the token that completes
+    it.  Checked on the host after a token is recorded: it never touches a logit or a draw."""
+
+    __slots__ = ("token_ids", "strings", "decode", "window")
+
+    def __init__(self, token_ids=(), strings: tuple[str, ...] = (), decode: Callable[[list[int]], str] | None = None,
+                 window: int = 0):
+        if strings and decode is None:
+            raise ValueError("stop strings need a tokenizer to decode the completion")
+        self.token_ids = frozenset(token_ids)
+        self.strings, self.decode, self.window = tuple(strings), decode, window
+
+    def check(self, tokens: list[int]) -> int | str | None:
+        """What ``tokens`` (the completion so far) stop on now, if anything."""
+        if tokens[-1] in self.token_ids:
+            return tokens[-1]
+        if self.strings:
+            tail = self.decode(tokens[-self.window:])
+            for s in self.strings:
+                if s in tail:
+                    return s
+        return None
+
 
 
 class Sequence:
     _ids = itertools.count()
 
     def __init__(self, prompt: list[int], sampling: SamplingParams, *, score_tokens: list[int] | None = None,
-                 adapter: tuple[str, int] | None = None):
+                 adapter: tuple[str, int] | None = None, stop: StopRule | None = None):
         """``score_tokens`` makes it teacher-forced: it feeds prompt + all but
         the last scored token and wants logits from position len(prompt) - 1.
         ``adapter``: (name, index into the model's ``adapter_names``) of the
-        LoRA adapter to serve it with; None: the base model."""
+        LoRA adapter to serve it with; None: the base model.  ``stop``: its
+        stop rule (the engine's, from ``sampling`` and the model's EOS ids);
+        None: ``sampling.stop_token_ids`` alone (none with ``ignore_eos``)."""
         self.id = next(Sequence._ids)
         self.prompt = prompt
         self.sampling = sampling
@@ -74,8 +108,9 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.matched: int | str | None = None
         self.extras: dict[str, list[torch.Tensor]] = {}  # per-token model outputs, chunk by chunk from position 0
-        self._stop = frozenset(sampling.stop_token_ids)
+        self._stop = stop if stop is not None else StopRule(() if sampling.ignore_eos else sampling.stop_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -108,8 +143,9 @@ class Sequence:
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
-        if token in self._stop:
-            self.finish_reason = "stop"
+        matched = self._stop.check(self.tokens)
+        if matched is not None:
+            self.finish_reason, self.matched = "stop", matched
         elif len(self.tokens) >= self.sampling.max_new_tokens:
             self.finish_reason = "length"
 
@@ -142,6 +178,7 @@ class Sequence:
             request_id=self.id,
             adapter=self.adapter_name,
             extras=self.gathered_extras(),
+            matched=self.matched,
         )
 
 

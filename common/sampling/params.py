@@ -20,6 +20,8 @@ def _float32(x: float) -> float:
 
 
 _TEMPERATURE_MIN = _float32(1e-5)  # the trainer's check compares in float32
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 512  # each stop string; the engine decodes that string's token length + 1 per step to look for it
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,15 @@ class SamplingParams:
     not hold it, or would hold one the trainer's ``check_sampling_tensors``
     refuses (temperature 1e300 is inf in float32, top_p 1e-300 is 0), so
     whatever the server samples with, the trainer can replay.
+
+    Stop rules (the engine's; they end a completion and change no bit of it):
+    a completion stops at a token of ``stop_token_ids`` or of the model's EOS
+    ids (the checkpoint's ``generation_config.json``, ``config.json`` and
+    tokenizer; ``Engine(eos_token_ids=...)``), unless ``ignore_eos``, which
+    turns off every token stop, ``stop_token_ids`` included, as SGLang's
+    ``ignore_eos`` does; and at the first of ``stop`` (strings) that its
+    decoded tail contains (needs the checkpoint's tokenizer).  Then at
+    ``max_new_tokens``.  The trainer reads none of them.
     """
 
     temperature: float = 1.0
@@ -44,6 +55,8 @@ class SamplingParams:
     max_new_tokens: int = 64
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self):
         def is_int(x):
@@ -91,6 +104,28 @@ class SamplingParams:
         if any(not is_int(i) or not 0 <= i < _INT64[1] for i in ids):
             raise ValueError(f"stop_token_ids must be non-negative ints that fit in int64, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    """``stop`` as a tuple of strings (one string is one stop), each non-empty and at most MAX_STOP_CHARS."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    if isinstance(stop, bytes) or not isinstance(stop, Sequence):
+        raise TypeError(f"stop must be a string or a sequence of strings, got {type(stop).__name__}")
+    stop = tuple(stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise TypeError(f"stop[{i}] must be a string, got {type(s).__name__}")
+        if not s:
+            raise ValueError(f"stop[{i}] is empty: an empty stop string would match before any text")
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"stop[{i}] is {len(s)} characters; a stop string has at most {MAX_STOP_CHARS}")
+    return stop
 
 
 def params_to_tensors(
