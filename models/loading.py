@@ -18,6 +18,7 @@ from ..common.lora import LoRAConfig
 from ..common.moe.lora import ExpertsAdapter
 from .base import check_lora_mode
 from .spec import ModelSpec
+from .text import read_checkpoint_text
 
 log = logging.getLogger("alignzoo.models")
 
@@ -125,7 +126,10 @@ def load(spec: ModelSpec, checkpoint=None, config=None, device=None, dtype=torch
          activation_checkpointing: bool = False, server_kernels: str = "aligned", fp8: bool = False,
          lora=None, lora_mode: str | None = None, lora_adapter=None, lora_adapters: Mapping | None = None,
          **engine_kwargs):
-    """A ``Pair`` of the model ``spec`` describes; see ``alignzoo.load_pair``.  ``server_kernels="vendor"``
+    """A ``Pair`` of the model ``spec`` describes; see ``alignzoo.load_pair``.  A checkpoint's
+    tokenizer, chat template and generation_config.json come with it (``models/text.py``): the
+    engine stops at the model's EOS ids (``eos_token_ids=`` overrides them) and decodes stop
+    strings with the tokenizer.  ``server_kernels="vendor"``
     serves with torch's own kernels (the model's ``serve_vendor.py``): a deliberately
     misaligned pair, for showing and measuring the mismatch.  ``fp8=True``:
     unified FP8 — FP32 masters quantized once per optimizer step, the server
@@ -190,6 +194,7 @@ def load(spec: ModelSpec, checkpoint=None, config=None, device=None, dtype=torch
             raise NotImplementedError(f"the vendor server does not apply {lora_mode} LoRA adapters; "
                                       f"use lora_mode='merged'")
     cfg = resolve_config(spec, checkpoint, config)
+    text = read_checkpoint_text(checkpoint, cfg.vocab_size)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
     trainer = build_trainer(spec, cfg, checkpoint, device=device, dtype=dtype, seed=seed,
@@ -213,9 +218,9 @@ def load(spec: ModelSpec, checkpoint=None, config=None, device=None, dtype=torch
     else:
         lora_scale = lora.scale if lora is not None and lora_mode == "separate" else None
         model = server_cls(cfg, server_weights(trainer), lora_scale=lora_scale)
-    server = Engine(model, **engine_kwargs)
+    server = Engine(model, **{"eos_token_ids": text.eos_token_ids, "tokenizer": text.tokenizer, **engine_kwargs})
     log.info("%s server engine ready in %.1fs (%d KV pages)", spec.name, time.perf_counter() - t0, server.num_pages)
-    return Pair(spec.name, cfg, trainer, server)
+    return Pair(spec.name, cfg, trainer, server, text)
 
 
 def save_pretrained(spec: ModelSpec, trainer, directory, *, max_shard_bytes: int | None = None,
