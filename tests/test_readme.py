@@ -1,4 +1,4 @@
-"""The README's snippet runs as written, and .ci/run runs the README's commands."""
+"""The README's snippet runs as written, .ci/run runs the README's commands, and the page reads as a newcomer's."""
 import contextlib
 import io
 import os
@@ -40,3 +40,12 @@ def test_ci_runs_the_readme_commands_in_order():
     assert -1 not in at, [c for c, i in zip(commands, at) if i < 0]
     assert at == sorted(at)
     assert commands[0].startswith("python -m venv .venv")
+
+
+def test_the_readme_is_a_page_not_a_log():
+    """Short lines and no dated history: dates appear only in the link targets of the dated reports."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert max(map(len, lines)) < 400
+    dated = [line for line in lines if re.search(r"\b20\d\d-\d\d-\d\d\b", re.sub(r"\([^)]*\.md[^)]*\)|\]: \S+", "", line))]
+    assert dated == [], dated
