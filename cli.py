@@ -8,7 +8,7 @@
     alignzoo bisect MODEL [--against server|vendor|trainer-fp32] [--length N]
                                                           the first op where a path parts from the trainer
     alignzoo models                                       models whose pair works
-    alignzoo generate MODEL --prompt "1 2 3" [...]        sample a completion (token ids)
+    alignzoo generate MODEL --prompt "1 2 3" [...]        sample a completion (token ids, or text with a tokenizer)
     alignzoo serve MODEL [--host H] [--port P] [...]      an HTTP server with SGLang's RL API
 
 A bad argument is one line on stderr (``alignzoo: error: ...``) and exit status 2.
@@ -112,15 +112,28 @@ def _checkpoint(text: str) -> str:
     return text
 
 
-def _token_ids(text: str) -> list[int]:
+def _prompt(text: str) -> list[int] | str:
+    """Token ids ("1 2 3"), or else text (taken once the checkpoint is known to ship a tokenizer)."""
     parts = text.replace(",", " ").split()
     if not parts:
-        raise argparse.ArgumentTypeError("the prompt is empty: give token ids, e.g. \"1 2 3\"")
-    bad = [t for t in parts if not (t.isascii() and t.isdigit())]
-    if bad:
-        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not a token id: prompts are non-negative integers "
-                                         f"(token ids), e.g. \"1 2 3\"")
-    return [int(t) for t in parts]
+        raise argparse.ArgumentTypeError("the prompt is empty: give token ids, e.g. \"1 2 3\", or text")
+    if all(t.isascii() and t.isdigit() for t in parts):
+        return [int(t) for t in parts]
+    return text
+
+
+def _check_generate(args: argparse.Namespace) -> None:
+    """Text prompts need the checkpoint's tokenizer: without one, the first word that is no token id is
+    refused as a parse error."""
+    from .models.text import has_tokenizer
+
+    if has_tokenizer(args.checkpoint):
+        return
+    for p in args.prompt:
+        if isinstance(p, str):
+            bad = next(t for t in p.replace(",", " ").split() if not (t.isascii() and t.isdigit()))
+            args.parser.error(f"argument --prompt: {bad!r} is not a token id: prompts are non-negative integers "
+                              f"(token ids), e.g. \"1 2 3\"; text prompts need a --checkpoint with a tokenizer")
 
 
 # --- commands ---------------------------------------------------------------------------------------
@@ -253,22 +266,27 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .common.sampling import SamplingParams
-
-    sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        max_new_tokens=args.max_new_tokens, seed=args.seed)
+    given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p")
+             if getattr(args, name) is not None}
     pair = _load_pair(args, len(args.prompt))
+    # the checkpoint's generation_config.json under the flags given
+    sp = pair.sampling_params(**given, max_new_tokens=args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     if args.checkpoint is None:
         _say(f"note: no --checkpoint given: sampling from a {args.model} '{_preset(args)}' model with "
              f"random weights (init seed 0; sampling seed {args.seed}), so the tokens mean nothing. "
              f"Pass --checkpoint DIR for a trained model.")
+    tok = pair.tokenizer
+    prompts = [tok.encode(p) if isinstance(p, str) else p for p in args.prompt]
     errors = 0
-    for i, (prompt, out) in enumerate(zip(args.prompt, pair.server.generate(args.prompt, sp))):
+    for i, (prompt, out) in enumerate(zip(prompts, pair.server.generate(prompts, sp))):
         if out.error:
             _say(f"error: prompt {i + 1}: {out.error}")
             errors += 1
             continue
-        print(f"prompt {prompt} -> {out.tokens}  ({out.finish_reason}, weight version {out.weight_version})")
+        why = f"stop at {out.matched!r}" if out.finish_reason == "stop" else out.finish_reason
+        print(f"prompt {prompt} -> {out.tokens}  ({why}, weight version {out.weight_version})")
+        if tok is not None:
+            print(f"  text {tok.decode(out.tokens, skip_special_tokens=True)!r}")
         print("  logprobs " + " ".join(f"{x:.4f}" for x in out.logprobs.tolist()))
     return 2 if errors else 0
 
@@ -281,7 +299,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args.model, host=args.host, port=args.port, checkpoint=args.checkpoint,
                  config=None if args.checkpoint else _preset(args), device=args.device, dtype=DTYPES[args.dtype],
                  fp8=args.fp8, seed=args.seed, max_batch_size=args.max_batch_size,
-                 max_batch_tokens=args.max_batch_tokens)
+                 max_batch_tokens=args.max_batch_tokens, api_key=args.api_key, admin_api_key=args.admin_api_key,
+                 allow_unauthenticated=args.allow_unauthenticated, weights_dirs=args.weights_dir,
+                 served_model_name=args.served_model_name)
 
 
 # --- parser -----------------------------------------------------------------------------------------
@@ -338,18 +358,20 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--device", type=_device, default=None, help="re-run there instead of the receipt's device")
     _threads_arg(r)
     r.set_defaults(fn=cmd_receipt)
-    g = sub.add_parser("generate", help="sample completions of token-id prompts")
+    g = sub.add_parser("generate", help="sample completions of prompts (token ids, or text with a tokenizer)")
     g.add_argument("model", choices=list_models())
-    g.add_argument("--prompt", type=_token_ids, action="append", required=True,
-                   help='token ids, e.g. "1 2 3" (repeatable)')
+    g.add_argument("--prompt", type=_prompt, action="append", required=True,
+                   help='token ids, e.g. "1 2 3", or text when the checkpoint ships a tokenizer (repeatable)')
     g.add_argument("--device", type=_device, default=device)
-    g.add_argument("--temperature", type=_sampling_field("temperature", float), default=1.0)
-    g.add_argument("--top-k", type=_sampling_field("top_k", int), default=0)
-    g.add_argument("--top-p", type=_sampling_field("top_p", float), default=1.0)
-    g.add_argument("--min-p", type=_sampling_field("min_p", float), default=0.0)
+    # None: the checkpoint's generation_config.json, else SamplingParams' default (1.0, off, off, off)
+    g.add_argument("--temperature", type=_sampling_field("temperature", float), default=None)
+    g.add_argument("--top-k", type=_sampling_field("top_k", int), default=None)
+    g.add_argument("--top-p", type=_sampling_field("top_p", float), default=None)
+    g.add_argument("--min-p", type=_sampling_field("min_p", float), default=None)
     g.add_argument("--max-new-tokens", type=_sampling_field("max_new_tokens", int), default=16)
+    g.add_argument("--ignore-eos", action="store_true", help="run past the model's EOS ids to --max-new-tokens")
     _model_args(g)
-    g.set_defaults(fn=cmd_generate)
+    g.set_defaults(fn=cmd_generate, post_parse=_check_generate, parser=g)
     from .serve import host_arg, port_arg
 
     sv = sub.add_parser("serve", help="serve a model over HTTP with SGLang's RL API (/generate, weight updates)")
@@ -359,6 +381,19 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=port_arg, default=30000)
     sv.add_argument("--max-batch-size", type=_at_least(1), default=256, help="requests in one engine step")
     sv.add_argument("--max-batch-tokens", type=_at_least(1), default=8192, help="tokens in one engine step")
+    sv.add_argument("--api-key", default=None,
+                    help="every route then needs 'Authorization: Bearer KEY' (default: $ALIGNZOO_API_KEY; the "
+                         "environment keeps it out of the process list)")
+    sv.add_argument("--admin-api-key", default=None,
+                    help="the only key that opens weight updates and control routes (default: "
+                         "$ALIGNZOO_ADMIN_API_KEY)")
+    sv.add_argument("--allow-unauthenticated", action="store_true",
+                    help="bind beyond loopback without an API key (refused otherwise)")
+    sv.add_argument("--weights-dir", action="append", default=None, metavar="DIR",
+                    help="a directory /update_weights_from_disk may read under (repeatable; default: the "
+                         "checkpoint's parent directory, none for a preset)")
+    sv.add_argument("--served-model-name", default=None,
+                    help="the model's id in the OpenAI API (default: the checkpoint path, or the model name)")
     _model_args(sv)
     sv.set_defaults(fn=cmd_serve)
     m = sub.add_parser("models", help="list the models whose aligned pair works")
@@ -370,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit status (argparse's own errors and --help included)."""
     try:
         args = parser().parse_args(argv)
+        if hasattr(args, "post_parse"):
+            args.post_parse(args)
     except SystemExit as e:
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
     threads = torch.get_num_threads()

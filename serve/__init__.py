@@ -13,6 +13,11 @@ from __future__ import annotations
 import argparse
 import socket
 
+# Weight updates and control: with an admin API key, only it opens them (``server.ApiKeys``).
+ADMIN_ROUTES = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
+                          "/update_weights_from_distributed", "/destroy_weights_update_group", "/pause_generation",
+                          "/continue_generation", "/abort_request", "/flush_cache"})
+
 
 def port_arg(text: str) -> int:
     try:

@@ -2,8 +2,13 @@
 
 Requests are checked here, before anything reaches the engine: a bad one is an ``ApiError`` (a
 4xx and one line naming the field).  SGLang fields whose neutral value is the only one the aligned
-sampler can honour (penalties, string stops, grammars) are accepted at that value and refused
+sampler can honour (penalties, grammars, logit bias) are accepted at that value and refused
 otherwise, so an existing driver's defaults pass and a setting we would silently ignore does not.
+
+Stops are SGLang's: a request stops at the model's EOS ids (the checkpoint's) and its
+``stop_token_ids`` unless ``ignore_eos`` (which turns off every token stop, as SGLang's does), and
+at its ``stop`` strings (with the checkpoint's tokenizer).  With a tokenizer, ``text`` prompts are
+taken and every answer carries ``text`` (``serve/text.py``).
 
 ``output_token_logprobs`` are ``[logprob, token_id, null]`` triples.  Each log-prob is the one the
 sampler drew from: log-softmax of the logits after temperature, top-k, top-p and min-p (renormalised
@@ -29,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..common.engine.sequence import check_token_ids
 from ..common.sampling import SamplingParams
 from . import jsonio
+from .text import output_text
 
 ROUTED_EXPERTS = "routed_experts"  # the extras key an MoE model's forward fills: (T, layers, top_k) expert ids
 _INT64 = 2**63
@@ -85,13 +91,12 @@ class SamplingIn(_Strict):
     stop_token_ids: list[int] | None = None
     sampling_seed: int | None = None  # None: a random seed, returned in meta_info
     n: int = 1
-    # No tokenizer and no EOS of its own: a request stops on its stop_token_ids or its length.
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # SGLang's: no token stop at all (the model's EOS ids and stop_token_ids alike)
+    stop: str | list[str] | None = None  # needs the checkpoint's tokenizer
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     # Accepted at their neutral values only (NEUTRAL): the sampler has none of these transforms.
-    stop: str | list[str] | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -105,7 +110,7 @@ class SamplingIn(_Strict):
 
 
 NEUTRAL = {
-    "stop": (None, "", []), "frequency_penalty": (0.0,), "presence_penalty": (0.0,), "repetition_penalty": (1.0,),
+    "frequency_penalty": (0.0,), "presence_penalty": (0.0,), "repetition_penalty": (1.0,),
     "min_new_tokens": (0,), "regex": (None,), "json_schema": (None,), "ebnf": (None,), "structural_tag": (None,),
     "logit_bias": (None, {}), "custom_params": (None, {}),
 }
@@ -210,6 +215,15 @@ class ModelLimits:
     fits_alone: Callable[[int], str | None]  # the KV cache's verdict on a sequence of that many positions
     adapter_names: tuple[str, ...] = ()
     extras: tuple[str, ...] = ()  # the per-token extras the model's forward emits
+    tokenizer: Any = None  # the checkpoint's (the HTTP side's copy), None: token ids only
+
+
+@dataclass(frozen=True)
+class TextOut:
+    """How a sample's text is decoded (SGLang's sampling_params of that name)."""
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
 
 
 @dataclass
@@ -222,6 +236,7 @@ class Item:
     adapter: str | None
     return_logprob: bool
     routed_start: int | None  # None: no routed experts asked
+    text: TextOut | None = None  # None: no text in the answer (no tokenizer)
     engine_id: int = -1
     seq: Any = None  # the engine's Sequence, for streaming progress
     sent: int = 0  # tokens streamed so far
@@ -260,36 +275,93 @@ def _wrap64(x: int) -> int:
     return (x + _INT64) % (2 * _INT64) - _INT64
 
 
-def _sampling(sp: SamplingIn, prompt_len: int, max_position: int, seed: int, where: str) -> SamplingParams:
+def _sampling(sp: SamplingIn, prompt_len: int, limits: ModelLimits, seed: int, where: str,
+              prefix: str = "sampling_params.") -> SamplingParams:
+    """The engine's SamplingParams of one sample; ``prefix`` names the fields' place in the body."""
     for name, allowed in NEUTRAL.items():
         v = getattr(sp, name)
         if v not in allowed:
-            raise ApiError(400, f"{where}sampling_params.{name} = {_short(v)} is not supported: the aligned sampler "
+            raise ApiError(400, f"{where}{prefix}{name} = {_short(v)} is not supported: the aligned sampler "
                                 f"applies temperature, top_k, top_p and min_p only (its log-probs are what the "
                                 f"trainer replays); leave {name} at {_short(allowed[0])}")
     if sp.top_k == 0 or sp.top_k < -1:
-        raise ApiError(400, f"{where}sampling_params.top_k must be -1 (off) or >= 1, got {sp.top_k}")
-    max_new = sp.max_new_tokens if sp.max_new_tokens is not None else max_position - prompt_len
+        raise ApiError(400, f"{where}{prefix}top_k must be -1 (off) or >= 1, got {sp.top_k}")
+    stop = check_stop(sp.stop, limits, f"{where}{prefix}stop")
+    max_new = sp.max_new_tokens if sp.max_new_tokens is not None else limits.max_position - prompt_len
     try:
         return SamplingParams(temperature=sp.temperature, top_k=0 if sp.top_k == -1 else sp.top_k, top_p=sp.top_p,
                               min_p=sp.min_p, max_new_tokens=max_new, seed=seed,
-                              stop_token_ids=tuple(sp.stop_token_ids or ()))
+                              stop_token_ids=tuple(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos, stop=stop)
     except (TypeError, ValueError) as e:
-        raise ApiError(400, f"{where}sampling_params: {e}") from None
+        raise ApiError(400, f"{where}{prefix.rstrip('.') or 'sampling'}: {e}") from None
+
+
+def check_stop(stop, limits: ModelLimits, field: str) -> tuple[str, ...]:
+    """Stop strings as the engine takes them; a 400 naming ``field`` for an empty or over-long one, or for
+    any without a tokenizer."""
+    if stop is None:
+        return ()
+    strings = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not strings:
+        return ()
+    if limits.tokenizer is None:
+        raise ApiError(400, f"{field}: stop strings need the checkpoint's tokenizer and this server has none; "
+                            f"stop on token ids with stop_token_ids")
+    try:
+        return SamplingParams(stop=strings).stop
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, f"{field}: {e}") from None
+
+
+def encode_text(text, limits: ModelLimits, field: str) -> list[int]:
+    """A text prompt as the checkpoint's tokenizer encodes it (special tokens added as it adds them)."""
+    if limits.tokenizer is None:
+        raise ApiError(400, f"{field}: this server has no tokenizer (the checkpoint ships none); send input_ids")
+    if not isinstance(text, str):
+        raise ApiError(400, f"{field} must be a string, got {_short(text)}")
+    if not text:
+        raise ApiError(400, f"{field} is empty: give some text")
+    return list(limits.tokenizer.encode(text))
+
+
+def check_prompt(prompt_len: int, limits: ModelLimits, field: str, where: str = "") -> None:
+    if prompt_len >= limits.max_position:
+        raise ApiError(400, f"{where}{field}: the prompt is {prompt_len} tokens; the model's context is "
+                            f"{limits.max_position} positions, so no token is left to generate")
+
+
+def check_length(prompt_len: int, max_new: int, limits: ModelLimits, field: str, where: str = "") -> None:
+    """The prompt and its completion fit the model's positions and, alone, the KV cache."""
+    check_prompt(prompt_len, limits, field, where)
+    total = prompt_len + max_new
+    if total > limits.max_position:
+        raise ApiError(400, f"{where}{field}: the prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) = {total} "
+                            f"exceeds the model's max_position {limits.max_position}")
+    short = limits.fits_alone(total - 1)  # the last sampled token is never fed back
+    if short is not None:
+        raise ApiError(400, f"{where}the request needs {short}: it could never run, even alone")
 
 
 def build_generate(body: Any, limits: ModelLimits) -> GenerateSpec:
     """A /generate body -> its items (prompt-major: prompt i's sample j at i * n + j), checked."""
     req = validated(GenerateIn, body)
-    if req.text is not None:
-        raise ApiError(400, "text is not served: this server has no tokenizer; send input_ids")
     if req.input_embeds is not None:
         raise ApiError(400, "input_embeds is not served; send input_ids")
     for name, off in (("return_text_in_logprobs", False), ("return_hidden_states", False),
                       ("custom_logit_processor", None), ("token_ids_logprob", None)):
         if getattr(req, name) not in (off, None):
             raise ApiError(400, f"{name} is not served by the aligned server; leave it at {json.dumps(off)}")
-    prompts, single = _prompts(req.input_ids)
+    if req.text is not None:
+        if req.input_ids is not None:
+            raise ApiError(400, "give text or input_ids, not both")
+        texts, single = (req.text, False) if isinstance(req.text, list) else ([req.text], True)
+        if not texts:
+            raise ApiError(400, "text is empty: give a string or a batch of strings")
+        prompts = [encode_text(t, limits, "text" if single else f"text[{i}]") for i, t in enumerate(texts)]
+        field = "text"
+    else:
+        prompts, single = _prompts(req.input_ids)
+        field = "input_ids"
     n_prompts = len(prompts)
     sps = _per_prompt(req.sampling_params or {}, n_prompts, "sampling_params")
     logprob = _per_prompt(req.return_logprob, n_prompts, "return_logprob")
@@ -315,7 +387,7 @@ def build_generate(body: Any, limits: ModelLimits) -> GenerateSpec:
         try:
             prompt = check_token_ids(ids, limits.vocab_size, "prompt")
         except (TypeError, ValueError) as e:
-            raise ApiError(400, f"{where}input_ids: {e}") from None
+            raise ApiError(400, f"{where}{field}: {e}") from None
         sp_in = validated(SamplingIn, spd, "sampling_params" if single else f"sampling_params[{i}]")
         if sp_in.n < 1:
             raise ApiError(400, f"{where}sampling_params.n must be >= 1, got {sp_in.n}")
@@ -328,17 +400,14 @@ def build_generate(body: Any, limits: ModelLimits) -> GenerateSpec:
         seed = sp_in.sampling_seed if sp_in.sampling_seed is not None else secrets.randbits(63)
         if not -_INT64 <= seed < _INT64:
             raise ApiError(400, f"{where}sampling_params.sampling_seed must fit in int64, got {seed}")
+        check_prompt(len(prompt), limits, field, where)
+        text = None if limits.tokenizer is None else TextOut(sp_in.skip_special_tokens,
+                                                              sp_in.spaces_between_special_tokens, sp_in.no_stop_trim)
         for j in range(sp_in.n):
-            sp = _sampling(sp_in, len(prompt), limits.max_position, _wrap64(seed + j), where)
-            total = len(prompt) + sp.max_new_tokens
-            if total > limits.max_position:
-                raise ApiError(400, f"{where}the prompt ({len(prompt)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
-                                    f"= {total} exceeds the model's max_position {limits.max_position}")
-            short = limits.fits_alone(total - 1)  # the last sampled token is never fed back
-            if short is not None:
-                raise ApiError(400, f"{where}the request needs {short}: it could never run, even alone")
+            sp = _sampling(sp_in, len(prompt), limits, _wrap64(seed + j), where)
+            check_length(len(prompt), sp.max_new_tokens, limits, field, where)
             item_rid = rid if sp_in.n == 1 else f"{rid}_{j}"
-            items.append(Item(item_rid, index, prompt, sp, adapter, bool(lp), routed))
+            items.append(Item(item_rid, index, prompt, sp, adapter, bool(lp), routed, text))
             index += 1
     rid_list = [it.rid for it in items]
     if len(set(rid_list)) != len(rid_list):
@@ -350,15 +419,24 @@ def finish_reason(c, item: Item) -> dict | None:
     if c is None:
         return None
     if c.finish_reason == "stop":
-        return {"type": "stop", "matched": c.tokens[-1]}
+        return {"type": "stop", "matched": c.matched if c.matched is not None else c.tokens[-1]}
     if c.finish_reason == "length":
         return {"type": "length", "length": item.sampling.max_new_tokens}
     return {"type": "abort", "message": c.error or "aborted"}
 
 
+def item_text(item: Item, tokens: list[int], c, tokenizer) -> str:
+    """A sample's ``text``: a finished one's as SGLang trims it, a running one's decoded so far."""
+    t = item.text
+    return output_text(tokenizer, tokens, None if c is None else c.matched,
+                       skip_special_tokens=t.skip_special_tokens,
+                       spaces_between_special_tokens=t.spaces_between_special_tokens,
+                       no_stop_trim=t.no_stop_trim or c is None)
+
+
 def item_response(item: Item, tokens: list[int], logprobs: list[float], version: int, c=None, *,
-                  latency: float | None = None, index: int | None = None) -> dict:
-    """One sample's ``{output_ids, meta_info}``; ``c`` the finished Completion (None: a stream chunk)."""
+                  latency: float | None = None, index: int | None = None, tokenizer=None) -> dict:
+    """One sample's ``{text?, output_ids, meta_info}``; ``c`` the finished Completion (None: a stream chunk)."""
     meta = {"id": item.rid, "finish_reason": finish_reason(c, item), "prompt_tokens": len(item.prompt),
             "completion_tokens": len(tokens), "cached_tokens": 0, "weight_version": version,
             "sampling_seed": item.sampling.seed}
@@ -371,6 +449,8 @@ def item_response(item: Item, tokens: list[int], logprobs: list[float], version:
     if item.routed_start is not None and c is not None:
         meta[ROUTED_EXPERTS] = encode_routed_experts(c.extras.get(ROUTED_EXPERTS), item.routed_start)
     out = {"output_ids": tokens, "meta_info": meta}
+    if item.text is not None and tokenizer is not None:
+        out = {"text": item_text(item, tokens, c, tokenizer), **out}
     if index is not None:
         out["index"] = index
     return out

@@ -1,9 +1,12 @@
 """A small client for ``alignzoo serve`` (or any server with SGLang's RL API, for the calls both have).
 
-    from alignzoo.client import Client, output_logprobs
-    c = Client("http://127.0.0.1:30000")
+    from alignzoo.client import Client, output_logprobs, choice_logprobs
+    c = Client("http://127.0.0.1:30000", api_key=...)     # default: $ALIGNZOO_API_KEY
     out = c.generate([1, 2, 3], {"temperature": 0.8, "max_new_tokens": 16, "sampling_seed": 7}, return_logprob=True)
     out["output_ids"], output_logprobs(out)               # tokens, (n,) fp32 tensor, bitwise the server's
+    c.generate_text("Hello", {"max_new_tokens": 16})["text"]
+    ans = c.chat([{"role": "user", "content": "Hi"}], max_tokens=16, logprobs=True, return_token_ids=True)
+    ans["choices"][0]["message"]["content"], choice_logprobs(ans["choices"][0])
     pub = c.publisher(trainer.forward_weights)            # versions continue the server's
     c.init_weights_update_group("127.0.0.1", 29500, backend="gloo")
     c.update_weights_from_distributed(pub.publish())     # checked by the server before it is applied
@@ -13,6 +16,7 @@ Standard library HTTP only (one connection per call, so a Client is safe to shar
 from __future__ import annotations
 
 import http.client
+import os
 import threading
 import time
 import urllib.parse
@@ -22,7 +26,7 @@ import torch
 
 from ..sync import Payload, Publisher
 from ..sync.payload import FORMAT
-from . import jsonio
+from . import ADMIN_ROUTES, jsonio
 
 
 class ServerError(RuntimeError):
@@ -38,12 +42,51 @@ def output_logprobs(result: dict) -> torch.Tensor:
     return torch.tensor([t[0] for t in result["meta_info"].get("output_token_logprobs", [])], dtype=torch.float32)
 
 
+def choice_logprobs(choice: dict) -> torch.Tensor:
+    """(tokens,) fp32: the chosen tokens' log-probs of an OpenAI choice (chat or completion, whole or the
+    chunks of a stream joined by ``join_stream``), bitwise the server's."""
+    lp = choice.get("logprobs") or {}
+    values = [e["logprob"] for e in lp["content"]] if "content" in lp else lp.get("token_logprobs", [])
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def join_stream(chunks) -> list[dict]:
+    """The choices of a streamed OpenAI answer, joined as the non-streamed answer has them: text (or
+    message content), log-probs, token ids, finish_reason and matched_stop."""
+    out: dict[int, dict] = {}
+    for ch in chunks:
+        for c in ch.get("choices", []):
+            o = out.setdefault(c["index"], {"index": c["index"], "text": "", "logprobs": None, "token_ids": [],
+                                            "finish_reason": None, "matched_stop": None})
+            o["text"] += c["delta"].get("content", "") if "delta" in c else c.get("text", "")
+            lp = c.get("logprobs")
+            if lp is not None:
+                if o["logprobs"] is None:
+                    o["logprobs"] = {k: [] for k in lp if k != "top_logprobs"}
+                for k, v in lp.items():
+                    if k != "top_logprobs":
+                        o["logprobs"][k] += v
+            o["token_ids"] += c.get("token_ids", [])
+            if c.get("finish_reason") is not None:
+                o["finish_reason"], o["matched_stop"] = c["finish_reason"], c.get("matched_stop")
+    return [out[i] for i in sorted(out)]
+
+
+def _key(key: str | None, env: str) -> str | None:
+    return key if key is not None else os.environ.get(env) or None
+
+
 class Client:
-    def __init__(self, url: str = "http://127.0.0.1:30000", *, timeout: float = 600.0):
+    def __init__(self, url: str = "http://127.0.0.1:30000", *, timeout: float = 600.0, api_key: str | None = None,
+                 admin_api_key: str | None = None):
+        """``api_key`` (default $ALIGNZOO_API_KEY) goes with every call as ``Authorization: Bearer``;
+        ``admin_api_key`` (default $ALIGNZOO_ADMIN_API_KEY) instead with weight updates and control."""
         u = urllib.parse.urlsplit(url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"url must be http://HOST:PORT, got {url!r}")
         self.url, self.host, self.port, self.timeout = url, u.hostname, u.port or 80, timeout
+        self.api_key = _key(api_key, "ALIGNZOO_API_KEY")
+        self.admin_api_key = _key(admin_api_key, "ALIGNZOO_ADMIN_API_KEY")
         self._group: dict | None = None
 
     # ---------------------------------------------------------- transport
@@ -51,6 +94,9 @@ class Client:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
         data = None if body is None else (body if isinstance(body, bytes) else jsonio.dumps(body))
         headers = {"Content-Type": "application/json"} if data is not None else {}
+        key = self.admin_api_key if self.admin_api_key and path in ADMIN_ROUTES else self.api_key
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
         conn.request(method, path, body=data, headers=headers)
         return conn.getresponse()
 
@@ -128,11 +174,25 @@ class Client:
         the last of each sample has its finish_reason)."""
         body = {"input_ids": input_ids, "sampling_params": sampling_params or {}, "return_logprob": return_logprob,
                 "stream": True, **fields}
-        resp = self._open("POST", "/generate", body)
+        return self.stream("/generate", body)
+
+    def generate_text(self, text, sampling_params: dict | list | None = None, *, return_logprob: bool = False,
+                      **fields):
+        """POST /generate with ``text`` (a string or a batch): the answers carry ``text`` too."""
+        body = {"text": text, "sampling_params": sampling_params or {}, "return_logprob": return_logprob, **fields}
+        return self.post("/generate", body)
+
+    def stream(self, path: str, body: dict) -> Iterator[dict]:
+        """POST ``body`` to ``path`` and yield its server-sent JSON events until ``[DONE]``."""
+        resp = self._open("POST", path, body)
         if resp.status != 200:
             raw = resp.read()
             resp.close()
-            raise ServerError(resp.status, raw.decode(errors="replace"), "/generate")
+            try:
+                msg = (jsonio.loads(raw).get("error") or {}).get("message") or raw.decode(errors="replace")
+            except (ValueError, AttributeError):
+                msg = raw.decode(errors="replace")
+            raise ServerError(resp.status, msg, path)
         try:
             for line in resp:
                 line = line.strip()
@@ -144,6 +204,26 @@ class Client:
                 yield jsonio.loads(data)
         finally:
             resp.close()
+
+    # ---------------------------------------------------------- the OpenAI-compatible API
+    def models(self) -> dict:
+        return self.get("/v1/models")
+
+    def completions(self, prompt, **fields) -> dict:
+        """POST /v1/completions (``stream`` not here: ``completions_stream``)."""
+        return self.post("/v1/completions", {"prompt": prompt, **fields})
+
+    def completions_stream(self, prompt, **fields) -> Iterator[dict]:
+        return self.stream("/v1/completions", {"prompt": prompt, **fields, "stream": True})
+
+    def chat(self, messages: list[dict], **fields) -> dict:
+        """POST /v1/chat/completions: ``fields`` as OpenAI's (max_tokens, temperature, top_p, n, seed,
+        logprobs, stop) and SGLang's (top_k, min_p, ignore_eos, stop_token_ids); ``return_token_ids``
+        adds the prompt's and each choice's token ids."""
+        return self.post("/v1/chat/completions", {"messages": messages, **fields})
+
+    def chat_stream(self, messages: list[dict], **fields) -> Iterator[dict]:
+        return self.stream("/v1/chat/completions", {"messages": messages, **fields, "stream": True})
 
     # ---------------------------------------------------------- weight updates
     def publisher(self, get_weights, **kw) -> Publisher:

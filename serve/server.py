@@ -13,13 +13,23 @@ completion carries one weight version.
 
 The process holds the model's trainer as well as the engine (one more copy of the weights): disk
 updates are read through the model's name map into it and published from it, FP8 codes included.
+They read only under the directories the operator allowed (``--weights-dir``).
+
+With the checkpoint's tokenizer the server takes text (``/generate``'s ``text``) and speaks the
+OpenAI-compatible API (``openai.py``); without one it serves token ids.  With an API key every
+route needs ``Authorization: Bearer <key>`` (``ApiKeys``); an admin key, if given, is the only one
+that opens the weight-update and control routes.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import dataclasses
+import hmac
+import ipaddress
 import logging
+import os
 import queue
 import socket
 import sys
@@ -38,7 +48,7 @@ from ..common.sampling import SamplingParams
 from ..sync import (CorruptPayload, DistTransport, Publisher, Receiver, SyncError, VersionSkew, apply_between_steps,
                     weights_checksum)
 from ..sync.payload import FORMAT
-from . import api, jsonio, wire
+from . import ADMIN_ROUTES, api, jsonio, openai, wire
 from .api import ApiError, Item
 
 log = logging.getLogger("alignzoo.serve")
@@ -325,15 +335,112 @@ def _message(e: BaseException) -> str:
     return " ".join(msg.split())
 
 
+def _under(path: str, dirs) -> bool:
+    return any(os.path.commonpath([path, d]) == d for d in dirs)
+
+
+def allowed_weights_dirs(weights_dirs, checkpoint) -> tuple[str, ...]:
+    """The directories ``/update_weights_from_disk`` may read under (real paths): ``weights_dirs`` as
+    given; by default the served checkpoint's parent directory (where an RL run writes the checkpoints
+    that follow its first), none for a preset."""
+    if weights_dirs is None:
+        weights_dirs = [os.path.dirname(os.path.realpath(checkpoint))] if checkpoint else []
+    out = []
+    for d in weights_dirs:
+        real = os.path.realpath(d)
+        if not os.path.isdir(real):
+            raise ValueError(f"--weights-dir {os.fspath(d)!r} is not a directory")
+        out.append(real)
+    return tuple(dict.fromkeys(out))
+
+
+def check_key(key: str | None, name: str) -> str | None:
+    if key is None:
+        return None
+    if not key or not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
+        raise ValueError(f"{name} must be a non-empty string of printable ASCII without spaces (it travels in an "
+                         f"HTTP header)")
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiKeys:
+    """Who may call which route: with ``api_key``, every route needs ``Authorization: Bearer <key>``
+    (the admin key opens them too); with ``admin_api_key``, the ADMIN_ROUTES need it and no other.
+    Keys are compared in constant time (``hmac.compare_digest``), against every accepted key."""
+    api_key: str | None = None
+    admin_api_key: str | None = None
+
+    def accepted(self, path: str) -> tuple[bytes, ...]:
+        """The keys that open ``path``; () when it is open to all."""
+        if path.rstrip("/") in ADMIN_ROUTES and self.admin_api_key:
+            return (self.admin_api_key.encode(),)
+        if not self.api_key:
+            return ()
+        return tuple(k.encode() for k in (self.api_key, self.admin_api_key) if k)
+
+    def refusal(self, path: str, authorization: bytes | None) -> str | None:
+        """Why a request for ``path`` with that Authorization header is refused; None: let in."""
+        keys = self.accepted(path)
+        if not keys:
+            return None
+        scheme, _, got = (authorization or b"").partition(b" ")
+        if not authorization or scheme.lower() != b"bearer":
+            return "missing API key: send Authorization: Bearer <key>"
+        ok = False
+        for k in keys:  # every key compared, each in constant time
+            ok |= hmac.compare_digest(got.strip(), k)
+        if ok:
+            return None
+        admin = path.rstrip("/") in ADMIN_ROUTES and self.admin_api_key
+        return "wrong API key" + (" (this route needs the admin API key)" if admin else "")
+
+
+class RequireKey:
+    """ASGI middleware: a request ``ApiKeys`` refuses gets a 401 before any route runs (nothing changes)."""
+
+    def __init__(self, app, keys: ApiKeys):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            why = self.keys.refusal(scope["path"], auth)
+            if why is not None:
+                body = jsonio.dumps({"error": {"message": why, "type": "authentication_error", "code": 401}})
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def is_loopback(host: str) -> bool:
+    """Every address ``host`` resolves to is a loopback address."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        return False
+    addrs = {info[4][0].split("%")[0] for info in infos}
+    return bool(addrs) and all(ipaddress.ip_address(a).is_loopback for a in addrs)
+
+
 class AlignedServer:
     """The state behind the routes: the engine's loop, the receiver every update goes through, the
     trainer that disk updates are read into, and the torch.distributed group of distributed updates."""
 
     def __init__(self, spec, cfg, trainer, engine, *, model: str, checkpoint, preset, device, dtype, fp8: bool,
-                 host: str, port: int):
+                 host: str, port: int, text=None, weights_dirs=None, served_model_name: str | None = None):
+        from ..models.text import CheckpointText
+
         self.spec, self.cfg, self.trainer, self.engine = spec, cfg, trainer, engine
+        self.text = text if text is not None else CheckpointText()
         self.info = {"model": model, "checkpoint": checkpoint, "preset": preset, "device": str(device),
                      "dtype": str(dtype).removeprefix("torch."), "fp8": fp8, "host": host, "port": port}
+        self.model_name = served_model_name or (os.fspath(checkpoint) if checkpoint else model)
+        self.weights_dirs = allowed_weights_dirs(weights_dirs, checkpoint)
+        self.created = int(time.time())
         self.dtype, self.fp8, self.device = dtype, fp8, torch.device(device)
         # Version 0 and a first full payload: the receiver then knows the checksum of what it holds,
         # so a damaged delta later leaves it on its version instead of on none.
@@ -342,7 +449,7 @@ class AlignedServer:
         _, extras = engine.score([[0, 0]], [1], SamplingParams(), return_extras=True)
         self.limits = api.ModelLimits(model, engine.model.vocab_size, engine.model.max_position,
                                       engine.block_manager.fits_alone, tuple(engine.adapter_names),
-                                      tuple(sorted(extras[0])))
+                                      tuple(sorted(extras[0])), self.text.tokenizer)
         self.loop = EngineLoop(engine)
         self._update_lock = threading.Lock()  # one weight update at a time, read to apply
         self._group: dict | None = None
@@ -359,14 +466,30 @@ class AlignedServer:
         return {"success": True, "message": f"weights updated to v{version} from {what}", "weight_version": version,
                 "num_paused_requests": 0}
 
-    def update_from_disk(self, req: api.UpdateFromDiskIn) -> dict:
-        import os
+    def check_weights_path(self, path: str) -> None:
+        """``path`` and the files a disk update reads from it lie under an allowed directory (symbolic
+        links resolved: a link out of it is refused too); a 403 naming the directories otherwise."""
+        if not self.weights_dirs:
+            raise ApiError(403, "model_path: disk updates are off: this server allows no weights directory (start "
+                                "it with --weights-dir DIR)")
+        allowed = ", ".join(self.weights_dirs)
+        real = os.path.realpath(path)
+        if not _under(real, self.weights_dirs):
+            raise ApiError(403, f"model_path {path!r} is outside the allowed weights directories ({allowed})")
+        if os.path.isdir(real):
+            for name in sorted(os.listdir(real)):
+                if name.endswith((".json", ".safetensors")) and not _under(os.path.realpath(os.path.join(real, name)),
+                                                                          self.weights_dirs):
+                    raise ApiError(403, f"model_path {path!r}: {name} links outside the allowed weights directories "
+                                        f"({allowed})")
 
+    def update_from_disk(self, req: api.UpdateFromDiskIn) -> dict:
         from ..weights import HFCheckpoint, read_hf_config
         from ..weights.fp8 import DequantizedSource, is_fp8_checkpoint
 
         want = api.parse_weight_version(req.weight_version)
         path = req.model_path
+        self.check_weights_path(path)
         if not os.path.isdir(path):
             raise ApiError(400, f"model_path {path!r} is not a directory")
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -468,7 +591,11 @@ class AlignedServer:
     # ---------------------------------------------------------- info
     def model_info(self) -> dict:
         c = self.info
-        return {"model_path": c["checkpoint"] or f"preset:{c['preset']}", "tokenizer_path": None,
+        return {"model_path": c["checkpoint"] or f"preset:{c['preset']}",
+                "tokenizer_path": c["checkpoint"] if self.text.tokenizer is not None else None,
+                "served_model_name": self.model_name, "eos_token_ids": list(self.engine.eos_token_ids),
+                "generation_defaults": dict(self.text.generation_defaults),
+                "chat_template": self.text.chat_template is not None,
                 "is_generation": True, "model_type": c["model"], "architectures": self.cfg.to_hf().get("architectures"),
                 "weight_version": self.engine.weight_version, "vocab_size": self.limits.vocab_size,
                 "max_position": self.limits.max_position, "extras": list(self.limits.extras),
@@ -485,14 +612,17 @@ class AlignedServer:
                 "weight_update_group": self._group, **self.loop.counts()}
 
 
-def create_app(server: AlignedServer) -> FastAPI:
+def create_app(server: AlignedServer, keys: ApiKeys | None = None) -> FastAPI:
     srv, loop = server, server.loop
+    tok = srv.text.tokenizer
 
     def error(e: BaseException, update: bool = False) -> JSONResponse:
         status, msg = _status(e), _message(e)
         if status >= 500:
             log.error("request failed: %s", msg)
-        body = {"success": False, "message": msg} if update else {"error": {"message": msg, "code": status}}
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        body = {"success": False, "message": msg} if update else {"error": {"message": msg, "type": kind,
+                                                                             "code": status}}
         return JSONResponse(body, status_code=status)
 
     async def body_of(request: Request, model):
@@ -500,6 +630,8 @@ def create_app(server: AlignedServer) -> FastAPI:
 
     app = FastAPI(title="alignzoo serve", default_response_class=JSONResponse, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    if keys is not None and (keys.api_key or keys.admin_api_key):
+        app.add_middleware(RequireKey, keys=keys)
 
     # ---------------------------------------------------------- generate
     @app.post("/generate")
@@ -519,7 +651,7 @@ def create_app(server: AlignedServer) -> FastAPI:
         for _ in spec.items:
             _, item, c, version = await _next_done(job)
             out[item.index] = api.item_response(item, c.tokens, c.logprobs.tolist(), version, c,
-                                                latency=time.perf_counter() - job.started)
+                                                latency=time.perf_counter() - job.started, tokenizer=tok)
         return JSONResponse(out[0] if spec.single else out)
 
     async def _next_done(job: Job):
@@ -541,14 +673,75 @@ def create_app(server: AlignedServer) -> FastAPI:
                     tokens, lps = so_far[item.rid]
                     tokens += new_tokens
                     lps += new_lps
-                    chunk = api.item_response(item, tokens, lps, version, index=item.index if multi else None)
+                    chunk = api.item_response(item, tokens, lps, version, index=item.index if multi else None,
+                                              tokenizer=tok)
                 else:
                     _, _, c, version = ev
                     left.discard(item.rid)
                     chunk = api.item_response(item, c.tokens, c.logprobs.tolist(), version, c,
                                               latency=time.perf_counter() - job.started,
-                                              index=item.index if multi else None)
+                                              index=item.index if multi else None, tokenizer=tok)
                 yield b"data: " + jsonio.dumps(chunk) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            if left:  # the client went away
+                loop.call(lambda: loop._abort(set(left), "the client disconnected"))
+
+    # ---------------------------------------------------------- the OpenAI-compatible API
+    @app.get("/v1/models")
+    async def v1_models():
+        return openai.models(srv.model_name, srv.limits, srv.created, srv.info["checkpoint"])
+
+    async def openai_route(request: Request, chat: bool):
+        try:
+            spec = openai.build(api.parse_json(await request.body()), srv.limits, srv.text.generation_defaults,
+                                srv.model_name, chat)
+        except ApiError as e:
+            return error(e)
+        taken = loop.reserve([it.rid for it in spec.items])
+        if taken is not None:
+            return error(ApiError(400, f"rid {taken!r} is already in flight"))
+        job = Job(spec.items, spec.stream, asyncio.get_running_loop())
+        loop.submit(job)
+        if spec.stream:
+            return StreamingResponse(_openai_sse(job, spec), media_type="text/event-stream")
+        done: list = [None] * len(spec.items)
+        for _ in spec.items:
+            _, item, c, version = await _next_done(job)
+            done[item.index] = (item, c, version)
+        try:
+            return JSONResponse(openai.response(spec, tok, done))
+        except ValueError as e:
+            return error(e)
+
+    @app.post("/v1/completions")
+    async def v1_completions(request: Request):
+        return await openai_route(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def v1_chat_completions(request: Request):
+        return await openai_route(request, chat=True)
+
+    async def _openai_sse(job: Job, spec):
+        stream = openai.Stream(spec, tok)
+        left = {it.rid for it in job.items}
+        so_far: dict[str, tuple[list, list]] = {it.rid: ([], []) for it in job.items}
+        try:
+            while left:
+                ev = await job.events.get()
+                item = ev[1]
+                if ev[0] == "chunk":
+                    tokens, lps = so_far[item.rid]
+                    tokens += ev[2]
+                    lps += ev[3]
+                    chunk = stream.running(item, tokens, lps)
+                else:
+                    _, _, c, version = ev
+                    left.discard(item.rid)
+                    chunk = stream.final(item, c, version)
+                yield b"data: " + jsonio.dumps(chunk) + b"\n\n"
+            if spec.include_usage:
+                yield b"data: " + jsonio.dumps(stream.usage_chunk()) + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
             if left:  # the client went away
@@ -676,20 +869,47 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def build(model: str, *, checkpoint=None, config=None, device=None, dtype=torch.bfloat16, fp8: bool = False,
-          seed: int = 0, host: str = "127.0.0.1", port: int = 30000, **engine_kwargs) -> AlignedServer:
-    """The model's trainer and engine (as ``load_pair`` builds them, without LoRA) behind an ``AlignedServer``."""
+          seed: int = 0, host: str = "127.0.0.1", port: int = 30000, weights_dirs=None,
+          served_model_name: str | None = None, **engine_kwargs) -> AlignedServer:
+    """The model's trainer and engine (as ``load_pair`` builds them, without LoRA) behind an ``AlignedServer``,
+    with the checkpoint's tokenizer, EOS ids and generation defaults (``models/text.py``)."""
     from ..common.engine import Engine
     from ..models import model_module
     from ..models.loading import build_trainer, resolve_config, server_weights
+    from ..models.text import read_checkpoint_text
 
     spec = model_module(model).SPEC
     cfg = resolve_config(spec, checkpoint, None if checkpoint else (config or "tiny"))
+    text = read_checkpoint_text(checkpoint, cfg.vocab_size)
+    weights_dirs = allowed_weights_dirs(weights_dirs, checkpoint)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     trainer = build_trainer(spec, cfg, checkpoint, device=device, dtype=dtype, seed=seed, fp8=fp8)
-    engine = Engine(spec.server_cls(cfg, server_weights(trainer), lora_scale=None), **engine_kwargs)
+    # The engine's thread decodes stop strings with a tokenizer of its own: the handlers' stays theirs.
+    engine = Engine(spec.server_cls(cfg, server_weights(trainer), lora_scale=None),
+                    **{"eos_token_ids": text.eos_token_ids, "tokenizer": copy.deepcopy(text.tokenizer), **engine_kwargs})
     return AlignedServer(spec, cfg, trainer, engine, model=model, checkpoint=checkpoint,
                          preset=None if checkpoint else (config or "tiny"), device=device, dtype=dtype, fp8=fp8,
-                         host=host, port=port)
+                         host=host, port=port, text=text, weights_dirs=weights_dirs,
+                         served_model_name=served_model_name)
+
+
+def access(host: str, api_key: str | None, admin_api_key: str | None,
+           allow_unauthenticated: bool) -> ApiKeys:
+    """The keys to require (ALIGNZOO_API_KEY / ALIGNZOO_ADMIN_API_KEY when not given); a ValueError for
+    a bind beyond loopback without an API key unless ``allow_unauthenticated``."""
+    api_key = check_key(api_key if api_key is not None else os.environ.get("ALIGNZOO_API_KEY") or None,
+                        "--api-key (ALIGNZOO_API_KEY)")
+    admin = check_key(admin_api_key if admin_api_key is not None else
+                      os.environ.get("ALIGNZOO_ADMIN_API_KEY") or None, "--admin-api-key (ALIGNZOO_ADMIN_API_KEY)")
+    if api_key is None and not is_loopback(host):
+        if not allow_unauthenticated:
+            raise ValueError(f"--host {host} is reachable from other machines and no API key is set: anyone who "
+                             f"reaches the port could sample, pause generation and replace the weights. Set "
+                             f"--api-key (or ALIGNZOO_API_KEY), or pass --allow-unauthenticated to serve it open")
+        log.warning("alignzoo serve: WARNING: %s is reachable from other machines and no API key is set "
+                    "(--allow-unauthenticated): anyone who reaches the port may %s", host,
+                    "sample" + ("" if admin else ", pause generation and replace the weights"))
+    return ApiKeys(api_key, admin)
 
 
 def _one_malloc_arena() -> None:
@@ -704,16 +924,26 @@ def _one_malloc_arena() -> None:
         pass
 
 
-def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, log_level: str = "info", **kw) -> int:
-    """Build the server and run it until SIGINT or SIGTERM; returns 0 after a clean shutdown."""
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, log_level: str = "info",
+          api_key: str | None = None, admin_api_key: str | None = None, allow_unauthenticated: bool = False,
+          **kw) -> int:
+    """Build the server and run it until SIGINT or SIGTERM; returns 0 after a clean shutdown.  ``api_key``
+    / ``admin_api_key`` (default: ALIGNZOO_API_KEY / ALIGNZOO_ADMIN_API_KEY): see ``ApiKeys``."""
     import uvicorn
 
     _one_malloc_arena()  # before any thread of ours allocates
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    keys = access(host, api_key, admin_api_key, allow_unauthenticated)
     _check_listen(host, port)
     t0 = time.perf_counter()
     server = build(model, host=host, port=port, **kw)
-    app = create_app(server)
+    app = create_app(server, keys)
+    log.info("alignzoo serve: %s; %s; disk updates %s; %s", "API key required on every route" if keys.api_key else
+             "no API key", "admin key required for weight updates and control" if keys.admin_api_key else
+             "no admin key", f"under {', '.join(server.weights_dirs)}" if server.weights_dirs else "off (no --weights-dir)",
+             "tokenizer and chat template from the checkpoint" if server.text.chat_template is not None else
+             "tokenizer from the checkpoint (no chat template)" if server.text.tokenizer is not None else
+             "no tokenizer: token ids only")
 
     class _Uvicorn(uvicorn.Server):
         async def startup(self, sockets=None):
