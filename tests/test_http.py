@@ -39,13 +39,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*args: str, log_path: Path) -> tuple[subprocess.Popen, Client]:
+def start_server(*args: str, log_path: Path, api_key: str | None = None,
+                 env: dict | None = None) -> tuple[subprocess.Popen, Client]:
+    """``alignzoo serve *args`` on a free port, and a Client (with ``api_key``) once it answers."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ALIGNZOO_") or not k.endswith("API_KEY")},
+           "OMP_NUM_THREADS": "1", **(env or {})}
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "alignzoo.cli", "serve", *args, "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
-    client = Client(f"http://127.0.0.1:{port}", timeout=120)
+    client = Client(f"http://127.0.0.1:{port}", timeout=120, api_key=api_key or "")
     try:
         client.wait_ready(120, proc)
     except Exception:
@@ -57,7 +60,9 @@ def start_server(*args: str, log_path: Path) -> tuple[subprocess.Popen, Client]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    proc, client = start_server("qwen3", "--config", "tiny", log_path=log_path)
+    # a preset allows no disk updates by default: the tests' checkpoints are written under pytest's base temp
+    proc, client = start_server("qwen3", "--config", "tiny", "--weights-dir", str(tmp_path_factory.getbasetemp()),
+                                log_path=log_path)
     yield proc, client, log_path
     if proc.poll() is None:
         proc.kill()
@@ -82,9 +87,11 @@ def sp_dict(seed=7, max_new=12, **kw) -> dict:
 
 def ours(d: dict) -> SamplingParams:
     top_k = d.get("top_k", -1)
+    stop = d.get("stop") or ()
     return SamplingParams(temperature=d.get("temperature", 1.0), top_k=0 if top_k == -1 else top_k,
                           top_p=d.get("top_p", 1.0), min_p=d.get("min_p", 0.0), max_new_tokens=d["max_new_tokens"],
-                          seed=d["sampling_seed"], stop_token_ids=tuple(d.get("stop_token_ids", ())))
+                          seed=d["sampling_seed"], stop_token_ids=tuple(d.get("stop_token_ids", ())),
+                          ignore_eos=d.get("ignore_eos", False), stop=(stop,) if isinstance(stop, str) else tuple(stop))
 
 
 def assert_same_as_in_process(pair, prompt, d, result, *, trainer=True):
@@ -197,7 +204,7 @@ BAD = [
     (b'{"input_ids": [1], "sampling_params": {"n": 0}}', "n must be >= 1"),
     (b'{"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}', "max_new_tokens must be >= 1"),
     (b'{"input_ids": [1], "sampling_params": {"repetition_penalty": 1.2}}', "repetition_penalty = 1.2 is not supported"),
-    (b'{"input_ids": [1], "sampling_params": {"stop": ["x"]}}', 'stop = ["x"] is not supported'),
+    (b'{"input_ids": [1], "sampling_params": {"stop": ["x"]}}', "sampling_params.stop: stop strings need the checkpoint's tokenizer"),
     (json.dumps({"input_ids": [1] * 4000, "sampling_params": {"max_new_tokens": 200}}).encode(),
      "exceeds the model's max_position 4096"),
     (b'{"input_ids": [1], "return_routed_experts": true}', "emits no routed experts"),
