@@ -107,8 +107,7 @@ def measure(eng, vocab: int, batch: int, prompt: int, new: int, seed: int = 0) -
     eng.generate(prompts, SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=new, seed=2,
                                          stop_token_ids=()))
     pre0 = eng.num_preemptions
-    # prefill: the median of a few runs where one is short (a lone B = 1 run of ~35 ms
-    # once read 48 ms on the H200; benchmarks/results/2026-11-30-h200-engine.md)
+    # prefill: the median of a few runs where one is short (one B = 1 run can read 40% slow: 2026-11-30-h200-engine.md)
     reps = 5 if batch * prompt <= 4096 else 3 if batch * prompt <= 8192 else 1  # odd: a true median
     t_pre = sorted(timed(lambda: eng.generate(prompts, sp1), dev)[1] for _ in range(reps))[reps // 2]
     outs, t_all = timed(lambda: eng.generate(prompts, spn), dev)

@@ -27,8 +27,7 @@ HIDDEN, INTER, VOCAB = 4096, 12288, 151936
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 MAX_POSITION = 40960
 MS = (1, 8, 64, 256, 1024, 4096, 8192)
-# matmul also between them, where 128-row tiles fill 1.1-1.5 SM waves (cells below 0.8x cuBLAS at
-# M = 192-768 that the list above skips; issue #2 asks for 0.8x at every M)
+# matmul also between them, where 128-row tiles fill 1.1-1.5 SM waves: its slowest cells against cuBLAS
 MATMUL_MID_MS = (128, 192, 384, 512, 768)
 
 
@@ -77,8 +76,7 @@ def _time_graph(fn, replays: int = 10) -> float:
     """Median time of one call replayed from a CUDA graph, L2 flushed before
     each call (a 256 MB write whose own graph time is subtracted): the GPU's
     time with weights read from HBM, as in a decode step, without launch
-    overhead.  (Graph replay without the flush read q/o_proj's 32 MB weight
-    from L2: 1.02x cuBLAS at M = 1 against 0.23x under do_bench, H200.)
+    overhead.  (Without the flush a replay reads q/o_proj's 32 MB weight from L2.)
     Warm-up and capture run inside ``graph_launches()``, as the engine's
     decode graphs do: the matmul's defaults may pick its Gluon kernel."""
     from alignzoo.common.matmul import graph_launches
@@ -352,7 +350,7 @@ def format_row(r: dict) -> str:
 def warm_only() -> None:
     """Run the exactness checks but time nothing: compiles every kernel a
     later timing run uses into Triton's disk cache (several such processes
-    compile in parallel; a cold H200 spends minutes in ptxas otherwise)."""
+    compile in parallel; a cold cache spends minutes in ptxas otherwise)."""
     global _TIMER, _WARM
     _TIMER, _WARM = (lambda fn: float("nan")), True
 

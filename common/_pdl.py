@@ -12,9 +12,9 @@ is hidden.  In a CUDA graph the dependency is kept as a programmatic edge.
 Right after the wait a program lets the next kernel launch
 (``griddepcontrol.launch_dependents``).  The next kernel launches only once
 every program of this one has started and triggered (or exited), so its
-waiting programs take SM slots in this kernel's last wave at the earliest.
-On the H200 the qwen3-8b batch-1 decode graph replays in 5.43 ms with the
-trigger, 5.66 ms waiting alone, 5.75 ms without PDL.  Launches of more than
+waiting programs take SM slots in this kernel's last wave at the earliest
+(the qwen3-8b batch-1 decode graph replays 6% faster than without PDL:
+benchmarks/results/2026-11-30-h200-primitives.md).  Launches of more than
 ``PDL_MAX_ROWS`` rows (tokens) go without it, prefill included.
 
 ``pdl_options(device, rows)`` gives a launch's keyword arguments: the ``PDL``
@@ -49,7 +49,7 @@ def wait_prior(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-PDL_MAX_ROWS = 64  # at batch 256 PDL cost 3.8% of the qwen3-8b decode replay on the H200 (11.67 vs 11.24 ms)
+PDL_MAX_ROWS = 64  # at batch 256 PDL costs 3.8% of the qwen3-8b decode replay (2026-11-30-h200-primitives.md)
 _OFF = {"PDL": False}
 _ON = {"PDL": True, "launch_pdl": True}
 _TRIGGER = {"PDL": True}  # compiled with the wait and the trigger, launched plainly: see pdl_pair
@@ -85,8 +85,7 @@ def pdl_pair(device: torch.device, rows: int) -> tuple[dict, dict]:
     producer is compiled with ``wait_prior`` but launched plainly.  Its wait
     then finds the kernel before it finished (a plain launch starts after
     it), and its trigger lets the consumer launch during its last wave, where
-    the consumer's programs wait for its end: on the H200 the PDL-launched
-    merge takes the k/v split at M = 256 from 0.785 to 0.830x cuBLAS."""
+    the consumer's programs wait for its end (the k/v split at M = 256 runs 6% faster)."""
     if pdl_options(device, 1) is _OFF:
         return _OFF, _OFF
     return (_ON, _ON) if rows <= PDL_MAX_ROWS else (_TRIGGER, _ON)

@@ -556,7 +556,8 @@ MX_LAUNCH_CONFIGS = (dict(), dict(swap=False), dict(block_m=128, block_n=128, nu
 def test_mxfp4_gpu_launch_configs_repeat_their_bits():
     """Each launch config 20 times at DeepSeek-V4-Flash's shapes, every output against the default's:
     a race or an uninitialised read changes the bits of some runs and not others, so one run a config
-    (the test above) can miss it.  ``benchmarks/probe_mx_repeat.py`` does the same beside a busy stream."""
+    (the test above) can miss it.  ``benchmarks/experiments/probe_mx_repeat.py`` does the same beside a busy
+    stream."""
     from alignzoo.common.moe.kernel import experts_fwd_mxfp4_triton as fwd
 
     x, ids, w, _, _, q = _mx_experts(1024, 4096, 2048, 16, 6, device="cuda", skew=False)

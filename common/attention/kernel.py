@@ -80,11 +80,11 @@ Why a row gets the same bits on every path (train / prefill / decode / chunks)
   ``tl.dot``s lower to wgmma on Hopper (a tile of fewer than 64 rows could
   lower to mma.sync) with the same K order (head_dim for q.k^T, the block's 64
   positions for p.v), and a row's MMA and row-reduction results depend on its
-  own operands only (on the H200, BM = 64 and 128 gave identical bits for the
-  same BK and K order).  ``decode_config`` takes 64 rows / 4 warps at
-  head_dim <= 128 because the H200 probe (``tests/test_attention.py::
-  test_gpu_tile_shape_probe``) gave those the bits of 128 / 8; the constant
-  ``DECODE_SMALL_TILE = False`` puts decode back on ``fwd_config``'s shape.
+  own operands only (BM = 64 and 128 give identical bits for the same BK and
+  K order).  ``decode_config`` takes 64 rows / 4 warps at head_dim <= 128
+  because those give the bits of 128 / 8 (``tests/test_attention.py::
+  test_gpu_tile_shape_probe``); the constant ``DECODE_SMALL_TILE = False``
+  puts decode back on ``fwd_config``'s shape.
 - A tile visits the union of its rows' block ranges.  For a row, a block that
   holds none of its visible positions must change nothing: the masked stage
   keeps the row's old ``(m, l, acc)`` with ``tl.where`` (no reliance on
@@ -109,12 +109,8 @@ Launch knobs: ``block_m`` and ``num_warps`` shape the MMA and the row
 reductions' thread layout — fixed per (head_dim, dtype) by ``fwd_config`` /
 ``decode_config``; every path that has to agree must use shapes that give the
 same bits.  ``num_stages`` only pipelines loads, ``mask_all`` only skips a
-shortcut: both free.  Compiled here for sm_90 (no GPU, triton 3.9, ptxas
-13.4): every dot is a wgmma, no mma.sync, no fma.f32 outside log2f; all
-forward kernels use 255 registers at D = 128; the segment total added spill
-(tile kernel: ~750 B/thread of spill stores packed, ~1.7 KB paged, from
-~120 B / ~950 B without it; decode split at 64 / 4: ~870 B, as the
-unsegmented 64 / 4 tile) — the H200 benchmark decides whether it costs.
+shortcut: both free.  Compiled for sm_90 (triton 3.9, ptxas 13.4): every dot
+is a wgmma, no mma.sync, no fma.f32 outside log2f.
 
 head_dim: up to 256 (``BLOCK_D`` = next power of two, zero-padded; zeros add
 exactly).  512 would need the output's head_dim split across programs (each
@@ -168,13 +164,11 @@ def fwd_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     return {"block_m": 64, "num_warps": 8, "num_stages": 2}
 
 
-# Decode's tile holds one token's G heads, so 128 rows are mostly padding.  The H200 probe
-# (tests/test_attention.py::test_gpu_tile_shape_probe) gave 64 rows / 4 warps the bits of
-# 128 / 8 at D = 128, so decode takes the smaller tile at D <= 128.  If a GPU contract test
-# fails (decode != train), set this to False: decode then runs fwd_config's shape.  Speed is
-# open: compiled here for sm_90 (triton 3.9, ptxas 13.4) 64 / 4 spills inside the block loop
-# (~100-140 local loads per loop; 128 threads each stage twice the K/V of 256), 128 / 8 less
-# (0-64); bench_attention.py --decode-tile prefill times the other shape.
+# Decode's tile holds one token's G heads, so 128 rows are mostly padding.  64 rows / 4 warps
+# give the bits of 128 / 8 at D = 128 (tests/test_attention.py::test_gpu_tile_shape_probe), so
+# decode takes the smaller tile at D <= 128.  If a GPU contract test fails (decode != train),
+# set this to False: decode then runs fwd_config's shape; bench_attention.py --decode-tile
+# prefill times the other shape.
 DECODE_SMALL_TILE = True
 
 
@@ -193,7 +187,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     num_stages).  Backward bits need only be deterministic run to run, so these are free to tune."""
     if dtype == torch.float32:
         return {name: {**cfg, "num_stages": 1} for name, cfg in bwd_config(head_dim).items()}
-    if head_dim <= 128:  # the H200 sweep's fastest at D = 128 (bench_attention_bwd_tiles.py, both trainer shapes)
+    if head_dim <= 128:  # fastest at D = 128 on both trainer shapes (2026-12-02-h200-trainer-attention-backward.md)
         return {"dq": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
                 "dkdv": {"block_m": 32, "block_n": 64, "num_warps": 4, "num_stages": 3}}
     # 8 warps: D = 256 still spills ~400 B/thread in dK/dV (sm_90 compile)

@@ -92,25 +92,24 @@ BV = 16
 BR = 8
 BKS = 16
 STATE_WARPS = 2  # two (BR, BV) elements a thread
-# the state kernel's registers a thread (a launch knob): the H200's ptxas takes 112 uncapped, and
-# schedules faster with 128 allowed (8 x 512 tokens: 4.03 ms against 4.63 a chunk call)
+# the state kernel's registers a thread (a launch knob): ptxas schedules faster with 128 than at
+# its own 112 (8 x 512 tokens: a chunk call 4.03 ms against 4.63 uncapped)
 STATE_MAXNREG = 128
-# the output kernel's tile (BRO rows x BVO columns) and warps (launch knobs; H200, 8 x 512 tokens:
+# the output kernel's tile (BRO rows x BVO columns) and warps (launch knobs; 8 x 512 tokens:
 # about 1.0 ms at 32 columns, 1.5 at 16)
 BVO, BRO, OUT_WARPS = 32, 8, 2
 # state programs from which o stays in the state kernel (its inter tree shares S0's loads with
-# v_new's) rather than the output kernel (H200, 132 SMs: fused 5.16 ms against 5.75 at 2 x 2048
-# tokens, 512 programs; 7.43 against 6.77 at 1 x 4096, 256)
+# v_new's) rather than the output kernel: fused is 10% faster at 512 programs, 10% slower at 256
 FUSE_PROGRAMS = 512
 # the MMA form's state kernel: columns a program and warps (launch knobs; four warps make a 64-row
 # tile one wgmma)
 MMA_BV, MMA_STATE_WARPS = 32, 4
-# rows i per tile of the rows kernel's trees (a launch knob; H200, 8 x 512 tokens: the rows kernel
+# rows i per tile of the rows kernel's trees (a launch knob; 8 x 512 tokens: the rows kernel
 # about 0.9 ms at 2 rows on 2 warps, 8.2 ms at 4; at 8 ptxas spills, sm_90a, K 128)
 BI = 2
 ROWS_WARPS = 2  # warps of the rows kernel (a launch knob)
 # the solve kernel's (a launch knob): on one, a step's 8-row tree stays in a warp, no barrier
-# (H200, 8 x 512 tokens: 3.83 ms a chunk call against 4.03 on two)
+# (8 x 512 tokens: 3.83 ms a chunk call against 4.03 on two)
 SOLVE_WARPS = 1
 
 
@@ -545,7 +544,7 @@ def _layout(cu, starts, slots):
 def _device_lists(lists, dev):
     """int64 lists -> device tensors, in one copy: views of one buffer, each starting 16 bytes
     aligned, because Triton compiles a variant per pointer alignment (an odd offset after a list of
-    odd length: about 40 s for the state kernel on the H200, paid mid-serving).  From pinned memory
+    odd length: about 40 s for the state kernel, paid mid-serving).  From pinned memory
     without blocking on CUDA: a pageable copy synchronizes the stream."""
     flat, starts = [], []
     for x in lists:

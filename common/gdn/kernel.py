@@ -16,12 +16,12 @@ Two forms, one per device (``MMA``, ``_use_mma``):
 * MMA (compiled CUDA's default): the same, except the four products with the
   state, w_i S0, (q_i exp(G_i)) S0, tree_j(A_ij v_new_j) and the update's
   tree_j(k'_j v_new_j^T), which are ``_mma`` tf32x3 tensor-core dots over the
-  whole K (or all 64 rows) from a zero accumulator.  On the H200 a dot's row
-  depends on that row and the other operand alone (not on the other rows, a
-  zero row's stale partner, or a 16-row mma.sync against a 64-row wgmma:
-  ``benchmarks/probe_mma_rows.py``), so a decode row padded into a 16-row tile
-  gets the chunk's bits; the chunk's own sums (kk, qk, the substitution) stay
-  trees.  Not the CPU path's bits (the torch path is the function to ~1e-7).
+  whole K (or all 64 rows) from a zero accumulator.  A dot's row depends on
+  that row and the other operand alone (not on the other rows, a zero row's
+  stale partner, or a 16-row mma.sync against a 64-row wgmma:
+  ``benchmarks/experiments/probe_mma_rows.py``), so a decode row padded into
+  a 16-row tile gets the chunk's bits; the chunk's own sums (kk, qk, the
+  substitution) stay trees.  Not the CPU path's bits (the torch path is the function to ~1e-7).
 
 The jit helpers:
 
@@ -80,18 +80,14 @@ BKQ = 32
 STATE_WARPS = 4  # warps of the decode's state kernel (a launch knob)
 # sequence groups of the state kernel (a launch knob): Hv x tiles x 8 programs whatever the batch,
 # each looping over its group's sequences, as a step's state work is the few that close a chunk
-# (H200, B 256, every sequence closing one: 2.83 ms a step against 3.89 with a program a
-# (sequence, head, tile); at row 37 the step takes 0.666 ms)
+# (B 256, every sequence closing one: 2.83 ms a step against 3.89 with a program a (sequence, head, tile))
 STATE_GROUPS = 8
 # the decode row kernel's warps and V columns a step, by programs (launch knobs): one warp on
-# 8-column steps up to 8 x 32 programs, two on 32 past it (H200, 32 heads: B 1 0.107 ms against
-# 0.129 at 4 warps, B 64 0.292 against 0.415, B 256 0.970 against 1.438)
+# 8-column steps up to 8 x 32 programs, two on 32 past it (32 heads, B 256: 0.970 ms against 1.438 on 4)
 ROW_SMALL, ROW_LARGE = (1, 8), (2, 32)
-# and its register cap on two (a launch knob): 8 programs an SM, not 4 (H200, K trees in 32-lane
-# subtrees: B 256 0.795 ms against 0.896 uncapped, B 64 0.232 against 0.248; on one warp a cap is slower)
+# and its register cap on two (a launch knob): 8 programs an SM, not 4 (B 256: 0.795 ms against 0.896 uncapped)
 ROW_LARGE_MAXNREG = 128
-# the same in the MMA form, uncapped (launch knobs; H200, one layer: B 1 0.067 ms on four warps
-# against 0.079 for the trees, B 256 1.17 on two against 1.55 on four, 2.27 capped at 128)
+# the same in the MMA form, uncapped (launch knobs; B 256: 1.17 ms a layer on two warps, 2.27 capped at 128)
 ROW_SMALL_MMA, ROW_LARGE_MMA = (4, 32), (2, 32)
 # On CUDA the products with the state (v_new's w_i S0, o's inter and intra sums, the state update)
 # run as ``_mma`` tensor-core dots, the chunk's own sums as trees; the interpreter and the torch path
@@ -236,7 +232,7 @@ def _mma(a, b):
     """a (M, R) @ b (R, N) fp32 on tensor cores, tf32x3 (three TF32 products: ~fp32 accuracy), one
     tl.dot over the whole R from a zero accumulator.  A row's result is a function of that row of a
     and of b where the row is not zero, whatever M, the other rows, and 16-row mma.sync or 64-row
-    wgmma (H200, ``benchmarks/probe_mma_rows.py``); the R split into dots is part of the order (two
+    wgmma (``benchmarks/experiments/probe_mma_rows.py``); the R split into dots is part of the order (two
     dots of R/2 give other bits), so every caller passes the whole R at once."""
     return tl.dot(a, b, input_precision="tf32x3", out_dtype=tl.float32)
 

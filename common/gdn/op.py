@@ -211,7 +211,7 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, *, start_positions=None, cache=None, s
 def _prefill_triton(q, k, v, g, beta, cu_seqlens, starts, slots, cache, host=None):
     """A non-decode Triton call: the chunk-parallel kernel or the row scan, whose bits are the same
     (the gpu tests of ``tests/test_gdn_chunk.py``).  The chunk kernel's time follows the call's
-    tokens, the scan's its longest sequence (H200, Qwen3.5's 32 value heads: 1.3-1.6 us a token
+    tokens, the scan's its longest sequence (Qwen3.5's 32 value heads: 1.3-1.6 us a token
     against 35 us a row), so a call whose longest sequence is under a twentieth of its tokens runs
     the scan."""
     from .chunk_kernel import gdn_chunk_triton

@@ -1,7 +1,7 @@
 """The GDN layer's element-wise prologue on CUDA: the causal conv1d + SiLU with
 its tail, and the L2 norm of q and k, each one or two launches in place of the
-torch path's ~110 and ~25 small ops (a 512-token prefill is launch-bound on the
-H200, so a layer's launch count is its prefill time).
+torch path's ~110 and ~25 small ops (a 512-token prefill is launch-bound, so a
+layer's launch count is its prefill time).
 
 Each kernel is ``cpu.py``'s function written element for element: the same
 products and sums in the same order (``enable_fp_fusion=False``: no product is

@@ -14,7 +14,7 @@ import triton.language as tl
 
 @triton.jit
 def _neg0():
-    """-0.0, the trees' pad, from its bit pattern: Triton 3.6 (the H200's) compiles a -0.0 literal,
+    """-0.0, the trees' pad, from its bit pattern: Triton 3.6 compiles a -0.0 literal,
     ``other=-0.0`` included, as +0.0."""
     return tl.full([], -2147483648, tl.int32).to(tl.float32, bitcast=True)
 

@@ -75,7 +75,7 @@ def available() -> bool:
 
 def pipeline_stages(bn: int, bk: int = 64, elem: int = 2) -> int:
     """The deepest load ring that fits beside the epilogue's output tile."""
-    from .kernel import _SMEM  # a program's shared-memory budget on the H200
+    from .kernel import _SMEM  # a program's shared-memory budget
 
     return min(8, (_SMEM - BLOCK_M * bn * elem) // ((BLOCK_M + bn) * bk * elem))
 

@@ -36,12 +36,9 @@ The fused and split kernels call the same ``_segment_dot``; the schedule is
 picked for speed alone and cannot change a bit.  Every output element is the
 same chain of k16 wgmma steps whatever the tile around it, so BLOCK_M,
 BLOCK_N, BLOCK_K (any divisor of SEG_K), num_warps and num_stages are free
-launch knobs too, and ``launch_config`` is free to depend on M.  Measured on
-the H200: every schedule and tile tried (BM 64 to 256, BN 32 to 384, BK 64 /
-128, 4 to 16 warps, 2 to 9 stages, at six Qwen3-8B (N, K) and M = 1…8192)
-gave the default's bits at SEG_K = 1024, while SEG_K = 2048 changed them, and
-so did Triton's ``tl.range(warp_specialize=True)`` on one tile (not used;
-benchmarks/results/2026-11-30-h200-matmul.md).  BLOCK_M stays ≥ 64 so Hopper
+launch knobs too, and ``launch_config`` is free to depend on M (every
+schedule and tile of benchmarks/results/2026-11-30-h200-matmul.md gives the
+default's bits; SEG_K = 2048 does not).  BLOCK_M stays ≥ 64 so Hopper
 always runs wgmma (smaller tiles lower to mma.sync, whose in-instruction
 summation is not promised equal).
 """
@@ -162,18 +159,17 @@ def _mm_tma_persistent_kernel(d_x, d_w, d_w2, d_y, d_y2, M, N, K, N_SEG,
     """Large-M schedule: persistent programs walk the tiles; operands arrive by
     TMA (out-of-bounds reads are zero).  Same per-element arithmetic as
     ``_segment_dot`` + the fused kernel: segment chains from zero, added left
-    to right (measured bit-identical on the H200).
+    to right (measured bit-identical).
 
     One k-loop runs over all of K and restarts the chain from zero after each
-    segment's last step: a loop per segment drained the software pipeline at
-    every segment boundary (4-12 times a tile; one loop is 1.03-1.30x faster
-    on the H200, median 1.11x over 126 tile x shape x M cells).
+    segment's last step: a loop per segment drains the software pipeline at
+    every segment boundary (one loop: median 1.11x over 126 tile x shape x M cells).
 
     A tile is BLOCK_N + BLOCK_N2 columns wide: BLOCK_N2 > 0 adds a second,
     narrower column block (its own descriptors ``d_w2``/``d_y2`` and dot), so
     a tile can be 192 or 96 wide where powers of two leave SMs idle (wave
     quantisation).  Such tiles keep a k-loop per segment: one loop holding
-    four accumulators ran 1.2-2.5x slower.  Each output element is still its
+    four accumulators runs 1.2-2.5x slower.  Each output element is still its
     own k16 chain: the column block it sits in does not touch its sum."""
     wait_prior(PDL)  # PDL: first, before any global load or store
     BLOCK_W: tl.constexpr = BLOCK_N + BLOCK_N2
@@ -222,22 +218,21 @@ def reduction_config(N: int, K: int) -> dict:
 
 
 # Persistent TMA tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) and each
-# one's speed relative to the 128x256 tile with every SM busy, rounded from H200
-# sweeps at M = 4096 (benchmarks/results/2026-11-30-h200-matmul.md).
+# one's speed relative to the 128x256 tile with every SM busy, rounded from sweeps
+# at M = 4096 (benchmarks/results/2026-11-30-h200-matmul.md).
 _TMA_TILES = ((128, 256, 64, 8, 3), (128, 192, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 128, 4, 4),
               (64, 64, 128, 4, 4), (128, 96, 64, 8, 4))
 _TMA_SPEED = (1.0, 0.87, 0.9, 0.85, 0.65, 0.7)
 
 
-# The Gluon kernel's speed where it differs from Triton's at the same tile; the
-# two-column-block tiles run warp-specialized ("gluon_ws", 1.00-1.29x the
-# one-partition form).  With these speeds the model picks the fastest tile
-# measured on the H200 at each of 48 (shape, M) cells.
+# The Gluon kernel's speed where it differs from Triton's at the same tile; with these
+# speeds the model picks the measured fastest tile at each of 48 (shape, M) cells.
 _GLUON_SPEED = {192: 0.93, 96: 0.78}
 
 
 def _gluon_schedule(bn: int) -> str:
-    """The Gluon form a tile runs: warp-specialized for the two-block tiles (192, 96)."""
+    """The Gluon form a tile runs: warp-specialized for the two-block tiles (192, 96), 1.00-1.29x the
+    one-partition form."""
     return "gluon_ws" if column_blocks(bn)[1] else "gluon"
 
 
@@ -287,12 +282,12 @@ def _tma_split_config(M: int, N: int, n_seg: int, sms: int) -> dict:
     return {**cfg, "BLOCK_N": 64, "BLOCK_K": 64, "num_stages": 4}
 
 
-_SMEM = 224 << 10  # bytes of shared memory a program may use on the H200 (227 KB, less headroom)
+_SMEM = 224 << 10  # bytes of shared memory a program may use on Hopper (227 KB, less headroom)
 
 
 def _fit_stages(stages: int, BM: int, BN: int, BK: int, elem: int) -> int:
-    """The default pipeline depth, lowered until the operand tiles fit the
-    H200's shared memory (a tile picked by hand can need fewer stages)."""
+    """The default pipeline depth, lowered until the operand tiles fit
+    ``_SMEM`` (a tile picked by hand can need fewer stages)."""
     while stages > 2 and (BM + BN) * BK * elem * stages > _SMEM:
         stages -= 1
     return stages
@@ -300,8 +295,7 @@ def _fit_stages(stages: int, BM: int, BN: int, BK: int, elem: int) -> int:
 
 def launch_config(M: int, N: int, K: int, sms: int = 132, tma: bool = True, gluon: bool = True) -> dict:
     """Bit-neutral schedule and tile for speed: any choice gives the same
-    bits (on the H200 every schedule x tile candidate at six Qwen3-8B (N, K)
-    and M = 1...8192 gave the default's bits).
+    bits (module docstring).
 
     * M <= 64 (decode): 64-row tiles streaming the weight; split over the K
       segments while the tiles alone would not fill two waves, else fused;

@@ -8,9 +8,9 @@ launch loads its module, which the CUDA driver refuses while a stream
 captures).
 
 Outside it the defaults keep Triton's kernels: a Gluon launch costs more
-Python per call (five descriptors with layouts, and their binding), and on
-the H200 routing eager prefill's M = 512 projections to it halved
-batch-1 prefill, 16.9k -> 8.5k tok/s.  The schedule never changes a bit.
+Python per call (five descriptors with layouts, and their binding), enough to
+halve eager batch-1 prefill (benchmarks/results/2026-11-30-h200-engine.md).
+The schedule never changes a bit.
 """
 from __future__ import annotations
 

@@ -136,7 +136,7 @@ def _fp8_rows(x, ids, w, w_gu, w_d, name: str) -> list[RungResult]:
     """FP8 experts (GLM-5's format) on the same tokens: rungs 1-2, and float64 at their own
     quantization points."""
     q = quantize_experts_fp8(w_gu, w_d)
-    # H200: the fp8 wgmma's ~13-bit block accumulation flips some SwiGLU outputs' bf16 (measured 4.5e-3)
+    # on the GPU the fp8 wgmma's ~13-bit block accumulation flips some SwiGLU outputs' bf16 (measured 4.5e-3)
     bound = 2e-3 if x.device.type == "cpu" else 1e-2
     return _format_rungs("experts fp8", experts_fp8_fwd, x, ids, w, q, name) + [
         accuracy("moe", experts_fp8_fwd(x, ids, w, *q), experts_fp8_ref(x, ids, w, *q), bound,

@@ -459,7 +459,7 @@ def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_sc
     so the bits are ``experts_fwd_triton``'s at the exactly decoded weights (``cpu.experts_fwd_mxfp4_cpu``
     on the CPU).  Same knobs, and ``swap``: the dots as Wᵀ-side first operand (accᵀ = W · inᵀ), so
     the decoded tile feeds the tensor cores from registers; the same bits, on by default on CUDA (the
-    faster on the H200 up to 4096 tokens); its gate-up tile is BLOCK_N / 2 gate rows and their up
+    faster up to 4096 tokens); its gate-up tile is BLOCK_N / 2 gate rows and their up
     rows.  ``block_m`` by default (``mx_block_m``): larger as the experts get more rows, so each
     decoded tile meets more of them.  ``bf16x2``: decode two weights at once in bf16x2 inline PTX
     (``_E2M1X2_BF16``; bf16 on CUDA only, the default there), the same weights as the fp32 decode."""
@@ -474,8 +474,8 @@ def experts_fwd_mxfp4_triton(x, ids, weights, gu_codes, gu_scales, d_codes, d_sc
 
 
 def mx_block_m(rows_per_expert: float) -> int:
-    """The MXFP4 kernels' default rows a tile for an average of ``rows_per_expert`` (T·k / E).  H200,
-    bf16, 64 columns on 4 warps: 256 from 256 rows (GLM-5, 16384 tokens: 33.0 ms against 34.7 at
+    """The MXFP4 kernels' default rows a tile for an average of ``rows_per_expert`` (T·k / E).  In bf16,
+    64 columns on 4 warps: 256 from 256 rows (GLM-5, 16384 tokens: 33.0 ms against 34.7 at
     128), 128 from 64 (DeepSeek-V4, 4096: 5.9 against 9.1 at 256), else 64."""
     return 256 if rows_per_expert >= 256 else 128 if rows_per_expert >= 64 else BLOCK_M
 

@@ -1,6 +1,6 @@
 """The softmax top-k router (Qwen3.5) as one Triton launch on CUDA, for the
 server and the trainer: the torch path (``router.softmax_topk_fwd``) is ~40 small ops a layer,
-and a 512-token prefill is launch-bound on the H200.
+and a 512-token prefill is launch-bound.
 
 ``router.py``'s rules written lane for lane over the E experts of a row: the
 max and the sum by the same pairwise trees (lanes 2m, 2m + 1, level by level;

@@ -17,7 +17,7 @@ order the Triton kernel uses too:
   0, so the padding never changes a bit.  (Why chunks first: the Triton
   kernel's chunk accumulation is element-wise, so only one 8-level tree per
   row needs cross-lane work; a pure P-lane tree walks 16 subtrees one after
-  another at H = 4096, 0.3x ``F.rms_norm`` on the H200.)
+  another at H = 4096, 0.3x ``F.rms_norm``.)
 * ``dw`` (sum over rows), two levels, each "slots, then a tree":
   level 1: rows in blocks of ``RB = S * DW_TILES`` rows; inside a block, row
   ``t * S + s`` is added (from 0, t in order) to slot s, then the S slots are

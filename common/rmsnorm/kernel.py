@@ -15,8 +15,8 @@ Reduction order (the contract; ``cpu.py`` computes the same order):
   store change that layout and 2,854 of 8,192 outputs.  So the plain and the
   fused kernel (which stores the new residual) add in the same order, and
   ``num_warps`` and rows per program (BM) are free launch knobs.
-  Chunks first, then one tree: on the H200 (triton 3.6) a single 4096-lane
-  tree took ptxas minutes to compile.
+  Chunks first, then one tree: a single 4096-lane tree takes ptxas minutes to
+  compile (triton 3.6).
 * ``dw``: two levels of "slots, then a pairwise tree" (``cpu.py`` spells the
   order out): one program per block of S * DW_TILES rows accumulates tile row
   s into slot s and trees the S slots (``_col_tree_sum``); ``_dw_sum_kernel``
@@ -298,11 +298,11 @@ def _chunks(H: int) -> dict:
 
 def _fwd_config(H: int, M: int) -> tuple[int, int]:
     """Default (rows per program, num_warps); neither shapes the reduction (see
-    module docstring), so any value gives the same bits.  From an H200 sweep
-    (benchmarks/results/2026-11-30-h200-primitives.md): one row per program for wide
-    rows (0.4x -> 0.9x F.rms_norm at H = 4096, M <= 1024: a program's rows
-    are walked one latency chain, so more programs beat more rows each);
-    narrow rows (q/k norms, H = 128) batch rows as M grows."""
+    module docstring), so any value gives the same bits.  One row per program
+    for wide rows: a program's rows are walked as one latency chain, so more
+    programs beat more rows each (0.9x F.rms_norm at H = 4096, M <= 1024,
+    against 0.4x at 8 rows a program: 2026-11-30-h200-primitives.md); narrow
+    rows (q/k norms, H = 128) batch rows as M grows."""
     if tree_width(H) > ROW_CHUNK:
         return 1, 2 if M < 4096 else 4
     if M <= 256:

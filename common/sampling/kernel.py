@@ -34,8 +34,7 @@ sort that Triton does not express well.  The keys of a row are distinct
 (``rules.order_keys``), so every correct sort of them returns the one sorted
 permutation of the row, whatever algorithm, stability or batch segmentation
 torch/CUB picks.  The value sort reaches the same permutation with half the
-key bits (4 radix passes over fp32 instead of 8 over int64; ~6.5 ms of a
-23 ms batch-256 decode step was the sampler, mostly the int64 sort): the key
+key bits (4 radix passes over fp32 instead of 8 over int64): the key
 is -ord(s) * 2**32 + id with ord monotone in s (-0.0 folded onto +0.0), so
 ascending keys are "s descending, equal s by ascending id", which is a
 stable descending sort of s -- torch.sort(stable=True) keeps equal values in
@@ -68,21 +67,20 @@ contract (``rules.order_keys``): topk ranks every NaN first while the keys
 rank a negative-signed NaN last, so the two paths may differ on them.
 
 Everything that rounds is in the Triton kernels, with a layout fixed by the
-constants below and by the addresses of the sorted rows.  The JIT
-specializes integer arguments by % 16 and Triton lays a loaded block out by
-what it knows of the addresses, so a stride that reached the key loads as
-it was (head + 1 on the head path, V on the full sort) gave the scan a
-batch-dependent layout: strides 1025 and 1040 gave different log Z bits on
-the H200.  So sorted rows have a stride that is a multiple of
-``KEY_ROW_ALIGN`` (16; both key launchers pad to it with INT64_MAX, which
-sorts last), and the kernels take it in units of 16 (keys: 16-key, 128-byte
-aligned rows, 16-byte loads, sizePerThread 2 for every batch).  Sorted
-values take it in units of 2 with that argument never specialized
-(do_not_specialize): 8-byte aligned rows for every batch, 8-byte loads,
-sizePerThread 2 -- the keys' layout, so the same scan tree and the same bits
-on both (specialized, 64-byte rows would give 16-byte loads, sizePerThread
-4).  ``tests/test_sampling.py`` compiles every variant for sm_90 with each
-integer aligned, not and == 1 and holds them all to today's layouts.
+constants below and by the addresses of the sorted rows.  The JIT specializes
+integer arguments by % 16 and Triton lays a loaded block out by what it knows
+of the addresses, so a stride that reached the key loads as it was (head + 1
+on the head path, V on the full sort) would give the scan a batch-dependent
+layout (strides 1025 and 1040 give different log Z bits).  So sorted rows have
+a stride that is a multiple of ``KEY_ROW_ALIGN`` (16; both key launchers pad
+to it with INT64_MAX, which sorts last), and the kernels take it in units of
+16 (keys: 16-key, 128-byte aligned rows, 16-byte loads, sizePerThread 2 for
+every batch).  Sorted values take it in units of 2 with that argument never
+specialized (do_not_specialize): 8-byte aligned rows for every batch, 8-byte
+loads, sizePerThread 2 -- the keys' layout, so the same scan tree and the same
+bits on both (specialized, 64-byte rows would give 16-byte loads,
+sizePerThread 4).  ``tests/test_sampling.py`` compiles every variant for sm_90
+with each integer aligned, not and == 1 and holds them all to today's layouts.
 ``_support_kernel`` also folds the greedy / "off" parameters, hashes
 (seed, step) into the uniform with the same int64 operations as
 ``rules.uniform01`` (same bits), and computes the token's log-prob with the

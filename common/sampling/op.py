@@ -47,7 +47,7 @@ level by level), the chunk sums added left to right (``uncut_logprobs``; the
 CUDA kernel builds the same tree with reshape/split).  The sampler still
 draws by step 8 (its sorted walk), then reports this lp for such a row; the
 replay of such a row forms no sort at all (a full sort of 151936-wide rows
-costs a third of a qwen3-0.6b trainer step on the H200).  Every token is
+costs a third of a qwen3-0.6b trainer step).  Every token is
 in the support: last_key is INT64_MAX.
 
 Why this order: it is vLLM's (temperature, top-k, top-p on the renormalised
