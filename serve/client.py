@@ -133,12 +133,23 @@ class Client:
     def wait_ready(self, timeout: float = 120.0, proc=None) -> None:
         """Poll /health until it answers; ``proc`` (a Popen): fail at once if it exits."""
         deadline = time.monotonic() + timeout
-        while not self.health():
+        while not self._up():
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.url} not ready within {timeout} s")
             time.sleep(0.1)
+
+    def _up(self) -> bool:
+        try:
+            self.get("/health", timeout=5)
+            return True
+        except ServerError as e:
+            if e.status == 401:  # it is up, and refuses this client: waiting will not change that
+                raise
+            return False
+        except OSError:
+            return False
 
     def health_generate(self) -> bool:
         try:

@@ -240,11 +240,13 @@ def render_chat(tokenizer, req: ChatIn) -> list[int]:
     if req.continue_final_message and messages[-1]["role"] != "assistant":
         raise ApiError(400, "continue_final_message: the last message must be the assistant's")
     try:
-        ids = tokenizer.apply_chat_template(messages, tools=req.tools, add_generation_prompt=not req.continue_final_message,
+        ids = tokenizer.apply_chat_template(messages, tools=req.tools,
+                                            add_generation_prompt=not req.continue_final_message,
                                             continue_final_message=req.continue_final_message, tokenize=True,
                                             return_dict=False, **kwargs)
     except Exception as e:  # jinja2's TemplateError, raise_exception(), a template's TypeError: the request's fault
-        raise ApiError(400, f"messages: the chat template failed: {type(e).__name__}: {' '.join(str(e).split())}") from None
+        why = " ".join(str(e).split())
+        raise ApiError(400, f"messages: the chat template failed: {type(e).__name__}: {why}") from None
     if hasattr(ids, "keys"):  # a BatchEncoding from an older transformers
         ids = ids["input_ids"]
     ids = list(ids)
@@ -285,8 +287,8 @@ def build(req_body: Any, limits: ModelLimits, defaults: dict, model_name: str, c
     if req.n < 1:
         raise ApiError(400, f"n must be >= 1, got {req.n}")
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"{'max_completion_tokens' if chat and req.max_completion_tokens is not None else 'max_tokens'}"
-                            f" must be >= 1, got {max_tokens}")
+        name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+        raise ApiError(400, f"{name} must be >= 1, got {max_tokens}")
     opts = req.stream_options or {}
     unknown = set(opts) - {"include_usage", "continuous_usage_stats"}
     if unknown or not all(isinstance(v, bool) for v in opts.values()):

@@ -711,8 +711,8 @@ def create_app(server: AlignedServer, keys: ApiKeys | None = None) -> FastAPI:
             done[item.index] = (item, c, version)
         try:
             return JSONResponse(openai.response(spec, tok, done))
-        except ValueError as e:
-            return error(e)
+        except ValueError as e:  # a non-finite log-prob: JSON cannot carry it
+            return error(ApiError(500, str(e)))
 
     @app.post("/v1/completions")
     async def v1_completions(request: Request):
@@ -885,8 +885,8 @@ def build(model: str, *, checkpoint=None, config=None, device=None, dtype=torch.
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     trainer = build_trainer(spec, cfg, checkpoint, device=device, dtype=dtype, seed=seed, fp8=fp8)
     # The engine's thread decodes stop strings with a tokenizer of its own: the handlers' stays theirs.
-    engine = Engine(spec.server_cls(cfg, server_weights(trainer), lora_scale=None),
-                    **{"eos_token_ids": text.eos_token_ids, "tokenizer": copy.deepcopy(text.tokenizer), **engine_kwargs})
+    stops = {"eos_token_ids": text.eos_token_ids, "tokenizer": copy.deepcopy(text.tokenizer)}
+    engine = Engine(spec.server_cls(cfg, server_weights(trainer), lora_scale=None), **{**stops, **engine_kwargs})
     return AlignedServer(spec, cfg, trainer, engine, model=model, checkpoint=checkpoint,
                          preset=None if checkpoint else (config or "tiny"), device=device, dtype=dtype, fp8=fp8,
                          host=host, port=port, text=text, weights_dirs=weights_dirs,
@@ -938,9 +938,11 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 30000, log_level: 
     t0 = time.perf_counter()
     server = build(model, host=host, port=port, **kw)
     app = create_app(server, keys)
-    log.info("alignzoo serve: %s; %s; disk updates %s; %s", "API key required on every route" if keys.api_key else
-             "no API key", "admin key required for weight updates and control" if keys.admin_api_key else
-             "no admin key", f"under {', '.join(server.weights_dirs)}" if server.weights_dirs else "off (no --weights-dir)",
+    dirs = server.weights_dirs
+    log.info("alignzoo serve: %s; %s; disk updates %s; %s",
+             "API key required on every route" if keys.api_key else "no API key",
+             "admin key required for weight updates and control" if keys.admin_api_key else "no admin key",
+             f"under {', '.join(dirs)}" if dirs else "off (no --weights-dir)",
              "tokenizer and chat template from the checkpoint" if server.text.chat_template is not None else
              "tokenizer from the checkpoint (no chat template)" if server.text.tokenizer is not None else
              "no tokenizer: token ids only")

@@ -338,3 +338,18 @@ def test_disk_updates_read_only_under_the_allowed_directories(server, admin, pai
     prompt, d = pair.tokenizer.encode("hello cat"), {"max_new_tokens": 8, "sampling_seed": 2, "ignore_eos": True}
     assert_same_as_in_process(pair, prompt, d, server.generate(prompt, d, return_logprob=True))
     assert ours(d).ignore_eos
+
+
+def test_http_chat_rl_example_is_exact(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import http_chat_rl
+
+    assert http_chat_rl.main(["--steps", "2", "--episodes", "2", "--group-size", "3", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "0 of" in out and "served weights == the trainer's; server exit status 0" in out
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["weight_version"] for r in rows] == [2, 3] and all(r["differing_tokens"] == 0 for r in rows)
+    assert all(r["tokens"] > 0 for r in rows)
