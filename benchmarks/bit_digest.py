@@ -114,9 +114,9 @@ def main() -> int:
         res["cases"][case] = run_case(model, kw, args.device, lens, args.new)
         print(f"{case}: {len(res['cases'][case])} digests, k3_zero {res['cases'][case]['k3_zero']}, "
               f"{time.time() - t0:.1f} s", file=sys.stderr)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1, sort_keys=True)
+        if args.out:  # after every case: a run cut short keeps what it finished
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, sort_keys=True)
     return 0
 
 
