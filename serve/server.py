@@ -50,6 +50,7 @@ from ..sync import (CorruptPayload, DistTransport, Publisher, Receiver, SyncErro
 from ..sync.payload import FORMAT
 from . import ADMIN_ROUTES, api, jsonio, openai, wire
 from .api import ApiError, Item
+from .text import TextDelta
 
 log = logging.getLogger("alignzoo.serve")
 
@@ -664,6 +665,10 @@ def create_app(server: AlignedServer, keys: ApiKeys | None = None) -> FastAPI:
         left = {it.rid for it in job.items}
         so_far: dict[str, tuple[list, list]] = {it.rid: ([], []) for it in job.items}  # SGLang's chunks are cumulative
         multi = not spec.single
+        # a running sample's text so far, decoded incrementally (serve/text.py): a chunk costs its own tokens
+        texts = {it.rid: TextDelta(tok, skip_special_tokens=it.text.skip_special_tokens,
+                                   spaces_between_special_tokens=it.text.spaces_between_special_tokens)
+                 for it in job.items if it.text is not None and tok is not None}
         try:
             while left:
                 ev = await job.events.get()
@@ -673,8 +678,11 @@ def create_app(server: AlignedServer, keys: ApiKeys | None = None) -> FastAPI:
                     tokens, lps = so_far[item.rid]
                     tokens += new_tokens
                     lps += new_lps
+                    delta = texts.get(item.rid)
+                    if delta is not None:
+                        delta.running(tokens)
                     chunk = api.item_response(item, tokens, lps, version, index=item.index if multi else None,
-                                              tokenizer=tok)
+                                              tokenizer=tok, text=None if delta is None else delta.sent)
                 else:
                     _, _, c, version = ev
                     left.discard(item.rid)

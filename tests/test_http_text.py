@@ -87,6 +87,19 @@ def test_text_in_text_out(server, pair, tok):
     assert server.get_model_info()["eos_token_ids"] == [EOS, END]
 
 
+def test_a_text_stream_is_cumulative_and_ends_as_the_plain_answer(server, tok):
+    d = {"max_new_tokens": 12, "sampling_seed": 9, "ignore_eos": True}
+    chunks = list(server.stream("/generate", {"text": "the dog", "sampling_params": d, "stream": True,
+                                              "return_logprob": True}))
+    plain = server.generate_text("the dog", d, return_logprob=True)
+    assert len(chunks) > 2
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["text"].startswith(a["text"]) and b["output_ids"][:len(a["output_ids"])] == a["output_ids"]
+    assert chunks[-2]["text"] == tok.decode(chunks[-2]["output_ids"], skip_special_tokens=True)
+    assert chunks[-1]["text"] == plain["text"] and chunks[-1]["output_ids"] == plain["output_ids"]
+    assert torch.equal(output_logprobs(chunks[-1]), output_logprobs(plain))
+
+
 def test_a_batch_of_texts_is_the_same_prompts_as_ids(server, tok):
     texts = ["hello world", "the cat sat on the mat", "reverse 1 2 3"]
     ds = [{"max_new_tokens": 6 + i, "sampling_seed": 20 + i, "n": 2} for i in range(3)]
