@@ -102,10 +102,11 @@ def run_ladder(pair, *, length: int = 1024, batch: int = 4, seed: int = 0, new_t
         rows.append(_row(name, 3, f"trainer == server decode (1 token/step, first {n_dec})", t_short, s_dec))
 
         say("rung 4: online sampling")
-        # long prompts (prefill) then decode: sequences still reach `length` tokens
+        # long prompts (prefill) then decode: sequences still reach `length` tokens (past the model's EOS ids
+        # too: a checkpoint's EOS would end them early, and a receipt's token counts with them)
         prompts = [s[:max(1, len(s) - new_tokens)] for s in seqs]
         gen_sp = [SamplingParams(temperature=0.7 + 0.1 * i, top_k=vocab // 3 + i, top_p=0.9, min_p=0.02,
-                                 seed=seed + i, max_new_tokens=len(s) - len(p))
+                                 seed=seed + i, max_new_tokens=len(s) - len(p), ignore_eos=True)
                   for i, (s, p) in enumerate(zip(seqs, prompts))]
         outs = server.generate(prompts, gen_sp)
         bad = [o.error for o in outs if o.error]
