@@ -21,17 +21,12 @@ from ...common.attention import paged_attention_fwd
 from ...common.engine.model_api import ForwardBatch
 from ...common.gdn import conv1d_fwd, conv1d_state_fields, gdn_fwd, gdn_state_fields
 from ...common.kv_cache import PagedPool, StatePool, write_kv_fwd
-from ...common.matmul import matmul_fwd
-from ...common.moe import experts_fwd, softmax_topk_fwd
-from ...common.moe.lora import ExpertsAdapter, expert_lora_of
-from ...common.moe.router import sigmoid_fp32
 from ...common.rmsnorm import rmsnorm_fwd
 from ...common.rope import rope_fwd
-from ...common.swiglu import swiglu_fwd
-from ...common.tree import tree_reduce_fwd
 from ..base import ServerBase
+from ..moe_block import moe_block_fwd, routed_extras, server_experts_lora
 from .config import Qwen35GdnConfig
-from .train import gated, gdn_gates, qk_l2norm, zc
+from .train import gated, gdn_gates, moe_spec, qk_l2norm, zc
 from .weights import lora_slices
 
 
@@ -45,24 +40,10 @@ class Qwen35GdnServer(ServerBase):
                  lora_adapters: tuple[tuple[str, float], ...] = ()):
         super().__init__(cfg, weights, lora_scale, lora_adapters)
         self._slot = {i: n for n, i in enumerate(cfg.gdn_layers)} | {i: n for n, i in enumerate(cfg.attn_layers)}
-        self._experts_lora = self._experts_adapters()
-
-    def _experts_adapters(self) -> dict:
-        """{layer: ``ExpertLoRA``} of the layers whose experts carry a separate-mode adapter
-        (``layers.{i}.moe.lora_A.<gate_up|down>``); its tensors are the weight dict's, which sync
-        writes in place, so one is built per layer for the server's life."""
-        out = {}
-        for i in range(self.cfg.num_layers):
-            p = f"layers.{i}.moe."
-            ab = {k: (self.weights[f"{p}lora_A.{k}"], self.weights[f"{p}lora_B.{k}"])
-                  for k in ExpertsAdapter.KEYS if f"{p}lora_A.{k}" in self.weights}
-            if ab:
-                if self.lora_scale is None:
-                    raise ValueError("the weights hold experts' LoRA adapters (moe.lora_A.*) but no lora_scale "
-                                     "was given")
-                r = next(iter(ab.values()))[0].shape[1]
-                out[i] = expert_lora_of(ab, self.w(p + "gate_up.weight"), self.w(p + "down.weight"), r, self.lora_scale)
-        return out
+        self.moe_spec = moe_spec(cfg)
+        # {layer: ExpertLoRA} of the layers whose experts carry a separate-mode adapter
+        self._experts_lora = {i: lora for i in range(cfg.num_layers)
+                              if (lora := server_experts_lora(self, self.moe_spec, i)) is not None}
 
     def cache_pools(self) -> dict:
         c = self.cfg
@@ -133,19 +114,7 @@ class Qwen35GdnServer(ServerBase):
         return y
 
     def _moe(self, h, L, batch):
-        c, Is, p = self.cfg, self.cfg.shared_intermediate_size, f"layers.{L}."
-        w, ids = softmax_topk_fwd(matmul_fwd(h, self.w(p + "moe.gate.weight")), c.experts_per_token)
-        self.tap("moe.router.ids", ids, L)
-        self.tap("moe.router.weights", w, L)
-        routed = experts_fwd(h, ids, w, self.w(p + "moe.gate_up.weight"), self.w(p + "moe.down.weight"),
-                             lora=self._experts_lora.get(L))
-        self.tap("moe.routed", routed, L)
-        gu = self.linear(h, p + "moe.shared_gate_up.", batch.adapter_ids)
-        shared = self.linear(swiglu_fwd(gu[:, :Is], gu[:, Is:]), p + "moe.shared_down.", batch.adapter_ids)
-        sg = sigmoid_fp32(matmul_fwd(h, self.w(p + "moe.shared_gate.weight")).float())
-        y = tree_reduce_fwd(torch.stack([routed, shared.float() * sg]), h.dtype)
-        self.tap("moe.out", y, L)
-        return y, ids, w
+        return moe_block_fwd(self, self.moe_spec, h, L, batch, self._experts_lora.get(L))
 
     def forward(self, batch: ForwardBatch, caches):
         """-> (FP32 logits (R, V) of ``batch.logit_rows``, {"routed_experts", "routed_weights"})."""
@@ -169,7 +138,7 @@ class Qwen35GdnServer(ServerBase):
             h, residual = self._norm(x, p + "mlp_norm.weight", residual)
             self.tap("mlp_norm", h, i)
             x, ids, w = self._moe(h, i, batch)
-            ids_all.append(ids.to(torch.int32))
-            w_all.append(w.float())
+            ids_all.append(ids)
+            w_all.append(w)
         logits = self._logits(x, residual, batch)
-        return logits, {"routed_experts": torch.stack(ids_all, 1), "routed_weights": torch.stack(w_all, 1)}
+        return logits, routed_extras(ids_all, w_all)

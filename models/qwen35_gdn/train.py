@@ -17,14 +17,12 @@ from torch.utils.checkpoint import checkpoint
 from ...common.attention import attention
 from ...common.gdn import conv1d, gdn, l2norm_fwd
 from ...common.layers import AdapterRows, Linear, Weight
-from ...common.matmul import matmul
-from ...common.moe import moe_combine, moe_experts, router_replay, softmax_topk
 from ...common.moe.router import sigmoid_fp32
 from ...common.rmsnorm import rmsnorm, rmsnorm_gated, rmsnorm_residual
 from ...common.rope import rope
-from ...common.swiglu import swiglu_gate_up
 from ..base import TrainerBase
 from ..capture import no_tap
+from ..moe_block import GatedSharedExpert, MoEBlock, MoESpec, SoftmaxRouter
 from .config import Qwen35GdnConfig
 from .weights import LORA_PARAM_SLOTS, LORA_TARGETS, lora_slices
 
@@ -128,49 +126,11 @@ class AttnMixer(nn.Module):
         return y
 
 
-class MoE(nn.Module):
-    """Softmax top-k router, the routed experts and the sigmoid-gated shared expert;
-    ``experts_lora``: LoRA on the routed experts (``add_lora`` with target_parameters)."""
-
-    def __init__(self, cfg: Qwen35GdnConfig, index: int, **kw):
-        super().__init__()
-        self.cfg, self.index = cfg, index
-        E, I, Is, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_intermediate_size, cfg.hidden_size
-        self.gate = Weight(E, H, **kw)
-        self.gate_up = Weight(E, 2 * I, H, **kw)
-        self.down = Weight(E, H, I, **kw)
-        self.shared_gate_up = Linear(2 * Is, H, **kw)
-        self.shared_down = Linear(H, Is, **kw)
-        self.shared_gate = Weight(1, H, **kw)
-        self.experts_lora = None  # ExpertsAdapter.ATTR: the adapter once add_lora targets the experts
-
-    tap = staticmethod(no_tap)
-
-    def forward(self, h, adapters=None, replay=None):
-        """h: (T, H) -> (T, H); ``replay``: (ids, weights, rows that have them, mode) of the server's routing."""
-        c, L = self.cfg, self.index
-        logits = matmul(h, self.gate.weight)
-        w, ids = softmax_topk(logits, c.experts_per_token)
-        if replay is not None:  # the server's routing where it has one (not the sequence's last token)
-            ids_r, w_r, have, mode = replay
-            ids_r = torch.where(have[:, None], ids_r.long(), ids)
-            w_r = torch.where(have[:, None], w_r.to(w.dtype), w.detach())
-            w, ids = router_replay(logits, ids_r, w_r, mode=mode, scoring="softmax")
-        self.tap("moe.router.ids", ids, L)
-        self.tap("moe.router.weights", w, L)
-        gu, d, lora, ad = self.gate_up.weight, self.down.weight, None, self.experts_lora
-        if ad is not None and ad.mode == "merged":
-            merged = ad.merged()
-            gu, d = merged.get("gate_up", gu), merged.get("down", d)
-        elif ad is not None:
-            lora = ad.expert_lora()
-        routed = moe_experts(h, ids, w, gu, d, lora=lora)
-        self.tap("moe.routed", routed, L)
-        shared = self.shared_down(swiglu_gate_up(self.shared_gate_up(h, adapters)), adapters)
-        sg = sigmoid_fp32(matmul(h, self.shared_gate.weight).float())  # (T, 1)
-        y = moe_combine([routed, shared.float() * sg], h.dtype)
-        self.tap("moe.out", y, L)
-        return y
+def moe_spec(cfg: Qwen35GdnConfig) -> MoESpec:
+    """Qwen3.5's MoE block (``models/moe_block.py``): the softmax top-k router, experts in the
+    model dtype, one shared expert behind a sigmoid gate."""
+    return MoESpec(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, SoftmaxRouter(cfg.experts_per_token),
+                   shared=GatedSharedExpert(cfg.shared_intermediate_size))
 
 
 class Block(nn.Module):
@@ -185,7 +145,7 @@ class Block(nn.Module):
         else:
             self.attn = AttnMixer(cfg, index, **kw)
         self.mlp_norm = Weight(H, **kw)
-        self.moe = MoE(cfg, index, **kw)
+        self.moe = MoEBlock(moe_spec(cfg), index, **kw)
 
     tap = staticmethod(no_tap)
 
