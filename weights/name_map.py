@@ -84,6 +84,12 @@ def _template_regex(template: str) -> re.Pattern:
     return re.compile("^" + r"(\d+)".join(re.escape(p) for p in template.split("{}")) + "$")
 
 
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or its exact fp32 values for a 1-byte float8 dtype (FP8 codes read as stored), which
+    torch's ``isfinite`` does not take."""
+    return t.float() if t.element_size() == 1 else t
+
+
 def _fmt(shape: Sequence[int]) -> str:
     return str(tuple(shape))
 
@@ -415,9 +421,9 @@ class NameMap:
                         dst[j].copy_(get(p))
                 else:
                     dst.copy_(get(names[0]))
-        if not bool(torch.isfinite(t).all()):
+        if not bool(torch.isfinite(_widened(t)).all()):
             for p in lay.flat:
-                bad = int((~torch.isfinite(src.get(p).to(dtype))).sum())
+                bad = int((~torch.isfinite(_widened(src.get(p).to(dtype)))).sum())
                 if bad:
                     raise CheckpointError(f"{where}: {p} holds {bad} NaN/Inf value(s) (as "
                                           f"{dtype_name(dtype)}); refusing to serve them")
