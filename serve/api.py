@@ -87,7 +87,7 @@ class SamplingIn(_Strict):
     top_p: float = 1.0
     top_k: int = -1  # -1: off (SGLang); ours is 0
     min_p: float = 0.0
-    max_new_tokens: int | None = 128  # None: up to the model's max_position
+    max_new_tokens: int | None = 128  # None: up to the model's max_position (and what the KV cache holds)
     stop_token_ids: list[int] | None = None
     sampling_seed: int | None = None  # None: a random seed, returned in meta_info
     n: int = 1
@@ -287,7 +287,7 @@ def _sampling(sp: SamplingIn, prompt_len: int, limits: ModelLimits, seed: int, w
     if sp.top_k == 0 or sp.top_k < -1:
         raise ApiError(400, f"{where}{prefix}top_k must be -1 (off) or >= 1, got {sp.top_k}")
     stop = check_stop(sp.stop, limits, f"{where}{prefix}stop")
-    max_new = sp.max_new_tokens if sp.max_new_tokens is not None else limits.max_position - prompt_len
+    max_new = sp.max_new_tokens if sp.max_new_tokens is not None else room(prompt_len, limits)
     try:
         return SamplingParams(temperature=sp.temperature, top_k=0 if sp.top_k == -1 else sp.top_k, top_p=sp.top_p,
                               min_p=sp.min_p, max_new_tokens=max_new, seed=seed,
@@ -322,6 +322,18 @@ def encode_text(text, limits: ModelLimits, field: str) -> list[int]:
     if not text:
         raise ApiError(400, f"{field} is empty: give some text")
     return list(limits.tokenizer.encode(text))
+
+
+def room(prompt_len: int, limits: ModelLimits) -> int:
+    """The most tokens a prompt of ``prompt_len`` may be completed by: up to the model's positions, and
+    no more than the KV cache holds for one sequence (at least 1: too little is refused by check_length)."""
+    lo, hi = 1, limits.max_position - prompt_len
+    if hi <= 1 or limits.fits_alone(prompt_len + hi - 1) is None:
+        return max(hi, 1)
+    while lo < hi:  # the last sampled token is never fed back: prompt + n tokens cache prompt + n - 1 positions
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if limits.fits_alone(prompt_len + mid - 1) is None else (lo, mid - 1)
+    return lo
 
 
 def check_prompt(prompt_len: int, limits: ModelLimits, field: str, where: str = "") -> None:
