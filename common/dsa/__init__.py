@@ -1,0 +1,5 @@
+"""DeepSeek Sparse Attention's indexer: scores Σ_h w_h · ReLU(q_h · k) and the top-k selection, in one order."""
+from .naive import index_scores_ref, index_topk_ref
+from .op import index_scores, index_topk
+
+__all__ = ["index_scores", "index_scores_ref", "index_topk", "index_topk_ref"]
