@@ -273,8 +273,6 @@ def build(req_body: Any, limits: ModelLimits, defaults: dict, model_name: str, c
         if req.top_logprobs not in (None, 0):
             raise ApiError(400, f"top_logprobs = {req.top_logprobs} is not supported: only the chosen token's "
                                 f"log-prob is served (the sampler's, bitwise the trainer's); leave it at 0")
-        if req.top_logprobs and not req.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true")
         logprobs = req.logprobs
     else:
         prompts, field_name = _completion_prompts(req.prompt, limits), "prompt"
@@ -297,8 +295,10 @@ def build(req_body: Any, limits: ModelLimits, defaults: dict, model_name: str, c
                             f"{_short(opts)}")
     adapter = _adapter(req, limits)
     seed = req.seed if req.seed is not None else secrets.randbits(63)
+    if not -api._INT64 <= seed < api._INT64:
+        raise ApiError(400, f"seed must fit in int64, got {seed}")
     top_k = req.top_k if req.top_k is not None else (defaults.get("top_k") or -1)
-    sp_in = api.SamplingIn.model_validate({
+    sp_in = api.validated(api.SamplingIn, {
         "temperature": float(req.temperature if req.temperature is not None else defaults.get("temperature", 1.0)),
         "top_p": float(req.top_p if req.top_p is not None else defaults.get("top_p", 1.0)),
         "top_k": top_k, "min_p": float(req.min_p if req.min_p is not None else defaults.get("min_p", 0.0)),
