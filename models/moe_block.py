@@ -17,7 +17,7 @@ logical order (routed, shared), rounded once.
 
 A model holds the block as ``layers.{i}.moe``; its tensors under that prefix:
 ``gate.weight`` (E, H) (fp32 for the sigmoid router, as transformers keeps
-it), ``gate_bias.weight`` (E,) fp32 (e_score_correction_bias: sigmoid and
+it), ``correction_bias.weight`` (E,) fp32 (e_score_correction_bias: sigmoid and
 sqrt-softplus) or ``tid2eid.weight`` (V, k) int64 (hash), ``gate_up`` /
 ``down`` in the experts' format (``Bf16Experts``, ``Fp8Experts``,
 ``Mxfp4Experts``), ``shared_gate_up`` / ``shared_down`` (and ``shared_gate``,
@@ -117,14 +117,14 @@ class SigmoidRouter(Router):
     gate_dtype = torch.float32
 
     def tables(self, E):
-        return {"gate_bias": ((E,), torch.float32)}
+        return {"correction_bias": ((E,), torch.float32)}
 
     def route(self, logits, tables, tokens):
-        return sigmoid_topk(logits, tables["gate_bias"], self.top_k, n_group=self.n_group, topk_group=self.topk_group,
-                            routed_scaling_factor=self.routed_scaling_factor)
+        return sigmoid_topk(logits, tables["correction_bias"], self.top_k, n_group=self.n_group,
+                            topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor)
 
     def route_fwd(self, logits, tables, tokens):
-        return sigmoid_topk_fwd(logits, tables["gate_bias"], self.top_k, self.n_group, self.topk_group,
+        return sigmoid_topk_fwd(logits, tables["correction_bias"], self.top_k, self.n_group, self.topk_group,
                                 self.routed_scaling_factor)
 
 
@@ -138,14 +138,14 @@ class SqrtSoftplusRouter(Router):
     scoring = "sqrtsoftplus"
 
     def tables(self, E):
-        return {"gate_bias": ((E,), torch.float32)}
+        return {"correction_bias": ((E,), torch.float32)}
 
     def route(self, logits, tables, tokens):
-        return sqrtsoftplus_topk(logits, tables["gate_bias"], self.top_k,
+        return sqrtsoftplus_topk(logits, tables["correction_bias"], self.top_k,
                                  routed_scaling_factor=self.routed_scaling_factor)
 
     def route_fwd(self, logits, tables, tokens):
-        return sqrtsoftplus_topk_fwd(logits, tables["gate_bias"], self.top_k, self.routed_scaling_factor)
+        return sqrtsoftplus_topk_fwd(logits, tables["correction_bias"], self.top_k, self.routed_scaling_factor)
 
 
 @dataclass(frozen=True)

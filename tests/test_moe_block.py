@@ -78,7 +78,7 @@ def make_block(name, device, seed=0):
             if n == "tid2eid.weight":
                 p.copy_(_table(E, spec.router.top_k, VOCAB, g))
             else:
-                std = 0.5 if n == "gate.weight" else 0.2 if n == "gate_bias.weight" else 0.1
+                std = 0.5 if n == "gate.weight" else 0.2 if n == "correction_bias.weight" else 0.1
                 p.copy_(torch.randn(p.shape, generator=g) * std)
         if spec.experts is MXFP4:
             gu, gs, d, ds = quantize_experts_mxfp4(torch.randn(E, 2 * I, H, generator=g) * 0.1,
@@ -266,7 +266,7 @@ def _ours(hf, spec):
               "down.weight": hf.experts.down_proj,
               "shared_gate_up.weight": torch.cat([sh.gate_proj.weight, sh.up_proj.weight]),
               "shared_down.weight": sh.down_proj.weight}
-    for ours, theirs in (("gate_bias.weight", "e_score_correction_bias"), ("tid2eid.weight", "tid2eid")):
+    for ours, theirs in (("correction_bias.weight", "e_score_correction_bias"), ("tid2eid.weight", "tid2eid")):
         if hasattr(hf.gate, theirs):
             copies[ours] = getattr(hf.gate, theirs)
     if hasattr(hf, "shared_expert_gate"):
