@@ -138,28 +138,31 @@ def attend_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-row recurrence of the module docstring, for S independent streams.
 
-    q: (S, M, D) rows; k, v: (S, NB*64, D) holding absolute KV blocks
-    ``block0 .. block0+NB-1`` of the stream; pos, lo: (S, M) int64 — the row's
+    q: (S, M, D) rows; k: (S, NB*64, D), v: (S, NB*64, Dv) holding absolute KV
+    blocks ``block0 .. block0+NB-1`` of the stream (Dv may differ from D: MLA's
+    values are a prefix of its KV row); pos, lo: (S, M) int64 — the row's
     position and first visible KV position (``pos < 0``: a padding row);
     kv_len: (S,) — K/V at positions >= kv_len are never data (may be garbage).
-    Returns out (S, M, D) fp32 = acc / l (not rounded) and lse (S, M) fp32.
+    Returns out (S, M, Dv) fp32 = acc / l (not rounded) and lse (S, M) fp32,
+    on q's device (the ops are the same element-wise ops on any device).
     ``row_chunk`` only bounds memory: it cannot change bits.  ``seg_blocks``
     is part of the order: anything but ``SEG_BLOCKS`` breaks the contract
     (the tests' counter-example uses it).
     """
     S, M, D = q.shape
+    Dv, dev = v.shape[2], q.device
     NB = k.shape[1] // BLOCK_N
-    n_abs = block0 * BLOCK_N + torch.arange(NB * BLOCK_N)  # (L,)
+    n_abs = block0 * BLOCK_N + torch.arange(NB * BLOCK_N, device=dev)  # (L,)
     kT = k.float().view(S, NB, BLOCK_N, D).permute(3, 2, 0, 1).contiguous()  # (D, 64, S, NB)
     v_ok = (n_abs[None, :] < kv_len[:, None])[..., None]  # (S, L, 1)
-    vT = torch.where(v_ok, v.float(), 0.0).view(S, NB, BLOCK_N, D).permute(2, 0, 1, 3).contiguous()  # (64, S, NB, D)
+    vT = torch.where(v_ok, v.float(), 0.0).view(S, NB, BLOCK_N, Dv).permute(2, 0, 1, 3).contiguous()  # (64, S, NB, Dv)
     qT = q.float().permute(2, 0, 1)  # (D, S, M)
     valid = pos >= 0
     jlo = torch.where(valid, lo // BLOCK_N, 1 << 40)  # padding rows: no block is theirs
     jhi = torch.where(valid, pos // BLOCK_N, -1)
 
-    out = torch.zeros(S, M, D)
-    lse = torch.full((S, M), _NEG_INF)
+    out = torch.zeros(S, M, Dv, device=dev)
+    lse = torch.full((S, M), _NEG_INF, device=dev)
     mc = row_chunk or max(1, min(M, _BUDGET // max(1, D * BLOCK_N * S * NB)))
     for m0 in range(0, M, mc):
         m1 = min(M, m0 + mc)
@@ -170,15 +173,15 @@ def attend_rows(
         j1 = int(jhi[:, m0:m1][ok].max()) - block0 + 1
         pos_c, lo_c = pos[:, m0:m1], lo[:, m0:m1]
         jlo_c, jhi_c = jlo[:, m0:m1], jhi[:, m0:m1]
-        m_t = torch.full((S, m1 - m0), _NEG_INF)
-        l_t = torch.zeros(S, m1 - m0)
-        acc_t = torch.zeros(S, m1 - m0, D)
+        m_t = torch.full((S, m1 - m0), _NEG_INF, device=dev)
+        l_t = torch.zeros(S, m1 - m0, device=dev)
+        acc_t = torch.zeros(S, m1 - m0, Dv, device=dev)
         bc = max(1, _BUDGET // max(1, D * BLOCK_N * S * (m1 - m0)))
         a0, a1 = block0 + j0, block0 + j1  # absolute block range of the chunk
         for g0 in range(a0 - a0 % seg_blocks, a1, seg_blocks):  # segments, in increasing order
-            m = torch.full((S, m1 - m0), _NEG_INF)
-            l = torch.zeros(S, m1 - m0)
-            acc = torch.zeros(S, m1 - m0, D)
+            m = torch.full((S, m1 - m0), _NEG_INF, device=dev)
+            l = torch.zeros(S, m1 - m0, device=dev)
+            acc = torch.zeros(S, m1 - m0, Dv, device=dev)
             seg_hi = min(a1, g0 + seg_blocks) - block0
             for b0 in range(max(a0, g0) - block0, seg_hi, bc):
                 b1 = min(seg_hi, b0 + bc)
@@ -193,8 +196,8 @@ def attend_rows(
                 p = torch.exp(s - m_safe[None])  # (64, S, Mc, nb)
                 alpha = torch.where(m_new > m_prev, torch.exp(m_prev - m_safe), 1.0)  # (S, Mc, nb)
                 rs = _tree_sum0(p)  # (S, Mc, nb)
-                pv = _tree_sum0(p[..., None] * vT[:, :, None, b0:b1, :])  # (S, Mc, nb, D)
-                jj = block0 + torch.arange(b0, b1)
+                pv = _tree_sum0(p[..., None] * vT[:, :, None, b0:b1, :])  # (S, Mc, nb, Dv)
+                jj = block0 + torch.arange(b0, b1, device=dev)
                 act = (jj >= jlo_c[..., None]) & (jj <= jhi_c[..., None])  # (S, Mc, nb)
                 all_act = act.flatten(0, 1).all(0).tolist()
                 any_act = act.flatten(0, 1).any(0).tolist()
