@@ -1,0 +1,352 @@
+"""Sparse MLA attention in the absorbed form (``alignzoo.common.sparse_attention``): a query row attends to the
+KV rows the DSA indexer selected, in one order, so a row has the same bits whether its history is contiguous
+(trainer) or paged (server), alone or in any batch, and whether it is a decode step or a row of a prefill.
+Accuracy and gradients against float64; parity with dense causal MQA attention when every position is selected."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from alignzoo.common.attention import attention_ref
+from alignzoo.common.dsa import index_scores, index_topk
+from alignzoo.common.kv_cache import PAGE_SIZE
+from alignzoo.common.ladder import rel_err
+from alignzoo.common.sparse_attention import (
+    paged_sparse_attention,
+    paged_sparse_attention_fwd,
+    sparse_attention,
+    sparse_attention_bwd,
+    sparse_attention_fwd,
+    sparse_attention_ref,
+)
+
+
+def _select(L, top_k, seed):
+    """A sequence's (L, top_k) selection from the DSA indexer on random inputs (keys 0..p for token p)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(L, 4, 16, generator=g).to(torch.bfloat16)
+    k = torch.randn(L, 16, generator=g).to(torch.bfloat16)
+    w = torch.randn(L, 4, generator=g) * 0.5
+    return index_topk(index_scores(q, k, w, 0.25), torch.arange(L), top_k)
+
+
+def _case(lens, H, D, top_k, *, seed=0, dtype=torch.bfloat16):
+    """Packed q (T, H, D), kv (T, D), cu_seqlens, and the indexer's selection (T, top_k), positions relative to
+    each sequence's start."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    kv = torch.randn(T, D, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    sel = torch.cat([_select(L, top_k, seed + 10 + b) for b, L in enumerate(lens)])
+    return q, kv, cu, sel
+
+
+def _page(kv, cu, *, seed, extra=3):
+    """kv rows of each sequence placed in a (P, 64, 1, D) pool at random pages, not in order, with random
+    bytes in every other slot -> (kv_cache, block_table, seq_idx (T,), positions (T,))."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.diff(cu).tolist()
+    need = [-(-L // PAGE_SIZE) for L in lens]
+    P = sum(need) + extra
+    cache = torch.randn(P, PAGE_SIZE, 1, kv.shape[1], generator=g).to(kv.dtype)
+    perm = torch.randperm(P, generator=g).tolist()
+    table = torch.full((len(lens), max(need) + 1), -1, dtype=torch.int32)
+    for b, L in enumerate(lens):
+        pages = [perm.pop() for _ in range(need[b])]
+        table[b, : need[b]] = torch.tensor(pages, dtype=torch.int32)
+        for p in range(L):
+            cache[pages[p // PAGE_SIZE], p % PAGE_SIZE, 0] = kv[int(cu[b]) + p]
+    seq_idx = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    positions = torch.cat([torch.arange(L) for L in lens])
+    return cache, table, seq_idx, positions
+
+
+def _equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+LONG = {"lens": [700, 333, 1], "H": 4, "D": 80, "top_k": 32}  # past 593, many 64-entry pages and blocks
+SCALE = 0.07
+
+
+# ------------------------------------------------------------------ bits
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_contiguous_equals_paged(dtype):
+    q, kv, cu, sel = _case(**LONG, dtype=dtype)
+    want = sparse_attention_fwd(q, kv, sel, cu, scale=SCALE, v_dim=72)
+    assert want[0].shape == (q.shape[0], 4, 72) and want[0].dtype == dtype and want[1].dtype == torch.float32
+    for seed in (1, 2):
+        cache, table, seq_idx, _ = _page(kv, cu, seed=seed)
+        assert _equal(paged_sparse_attention_fwd(q, cache, sel, seq_idx, table, scale=SCALE, v_dim=72), want)
+
+
+def test_rows_alone_batched_shuffled():
+    q, kv, cu, sel = _case(**LONG)
+    whole = sparse_attention_fwd(q, kv, sel, cu, scale=SCALE, v_dim=72)
+    # each sequence packed alone
+    for b in range(3):
+        s0, s1 = int(cu[b]), int(cu[b + 1])
+        alone = sparse_attention_fwd(q[s0:s1], kv[s0:s1], sel[s0:s1], torch.tensor([0, s1 - s0]), scale=SCALE, v_dim=72)
+        assert _equal(alone, (whole[0][s0:s1], whole[1][s0:s1])), b
+    cache, table, seq_idx, _ = _page(kv, cu, seed=3)
+    # single rows, paged (decode-sized calls)
+    for i in (0, 1, 31, 32, 63, 64, 65, 593, 699, 700, 701, 1032, 1033):
+        one = paged_sparse_attention_fwd(q[i:i + 1], cache, sel[i:i + 1], seq_idx[i:i + 1], table,
+                                         scale=SCALE, v_dim=72)
+        assert _equal(one, (whole[0][i:i + 1], whole[1][i:i + 1])), i
+    # the whole batch in a shuffled row order
+    perm = torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(4))
+    shuf = paged_sparse_attention_fwd(q[perm], cache, sel[perm], seq_idx[perm], table, scale=SCALE, v_dim=72)
+    assert _equal(shuf, (whole[0][perm], whole[1][perm]))
+
+
+def test_decode_row_equals_prefill_row():
+    """A decode step sees the cache up to its own token and the indexer's selection made from the keys up to it;
+    its row equals the same token's row in the prefill of the whole sequence."""
+    L, H, D, top_k = 700, 4, 80, 32
+    q, kv, cu, _ = _case([L], H, D, top_k, seed=5)
+    cache, table, seq_idx, _ = _page(kv, cu, seed=6)
+    g = torch.Generator().manual_seed(7)
+    iq = torch.randn(L, 4, 16, generator=g).to(torch.bfloat16)
+    ik = torch.randn(L, 16, generator=g).to(torch.bfloat16)
+    iw = torch.randn(L, 4, generator=g) * 0.5
+    sel = index_topk(index_scores(iq, ik, iw, 0.25), torch.arange(L), top_k)
+    prefill = paged_sparse_attention_fwd(q, cache, sel, seq_idx, table, scale=SCALE, v_dim=64)
+    for t in (0, 31, 63, 64, 200, 593, 699):
+        step_sel = index_topk(index_scores(iq[t:t + 1], ik[: t + 1], iw[t:t + 1], 0.25), torch.tensor([t]), top_k)
+        grown = cache.clone()  # the cache as decode step t sees it: nothing written past t
+        for p in range(t + 1, L):
+            grown[table[0, p // PAGE_SIZE], p % PAGE_SIZE] = float("nan")
+        one = paged_sparse_attention(q[t:t + 1], grown, step_sel, torch.tensor([0]), torch.tensor([t]), table,
+                                     scale=SCALE, v_dim=64)
+        assert torch.equal(one, prefill[0][t:t + 1]), t
+
+
+def test_pad_entries_are_ignored():
+    """-1 entries anywhere in a row, or a wider selection padded with -1, give the bits of the plain selection."""
+    q, kv, cu, sel = _case([300, 90], 3, 40, 40, seed=8)
+    want = sparse_attention_fwd(q, kv, sel, cu, scale=SCALE, v_dim=40)
+    g = torch.Generator().manual_seed(9)
+    wide = torch.full((sel.shape[0], 150), -1, dtype=torch.int32)
+    for i in range(sel.shape[0]):
+        slots = torch.randperm(150, generator=g)[: sel.shape[1]].sort().values
+        wide[i, slots] = sel[i]
+    assert _equal(sparse_attention_fwd(q, kv, wide, cu, scale=SCALE, v_dim=40), want)
+    cache, table, seq_idx, _ = _page(kv, cu, seed=10)
+    assert _equal(paged_sparse_attention_fwd(q, cache, wide, seq_idx, table, scale=SCALE, v_dim=40), want)
+    # rows past position 39 select exactly 40 positions: the unpadded selection
+    full = sel[40:300]
+    got = paged_sparse_attention_fwd(q[40:300], cache, full, seq_idx[40:300], table, scale=SCALE, v_dim=40)
+    assert _equal(got, (want[0][40:300], want[1][40:300]))
+
+
+def test_row_without_entries():
+    """A row whose selection is all pads (a padding row) gives out = 0, lse = -inf and no gradient, and leaves
+    the other rows' bits alone."""
+    q, kv, cu, sel = _case([100], 2, 24, 16, seed=26, dtype=torch.float32)
+    want = sparse_attention_fwd(q, kv, sel, cu, scale=SCALE, v_dim=16)
+    sel = sel.clone()
+    sel[50] = -1
+    o, lse = sparse_attention_fwd(q, kv, sel, cu, scale=SCALE, v_dim=16)
+    assert not o[50].any() and bool((lse[50] == float("-inf")).all())
+    rest = torch.arange(100) != 50
+    assert _equal((o[rest], lse[rest]), (want[0][rest], want[1][rest]))
+    dq, dkv = sparse_attention_bwd(q, kv, sel, cu, o, lse, torch.ones_like(o), scale=SCALE, v_dim=16)
+    assert not dq[50].any() and bool(torch.isfinite(dkv).all())
+
+
+@pytest.mark.parametrize("top_k", [20, 130], ids=["k20_one_partial_block", "k130_three_blocks"])
+def test_odd_sizes(top_k):
+    """H = 5, Dqk = 72 + 8, Dv = 72; selections shorter than a 64-entry block and spanning three."""
+    q, kv, cu, sel = _case([263, 65, 2], 5, 80, top_k, seed=11, dtype=torch.float32)
+    want = sparse_attention_fwd(q, kv, sel, cu, scale=80 ** -0.5, v_dim=72)
+    cache, table, seq_idx, _ = _page(kv, cu, seed=12)
+    assert _equal(paged_sparse_attention_fwd(q, cache, sel, seq_idx, table, scale=80 ** -0.5, v_dim=72), want)
+    for i in (0, 19, 20, 64, 129, 130, 262, 263, 327, 329):
+        one = paged_sparse_attention_fwd(q[i:i + 1], cache, sel[i:i + 1], seq_idx[i:i + 1], table,
+                                         scale=80 ** -0.5, v_dim=72)
+        assert _equal(one, (want[0][i:i + 1], want[1][i:i + 1])), i
+    o_ref, lse_ref = sparse_attention_ref(q, kv, sel, cu, scale=80 ** -0.5, v_dim=72, return_lse=True)
+    assert rel_err(want[0], o_ref) < 1e-6 and rel_err(want[1], lse_ref) < 1e-6
+
+
+def test_mla_head_dims():
+    """GLM-5's absorbed head: Dqk = 512 + 64 = 576, Dv = 512, past the dense op's 256."""
+    q, kv, cu, sel = _case([150], 2, 576, 70, seed=13)
+    o, lse = sparse_attention_fwd(q, kv, sel, cu, scale=0.05, v_dim=512)
+    cache, table, seq_idx, _ = _page(kv, cu, seed=14)
+    assert _equal(paged_sparse_attention_fwd(q, cache, sel, seq_idx, table, scale=0.05, v_dim=512), (o, lse))
+    o_ref, lse_ref = sparse_attention_ref(q, kv, sel, cu, scale=0.05, v_dim=512, return_lse=True)
+    assert o.shape == (150, 2, 512)
+    assert rel_err(o, o_ref) < 5e-3 and rel_err(lse, lse_ref) < 1e-6
+
+
+# ------------------------------------------------------------------ accuracy
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-6), (torch.bfloat16, 4e-3)], ids=["fp32", "bf16"])
+def test_forward_vs_float64(dtype, bound):
+    q, kv, cu, sel = _case([400, 129], 4, 96, 100, seed=15, dtype=dtype)
+    o, lse = sparse_attention_fwd(q, kv, sel, cu, scale=SCALE, v_dim=64)
+    o_ref, lse_ref = sparse_attention_ref(q, kv, sel, cu, scale=SCALE, v_dim=64, return_lse=True)
+    assert rel_err(o, o_ref) < bound
+    assert rel_err(lse, lse_ref) < 1e-6  # lse stays fp32 whatever the input dtype
+
+
+def test_parity_with_dense_causal_mqa():
+    """top_k >= T: every causal position is selected and the op is dense causal MQA attention (rows past
+    position 1023 run two 1024-entry segments)."""
+    lens = [1100, 200]
+    q, kv, cu, sel = _case(lens, 2, 40, 1100, seed=16, dtype=torch.float32)
+    assert bool(((sel >= 0).sum(1) == torch.cat([torch.arange(L) + 1 for L in lens])).all())
+    o, lse = sparse_attention_fwd(q, kv, sel, cu, scale=SCALE, v_dim=32)
+    o_ref, lse_ref = attention_ref(q, kv[:, None], kv[:, None, :32], cu, scale=SCALE, return_lse=True)
+    assert rel_err(o, o_ref) < 1e-6 and rel_err(lse, lse_ref) < 1e-6  # measured 8e-8
+
+
+def test_absorbed_form_is_mla():
+    """The absorbed form (q_abs = [q_nope @ W_UK | q_rope] against [latent | k_rope], then W_UV on the output)
+    equals MLA with expanded per-head keys and values (transformers' kv_b_proj layout), in float64."""
+    g = torch.Generator().manual_seed(17)
+    L, H, dn, dr, r, dv = 90, 3, 24, 8, 40, 20
+    q_nope, q_rope = torch.randn(L, H, dn, generator=g), torch.randn(L, H, dr, generator=g)
+    latent, k_rope = torch.randn(L, r, generator=g), torch.randn(L, dr, generator=g)
+    kv_b = torch.randn(H * (dn + dv), r, generator=g) * r ** -0.5  # kv_b_proj.weight
+    w = kv_b.view(H, dn + dv, r).double()
+    w_uk, w_uv = w[:, :dn], w[:, dn:]
+    sel = _select(L, 30, 18)
+    cu = torch.tensor([0, L])
+    scale = (dn + dr) ** -0.5
+    q_abs = torch.cat([torch.einsum("lhn,hnr->lhr", q_nope.double(), w_uk), q_rope.double()], -1)
+    o_lat = sparse_attention_ref(q_abs, torch.cat([latent, k_rope], -1).double(), sel, cu, scale=scale, v_dim=r)
+    o_abs = torch.einsum("lhr,hvr->lhv", o_lat, w_uv)
+    k = torch.cat([torch.einsum("hnr,lr->lhn", w_uk, latent.double()), k_rope.double()[:, None].expand(L, H, dr)], -1)
+    v = torch.einsum("hvr,lr->lhv", w_uv, latent.double())
+    s = torch.einsum("ihd,jhd->hij", torch.cat([q_nope, q_rope], -1).double(), k) * scale
+    keep = torch.zeros(L, L, dtype=torch.bool)
+    for i in range(L):
+        keep[i, sel[i][sel[i] >= 0].long()] = True
+    o_exp = torch.einsum("hij,jhv->ihv", torch.softmax(s.masked_fill(~keep, -math.inf), -1), v)
+    assert rel_err(o_abs, o_exp) < 1e-12
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 2e-6), (torch.bfloat16, 4e-3)], ids=["fp32", "bf16"])
+def test_gradients_vs_float64(dtype, bound):
+    q, kv, cu, sel = _case([200, 70], 3, 48, 80, seed=19, dtype=dtype)
+    q.requires_grad_(True)
+    kv.requires_grad_(True)
+    do = torch.randn(q.shape[0], 3, 40, generator=torch.Generator().manual_seed(20)).to(dtype)
+    o = sparse_attention(q, kv, sel, cu, scale=SCALE, v_dim=40)
+    dq, dkv = torch.autograd.grad(o, (q, kv), do)
+    q64, kv64 = q.detach().double().requires_grad_(True), kv.detach().double().requires_grad_(True)
+    o64 = sparse_attention_ref(q64, kv64, sel, cu, scale=SCALE, v_dim=40)
+    dq64, dkv64 = torch.autograd.grad(o64, (q64, kv64), do.double())
+    assert rel_err(o, o64) < (1e-6 if dtype == torch.float32 else 4e-3)
+    assert rel_err(dq, dq64) < bound, rel_err(dq, dq64)
+    assert rel_err(dkv, dkv64) < bound, rel_err(dkv, dkv64)
+    assert rel_err(dkv[:, 40:], dkv64[:, 40:]) < bound  # the rope columns get the key gradient alone
+
+
+def test_backward_is_deterministic_and_per_sequence():
+    """Run to run the same bits; a sequence's gradients do not depend on what else is packed with it (its kv
+    rows sum the contributions of its own query rows, in increasing position)."""
+    q, kv, cu, sel = _case([300, 90, 5], 3, 40, 64, seed=21)
+    o, lse = sparse_attention_fwd(q, kv, sel, cu, scale=SCALE, v_dim=32)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(22)).to(o.dtype)
+    a = sparse_attention_bwd(q, kv, sel, cu, o, lse, do, scale=SCALE, v_dim=32)
+    assert _equal(a, sparse_attention_bwd(q, kv, sel, cu, o, lse, do, scale=SCALE, v_dim=32))
+    for b in range(3):
+        s0, s1 = int(cu[b]), int(cu[b + 1])
+        one = sparse_attention_bwd(q[s0:s1], kv[s0:s1], sel[s0:s1], torch.tensor([0, s1 - s0]), o[s0:s1], lse[s0:s1],
+                                   do[s0:s1], scale=SCALE, v_dim=32)
+        assert _equal(one, (a[0][s0:s1], a[1][s0:s1])), b
+
+
+# ------------------------------------------------------------------ bad input
+def _bad_packed(case):
+    q, kv, cu, sel = _case([70, 30], 2, 24, 16, seed=23)
+    kw = {"scale": SCALE, "v_dim": 16}
+    if case == "q_dims":
+        q = q[:, 0]
+    elif case == "kv_width":
+        kv = kv[:, :20].contiguous()
+    elif case == "kv_dtype":
+        kv = kv.float()
+    elif case == "v_dim":
+        kw["v_dim"] = 25
+    elif case == "scale":
+        kw["scale"] = float("nan")
+    elif case == "sel_rows":
+        sel = sel[:-1]
+    elif case == "sel_dtype":
+        sel = sel.float()
+    elif case == "sel_below_pad":
+        sel = sel.clone()
+        sel[5, 0] = -2
+    elif case == "sel_past_row":
+        sel = sel.clone()
+        sel[3, -1] = 4  # row 3 sees positions 0..3
+    elif case == "sel_past_sequence":
+        sel = sel.clone()
+        sel[75, 0] = 40  # sequence 1 has 30 tokens
+    elif case == "sel_not_ascending":
+        sel = sel.clone()
+        sel[50, :2] = sel[50, :2].flip(0)
+    elif case == "sel_duplicate":
+        sel = sel.clone()
+        sel[50, 1] = sel[50, 0]
+    elif case == "cu":
+        cu = torch.tensor([0, 70, 99])
+    return (q, kv, sel, cu), kw
+
+
+_PACKED_ERRORS = {
+    "q_dims": "q must have 3 dimensions", "kv_width": "kv rows are 20 wide", "kv_dtype": "must share a dtype",
+    "v_dim": "v_dim must be", "scale": "scale must be", "sel_rows": "sel has 99 rows", "sel_dtype": "sel has dtype",
+    "sel_below_pad": "sel[5, 0] = -2", "sel_past_row": "sel[3, 15] = 4 is past the row's position 3",
+    "sel_past_sequence": "sel[75, 0] = 40 is past the row's position 5", "sel_not_ascending": "sel[50] is not",
+    "sel_duplicate": "sel[50] is not", "cu": "cu_seqlens ends at 99",
+}
+
+
+@pytest.mark.parametrize("case", list(_PACKED_ERRORS))
+def test_bad_packed_input(case):
+    args, kw = _bad_packed(case)
+    with pytest.raises((ValueError, TypeError), match=re.escape(_PACKED_ERRORS[case])):
+        sparse_attention(*args, **kw)
+
+
+_PAGED_ERRORS = {
+    "cache_dims": "kv_cache must be (pages, 64, 1, Dqk)", "seq_idx": "seq_idx[4] = 2",
+    "positions": "positions has", "position_past_table": "positions[0] = 200 is past sequence 0's block table",
+    "sel_past_row": "sel[1, 2] = 9 is past the row's position 5", "page": "block_table[1, 0] = 99",
+}
+
+
+@pytest.mark.parametrize("case", list(_PAGED_ERRORS))
+def test_bad_paged_input(case):
+    q, kv, cu, sel = _case([70, 30], 2, 24, 16, seed=24)
+    cache, table, seq_idx, pos = _page(kv, cu, seed=25)
+    if case == "cache_dims":
+        cache = cache[:, :, 0]
+    elif case == "seq_idx":
+        seq_idx = seq_idx.clone()
+        seq_idx[4] = 2
+    elif case == "positions":
+        pos = pos[:-1]
+    elif case == "position_past_table":
+        pos = pos.clone()
+        pos[0] = 200
+        sel = sel.clone()
+        sel[0] = -1
+    elif case == "sel_past_row":
+        sel = sel.clone()
+        sel[1, 2] = 9
+        pos = pos.clone()
+        pos[1] = 5
+    elif case == "page":
+        table = table.clone()
+        table[1, 0] = 99
+    with pytest.raises((ValueError, TypeError), match=re.escape(_PAGED_ERRORS[case])):
+        paged_sparse_attention(q, cache, sel, seq_idx, pos, table, scale=SCALE, v_dim=16)
