@@ -35,7 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rl_common import OBJECTIVES, check_alignment, group_advantages, reward_summary, token_objective  # noqa: E402
+from rl_common import (  # noqa: E402
+    add_rl_arguments, add_run_arguments, check_alignment, free_port, group_advantages, reward_summary, token_objective,
+)
 
 from alignzoo import SamplingParams  # noqa: E402
 from alignzoo.client import Client, choice_logprobs  # noqa: E402
@@ -52,31 +54,11 @@ CHAT_TEMPLATE = ("{%- for m in messages -%}<|{{ m['role'] }}|> {{ m['content'] }
 KEY, ADMIN = "chat-rl-key", "chat-rl-admin"
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--episodes", type=int, default=4, help="groups per step")
-    ap.add_argument("--group-size", type=int, default=6)
-    ap.add_argument("--digits", type=int, default=2)
-    ap.add_argument("--objective", choices=OBJECTIVES, default="cispo")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--max-grad-norm", type=float, default=0.5)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=12)
-    ap.add_argument("--top-p", type=float, default=0.98)
-    ap.add_argument("--min-p", type=float, default=0.01)
-    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--device", default="cpu", help="the trainer's and the server's device")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="runs/http_chat_rl")
+    add_rl_arguments(ap, steps=20, groups=4, group_size=6, groups_flag="--episodes")
+    add_run_arguments(ap, out="runs/http_chat_rl")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from qwen3_rl import EOS, VOCAB, make_prompts, reward  # noqa: E402
-from rl_common import OBJECTIVES, check_alignment, group_advantages, reward_summary, token_objective  # noqa: E402
+from rl_common import (  # noqa: E402
+    add_rl_arguments, add_run_arguments, check_alignment, free_port, group_advantages, reward_summary, token_objective,
+)
 
 from alignzoo import SamplingParams  # noqa: E402
 from alignzoo.client import Client, output_logprobs  # noqa: E402
@@ -39,29 +40,11 @@ from alignzoo.models.loading import resolve_config  # noqa: E402
 from alignzoo.sync import weights_checksum  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--prompts", type=int, default=8, help="groups per step")
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--digits", type=int, default=2)
-    ap.add_argument("--objective", choices=OBJECTIVES, default="cispo")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--max-grad-norm", type=float, default=0.5)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=12)
-    ap.add_argument("--top-p", type=float, default=0.98)
-    ap.add_argument("--min-p", type=float, default=0.01)
-    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--device", default="cpu", help="the trainer's and the server's device")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="runs/http_rl")
+    add_rl_arguments(ap, steps=20, groups=8, group_size=8)
+    add_run_arguments(ap, out="runs/http_rl")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")

@@ -90,3 +90,36 @@ def reward_summary(rewards: Sequence[float], window: int = 5) -> str:
     steps = "step" if k == 1 else f"{k} steps"
     first, last = sum(rewards[:k]) / k, sum(rewards[n - k:]) / k
     return f"mean reward {first:.3f} over the first {steps} -> {last:.3f} over the last {steps} (of {n})"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the examples' server, a weight-sync group)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def add_rl_arguments(ap, *, steps: int, groups: int, group_size: int, groups_flag: str = "--prompts") -> None:
+    """The flags every RL example shares: the task, the objective and optimizer, the sampling transforms."""
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument(groups_flag, type=int, default=groups, help="groups per step")
+    ap.add_argument("--group-size", type=int, default=group_size)
+    ap.add_argument("--digits", type=int, default=2)
+    ap.add_argument("--objective", choices=OBJECTIVES, default="cispo")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--max-grad-norm", type=float, default=0.5, help="clip the global gradient norm (0: off)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=12)
+    ap.add_argument("--top-p", type=float, default=0.98)
+    ap.add_argument("--min-p", type=float, default=0.01)
+
+
+def add_run_arguments(ap, out: str, device_help: str = "the trainer's and the server's device") -> None:
+    """dtype, device, seed and the output folder."""
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--device", default="cpu", help=device_help)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=out)
+

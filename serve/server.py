@@ -635,17 +635,22 @@ def create_app(server: AlignedServer, keys: ApiKeys | None = None) -> FastAPI:
         app.add_middleware(RequireKey, keys=keys)
 
     # ---------------------------------------------------------- generate
+    def _start(spec) -> Job:
+        """Reserve the request ids and queue the job on the engine's thread; a 400 if an id is in flight."""
+        taken = loop.reserve([it.rid for it in spec.items])
+        if taken is not None:
+            raise ApiError(400, f"rid {taken!r} is already in flight")
+        job = Job(spec.items, spec.stream, asyncio.get_running_loop())
+        loop.submit(job)
+        return job
+
     @app.post("/generate")
     async def generate(request: Request):
         try:
             spec = api.build_generate(api.parse_json(await request.body()), srv.limits)
+            job = _start(spec)
         except ApiError as e:
             return error(e)
-        taken = loop.reserve([it.rid for it in spec.items])
-        if taken is not None:
-            return error(ApiError(400, f"rid {taken!r} is already in flight"))
-        job = Job(spec.items, spec.stream, asyncio.get_running_loop())
-        loop.submit(job)
         if spec.stream:
             return StreamingResponse(_sse(job, spec), media_type="text/event-stream")
         out: list = [None] * len(spec.items)
@@ -704,13 +709,9 @@ def create_app(server: AlignedServer, keys: ApiKeys | None = None) -> FastAPI:
         try:
             spec = openai.build(api.parse_json(await request.body()), srv.limits, srv.text.generation_defaults,
                                 srv.model_name, chat)
+            job = _start(spec)
         except ApiError as e:
             return error(e)
-        taken = loop.reserve([it.rid for it in spec.items])
-        if taken is not None:
-            return error(ApiError(400, f"rid {taken!r} is already in flight"))
-        job = Job(spec.items, spec.stream, asyncio.get_running_loop())
-        loop.submit(job)
         if spec.stream:
             return StreamingResponse(_openai_sse(job, spec), media_type="text/event-stream")
         done: list = [None] * len(spec.items)
