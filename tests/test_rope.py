@@ -430,3 +430,16 @@ def test_unsupported_rope_type():
     cfg = Qwen3Config(rope_scaling={"rope_type": "linear", "factor": 2.0})
     with pytest.raises(NotImplementedError, match="linear"):
         RopeSpec.from_hf(cfg)
+
+
+def test_rope_parameters_hf_reads_back_as_written():
+    """rope_parameters_hf is RopeSpec.from_hf's inverse: plain, YaRN with GLM's mscales, YaRN without truncation."""
+    from alignzoo.common.rope import rope_parameters_hf
+    from alignzoo.models.qwen3 import Qwen3Config
+
+    cfg = Qwen3Config.preset("tiny")
+    for yarn in (None, Yarn(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=0.707),
+                 Yarn(factor=4.0, original_max_position_embeddings=32768, truncate=False)):
+        d = {**cfg.to_hf(), "rope_parameters": rope_parameters_hf(1e6, yarn)}
+        spec = RopeSpec.from_hf(d)
+        assert (spec.base, spec.yarn) == (1e6, yarn)

@@ -204,6 +204,21 @@ class RopeSpec:
         )
 
 
+def rope_parameters_hf(base: float, yarn: Yarn | None) -> dict[str, Any]:
+    """The ``rope_parameters`` dict of a transformers config.json for plain or YaRN RoPE: what
+    ``RopeSpec.from_hf`` reads back into the same ``base`` and ``yarn``."""
+    if yarn is None:
+        return {"rope_type": "default", "rope_theta": base}
+    rope = {"rope_type": "yarn", "rope_theta": base, "factor": yarn.factor,
+            "original_max_position_embeddings": yarn.original_max_position_embeddings,
+            "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow}
+    rope.update({k: getattr(yarn, k) for k in ("mscale", "mscale_all_dim", "attention_factor")
+                 if getattr(yarn, k) is not None})
+    if not yarn.truncate:
+        rope["truncate"] = False
+    return rope
+
+
 def _config_from_dict(d: dict):
     from transformers import AutoConfig
 

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ...common.rope import RopeSpec
+from ...common.rope import RopeSpec, rope_parameters_hf
 from ...common.rope.table import Yarn
 from ...weights import CheckpointError
 from ...weights.fp8 import is_fp8_checkpoint
@@ -275,16 +275,7 @@ class Glm5Config:
 
     def to_hf(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A transformers config.json dict that ``GlmMoeDsaConfig(**d)`` and ``GlmMoeDsaForCausalLM`` load."""
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_yarn is not None:
-            y = self.rope_yarn
-            rope = {"rope_type": "yarn", "rope_theta": self.rope_theta, "factor": y.factor,
-                    "original_max_position_embeddings": y.original_max_position_embeddings,
-                    "beta_fast": y.beta_fast, "beta_slow": y.beta_slow}
-            rope.update({k: getattr(y, k) for k in ("mscale", "mscale_all_dim", "attention_factor")
-                         if getattr(y, k) is not None})
-            if not y.truncate:
-                rope["truncate"] = False
+        rope = rope_parameters_hf(self.rope_theta, self.rope_yarn)
         out = {
             "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
