@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rl_common import (  # noqa: E402
-    add_rl_arguments, add_run_arguments, check_alignment, free_port, group_advantages, reward_summary, token_objective,
-)
+    add_rl_arguments, add_run_arguments, check_alignment, finish, free_port, group_advantages, print_step,
+    token_objective)
 
 from alignzoo import SamplingParams  # noqa: E402
 from alignzoo.client import Client, choice_logprobs  # noqa: E402
@@ -204,19 +204,12 @@ def main(argv=None) -> int:
                 log.append(row)
                 f.write(json.dumps(row) + "\n")
                 f.flush()
-                print(f"step {step:3d}  reward {row['reward']:.3f}  K3 max {row['k3_max']:.3g}  "
-                      f"{row['differing_tokens']}/{row['tokens']} tokens differ  sampled under "
-                      f"v{row['sampled_under_version']}  -> v{row['weight_version']} ({row['sync_blocks']} blocks)  "
-                      f"{row['seconds']:.2f}s", flush=True)
+                print_step(step, row)
         same = client.weights_checksum() == weights_checksum(trainer.forward_weights())
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
-    differing, tokens = sum(r["differing_tokens"] for r in log), sum(r["tokens"] for r in log)
-    print(f"{reward_summary([r['reward'] for r in log])}; {differing} of {tokens} tokens differ, K3 max "
-          f"{max(r['k3_max'] for r in log):.3g}; served weights {'==' if same else '!='} the trainer's; "
-          f"server exit status {code}")
-    return 0 if same and code == 0 and differing == 0 else 1
+    return finish(log, same, code)
 
 
 if __name__ == "__main__":

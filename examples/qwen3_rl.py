@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rl_common import (  # noqa: E402
-    OBJECTIVES, OrderedGradSum, check_alignment, group_advantages, reward_summary, token_objective)
+    OrderedGradSum, add_rl_arguments, add_run_arguments, check_alignment, group_advantages, reward_summary,
+    token_objective)
 
 import alignzoo  # noqa: E402
 from alignzoo import SamplingParams  # noqa: E402
@@ -62,17 +63,7 @@ DESCRIPTION = __doc__
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=MODEL, help="the zoo model (alignzoo models)")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--prompts", type=int, default=8, help="groups per step")
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--digits", type=int, default=2)
-    ap.add_argument("--objective", choices=OBJECTIVES, default="cispo")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--max-grad-norm", type=float, default=0.5, help="clip the global gradient norm (0: off)")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=12)
-    ap.add_argument("--top-p", type=float, default=0.98)
-    ap.add_argument("--min-p", type=float, default=0.01)
+    add_rl_arguments(ap, steps=100, groups=8, group_size=8)
     ap.add_argument("--stream", action="store_true", help="forward/backward group by group as groups complete")
     ap.add_argument("--unaligned", action="store_true", help="serve with vendor kernels: K3 > 0 is logged, not fatal")
     ap.add_argument("--lora", type=int, default=0, metavar="R",
@@ -87,10 +78,7 @@ def parse(argv=None):
     ap.add_argument("--config", default=None, metavar="PRESET",
                     help="a qwen3 preset (e.g. qwen3-0.6b): its shapes and vocabulary instead of the tiny task model "
                          "(random init; for timing and K3 at real shapes, the task is not learned in a few steps)")
-    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=f"runs/{MODEL}_rl")
+    add_run_arguments(ap, out=f"runs/{MODEL}_rl")
     ap.add_argument("--save", default=None, help="save the trained model as a Hugging Face checkpoint here "
                                                  "(with --lora: merged, and the PEFT adapter in SAVE/adapter; "
                                                  "--lora-mode multi: each task's PEFT adapter in SAVE/<task>)")

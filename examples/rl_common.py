@@ -123,3 +123,21 @@ def add_run_arguments(ap, out: str, device_help: str = "the trainer's and the se
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=out)
 
+
+def print_step(step: int, row: dict) -> None:
+    """One progress line of an HTTP example's step (its log.jsonl row)."""
+    print(f"step {step:3d}  reward {row['reward']:.3f}  K3 max {row['k3_max']:.3g}  "
+          f"{row['differing_tokens']}/{row['tokens']} tokens differ  sampled under "
+          f"v{row['sampled_under_version']}  -> v{row['weight_version']} ({row['sync_blocks']} blocks)  "
+          f"{row['seconds']:.2f}s", flush=True)
+
+
+def finish(log: list[dict], same: bool, code: int) -> int:
+    """An HTTP example's last line; its exit status: 0 when no token differed, the served weights are the
+    trainer's and the server stopped cleanly."""
+    differing, tokens = sum(r["differing_tokens"] for r in log), sum(r["tokens"] for r in log)
+    print(f"{reward_summary([r['reward'] for r in log])}; {differing} of {tokens} tokens differ, K3 max "
+          f"{max(r['k3_max'] for r in log):.3g}; served weights {'==' if same else '!='} the trainer's; "
+          f"server exit status {code}")
+    return 0 if same and code == 0 and differing == 0 else 1
+
