@@ -124,7 +124,7 @@ def _tok(v) -> str:
 def render(results: dict) -> str:
     """The markdown page of a results dict (any section may be missing)."""
     m = results.get("meta", {})
-    L = [f"# Performance: aligned against vendor kernels ({m.get('gpu', '?')})", "",
+    L = [f"# Performance: aligned against vendor kernels ({m.get('gpu', '?')})", "", *_render_note(results),
          f"{m.get('date', '?')} · commit `{m.get('commit', '?')}` · torch {m.get('torch', '?')} · "
          f"triton {m.get('triton', '?')} · CUDA {m.get('cuda', '?')}", "",
          f"Command: `{m.get('command', '?')}`", ""]
@@ -144,6 +144,41 @@ def render(results: dict) -> str:
           "checked exact: 'not exact' where the check failed, 'not checked' where it did not finish.", ""]
     L += _render_engine(results) + _render_kernels(results) + _render_trainer(results)
     return "\n".join(L).rstrip() + "\n"
+
+
+def _and(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + ("," if len(parts) > 2 else "") + " and " + parts[-1]
+
+
+def _render_note(results: dict) -> list[str]:
+    """The page's opening note: what it measured, at which commits, and what the dated reports time instead,
+    from the sections present (a rerun writes it again rather than losing it)."""
+    m = results.get("meta", {})
+    merged = bool(m.get("merged_from"))
+    eng = results.get("engine")
+    trainer = sorted({r["config"] for r in results.get("trainer", {}).get("rows") or []})
+    trained = {c.split("/")[0] if "/" in c else "qwen3" for c in trainer}  # a bare preset is qwen3's
+    covered = []
+    if eng:
+        covered.append(f"the {eng.get('config', '?')} engine")
+    if results.get("kernels"):
+        covered.append("the kernels at Qwen3-8B shapes")
+    covers = [_and(covered) + ", each against the same work on torch's kernels"] if covered else []
+    if trainer:
+        covers.append(f"the trainer ({', '.join(trainer)}) against transformers")
+    elsewhere = ["qwen3's trainer"] if "qwen3" not in trained else []
+    elsewhere += ["qwen35_gdn's engine" + ("" if "qwen35_gdn" in trained else " and trainer"), "the MoE experts"]
+    models = trained | {"qwen3"}
+    note = (f"> What this page is: the output of `benchmarks/run_suite.py` on one "
+            f"{m.get('gpu', '?').removeprefix('NVIDIA ')} (a new run on a GPU rewrites it, this note included): one run "
+            "at the commit named below" + (", with the steps it did not repeat taken from the earlier run it names"
+                                           if merged else "") + ".")
+    if covers:
+        note += f" It covers {'qwen3 only' if models == {'qwen3'} else _and(sorted(models))}: {'; '.join(covers)}."
+    note += (f" Its figures measure the code at {'those commits' if merged else 'that commit'}; later code is not "
+             f"re-measured here. {_and(elsewhere)} are timed in the dated reports indexed in "
+             "[benchmarks/results/](../benchmarks/results/README.md), each with its commit and command.")
+    return [note, ""]
 
 
 def _render_engine(results: dict) -> list[str]:

@@ -75,6 +75,30 @@ def test_no_engine_speed_without_an_exact_check(passed, shown):
         assert "rung 3 trainer == server prefill: 4 of 10 tokens differ" in engine
 
 
+def test_the_committed_page_is_what_render_makes_of_its_results():
+    """docs/PERFORMANCE.md, its opening note included, is render() of the results file named by its commit: a
+    rerun writes the page again rather than dropping what was written by hand."""
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "PERFORMANCE.md").read_text()
+    commit = page.split("commit `", 1)[1].split("`", 1)[0]
+    (results,) = (root / "benchmarks" / "results").glob(f"*-suite-{commit}.json")
+    assert run_suite.render(json.loads(results.read_text())) == page
+
+
+def test_the_note_follows_the_sections_present():
+    r = _results()
+    r["trainer"] = {"rows": [{"config": "qwen3-0.6b"}, {"config": "qwen35_gdn/qwen3.5-35b-a3b-4l"}]}
+    note = run_suite._render_note(r)[0]
+    assert note.startswith("> What this page is: the output of `benchmarks/run_suite.py` on one H200 ")
+    assert "one run at the commit named below. It covers qwen3 and qwen35_gdn: the qwen3-8b engine and the " \
+           "kernels at Qwen3-8B shapes" in note and "at that commit;" in note
+    assert "; the trainer (qwen3-0.6b, qwen35_gdn/qwen3.5-35b-a3b-4l) against transformers." in note
+    assert " qwen35_gdn's engine and the MoE experts are timed in the dated reports" in note
+    bare = run_suite.render({"meta": {"gpu": "X", "merged_from": {"file": "f.json"}}}).split("\n")[2]
+    assert "taken from the earlier run it names. Its figures measure the code at those commits" in bare
+    assert "qwen3's trainer, qwen35_gdn's engine and trainer, and the MoE experts are timed" in bare
+
+
 def test_writer_is_incremental_and_partial_results_render(tmp_path):
     out, doc = tmp_path / "out", tmp_path / "docs" / "PERFORMANCE.md"
     results = {"meta": {"gpu": "X"}, "steps": {"env": {"status": "running", "seconds": None}}}
