@@ -23,6 +23,7 @@ import base64
 import json
 import math
 import secrets
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..common.engine.sequence import check_token_ids
 from ..common.sampling import SamplingParams
 from . import jsonio
-from .text import output_text
+from .text import TextDelta, output_text
 
 ROUTED_EXPERTS = "routed_experts"  # the extras key an MoE model's forward fills: (T, layers, top_k) expert ids
 _INT64 = 2**63
@@ -468,6 +469,32 @@ def item_response(item: Item, tokens: list[int], logprobs: list[float], version:
     if index is not None:
         out["index"] = index
     return out
+
+
+class Stream:
+    """The server-sent chunks of a streamed /generate: SGLang's, each cumulative (every token and log-prob so
+    far, and the text so far, decoded incrementally: ``TextDelta``), the last one ``item_response``'s answer."""
+
+    def __init__(self, spec: GenerateSpec, tokenizer, started: float):
+        self.tokenizer, self.started, self.multi = tokenizer, started, not spec.single
+        self.texts = {it.rid: TextDelta(tokenizer, skip_special_tokens=it.text.skip_special_tokens,
+                                        spaces_between_special_tokens=it.text.spaces_between_special_tokens)
+                      for it in spec.items if it.text is not None and tokenizer is not None}
+
+    def running(self, item: Item, tokens: list[int], lps: list[float], version: int) -> dict:
+        delta = self.texts.get(item.rid)
+        if delta is not None:
+            delta.running(tokens)
+        return item_response(item, tokens, lps, version, index=item.index if self.multi else None,
+                             tokenizer=self.tokenizer, text=None if delta is None else delta.sent)
+
+    def final(self, item: Item, c, version: int) -> dict:
+        return item_response(item, c.tokens, c.logprobs.tolist(), version, c,
+                             latency=time.perf_counter() - self.started, index=item.index if self.multi else None,
+                             tokenizer=self.tokenizer)
+
+    def closing(self) -> list[dict]:
+        return []
 
 
 def encode_routed_experts(ids: torch.Tensor | None, start: int) -> str:

@@ -442,7 +442,8 @@ class Stream:
             out["token_ids"] = new
         return out
 
-    def running(self, item: Item, tokens: list[int], lps: list[float]) -> dict:
+    def running(self, item: Item, tokens: list[int], lps: list[float], version: int) -> dict:
+        """``version`` goes unused: a chunk names the weight version once, in the last one's metadata."""
         text = self.deltas[item.rid].running(tokens)
         c = self._choice(item, tokens, lps, text)
         c["finish_reason"] = None
@@ -459,8 +460,11 @@ class Stream:
         out["metadata"] = _metadata(self.spec, version)
         return out
 
-    def usage_chunk(self) -> dict:
-        return {**self._chunk({}), "choices": [], "usage": usage(self.spec, self.completion_tokens)}
+    def closing(self) -> list[dict]:
+        """The usage chunk, if asked for (``stream_options.include_usage``)."""
+        if not self.spec.include_usage:
+            return []
+        return [{**self._chunk({}), "choices": [], "usage": usage(self.spec, self.completion_tokens)}]
 
 
 def models(name: str, limits: ModelLimits, created: int, root: str | None) -> dict:

@@ -50,7 +50,6 @@ from ..sync import (CorruptPayload, DistTransport, Publisher, Receiver, SyncErro
 from ..sync.payload import FORMAT
 from . import ADMIN_ROUTES, api, jsonio, openai, wire
 from .api import ApiError, Item
-from .text import TextDelta
 
 log = logging.getLogger("alignzoo.serve")
 
@@ -652,7 +651,7 @@ def create_app(server: AlignedServer, keys: ApiKeys | None = None) -> FastAPI:
         except ApiError as e:
             return error(e)
         if spec.stream:
-            return StreamingResponse(_sse(job, spec), media_type="text/event-stream")
+            return StreamingResponse(_sse(job, api.Stream(spec, tok, job.started)), media_type="text/event-stream")
         out: list = [None] * len(spec.items)
         for _ in spec.items:
             _, item, c, version = await _next_done(job)
@@ -666,14 +665,13 @@ def create_app(server: AlignedServer, keys: ApiKeys | None = None) -> FastAPI:
             if ev[0] == "done":
                 return ev
 
-    async def _sse(job: Job, spec):
+    async def _sse(job: Job, stream):
+        """A streamed job's server-sent events, each chunk as ``stream`` writes it (``api.Stream``,
+        ``openai.Stream``): ``running`` from a sample's tokens and log-probs so far, ``final`` from its
+        Completion, ``closing`` after the last; then ``data: [DONE]``.  A client that goes away aborts the
+        samples still running."""
         left = {it.rid for it in job.items}
-        so_far: dict[str, tuple[list, list]] = {it.rid: ([], []) for it in job.items}  # SGLang's chunks are cumulative
-        multi = not spec.single
-        # a running sample's text so far, decoded incrementally (serve/text.py): a chunk costs its own tokens
-        texts = {it.rid: TextDelta(tok, skip_special_tokens=it.text.skip_special_tokens,
-                                   spaces_between_special_tokens=it.text.spaces_between_special_tokens)
-                 for it in job.items if it.text is not None and tok is not None}
+        so_far: dict[str, tuple[list, list]] = {it.rid: ([], []) for it in job.items}  # the engine sends new rows only
         try:
             while left:
                 ev = await job.events.get()
@@ -683,17 +681,13 @@ def create_app(server: AlignedServer, keys: ApiKeys | None = None) -> FastAPI:
                     tokens, lps = so_far[item.rid]
                     tokens += new_tokens
                     lps += new_lps
-                    delta = texts.get(item.rid)
-                    if delta is not None:
-                        delta.running(tokens)
-                    chunk = api.item_response(item, tokens, lps, version, index=item.index if multi else None,
-                                              tokenizer=tok, text=None if delta is None else delta.sent)
+                    chunk = stream.running(item, tokens, lps, version)
                 else:
                     _, _, c, version = ev
                     left.discard(item.rid)
-                    chunk = api.item_response(item, c.tokens, c.logprobs.tolist(), version, c,
-                                              latency=time.perf_counter() - job.started,
-                                              index=item.index if multi else None, tokenizer=tok)
+                    chunk = stream.final(item, c, version)
+                yield b"data: " + jsonio.dumps(chunk) + b"\n\n"
+            for chunk in stream.closing():
                 yield b"data: " + jsonio.dumps(chunk) + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
@@ -713,7 +707,7 @@ def create_app(server: AlignedServer, keys: ApiKeys | None = None) -> FastAPI:
         except ApiError as e:
             return error(e)
         if spec.stream:
-            return StreamingResponse(_openai_sse(job, spec), media_type="text/event-stream")
+            return StreamingResponse(_sse(job, openai.Stream(spec, tok)), media_type="text/event-stream")
         done: list = [None] * len(spec.items)
         for _ in spec.items:
             _, item, c, version = await _next_done(job)
@@ -730,31 +724,6 @@ def create_app(server: AlignedServer, keys: ApiKeys | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def v1_chat_completions(request: Request):
         return await openai_route(request, chat=True)
-
-    async def _openai_sse(job: Job, spec):
-        stream = openai.Stream(spec, tok)
-        left = {it.rid for it in job.items}
-        so_far: dict[str, tuple[list, list]] = {it.rid: ([], []) for it in job.items}
-        try:
-            while left:
-                ev = await job.events.get()
-                item = ev[1]
-                if ev[0] == "chunk":
-                    tokens, lps = so_far[item.rid]
-                    tokens += ev[2]
-                    lps += ev[3]
-                    chunk = stream.running(item, tokens, lps)
-                else:
-                    _, _, c, version = ev
-                    left.discard(item.rid)
-                    chunk = stream.final(item, c, version)
-                yield b"data: " + jsonio.dumps(chunk) + b"\n\n"
-            if spec.include_usage:
-                yield b"data: " + jsonio.dumps(stream.usage_chunk()) + b"\n\n"
-            yield b"data: [DONE]\n\n"
-        finally:
-            if left:  # the client went away
-                loop.call(lambda: loop._abort(set(left), "the client disconnected"))
 
     # ---------------------------------------------------------- health and info
     @app.get("/health")
