@@ -11,6 +11,7 @@ import importlib
 _REGISTRY: dict[str, str] = {
     "qwen3": "alignzoo.models.qwen3",
     "qwen35_gdn": "alignzoo.models.qwen35_gdn",
+    "glm5_sparse_fp8": "alignzoo.models.glm5_sparse_fp8",
 }
 
 

@@ -32,6 +32,8 @@ class ModelSpec:
     init_weights:      (trainer, seed) -> None, the seeded random init
     lora_param_order:  the HF experts module's parameters in registration order (PEFT's nesting of
                        their adapters; ``common/lora/peft.py``); () for a model without experts LoRA
+    fp32_names:        suffixes of the tensors the model keeps FP32 in any dtype (GLM-5's router and
+                       indexer weights_proj, as transformers keeps them): saved in FP32, not cast
     """
 
     name: str
@@ -46,3 +48,4 @@ class ModelSpec:
     lora_to_hf: Callable[[str], str]
     init_weights: Callable[..., None]
     lora_param_order: tuple[str, ...] = ()
+    fp32_names: tuple[str, ...] = ()

@@ -18,17 +18,23 @@ from __future__ import annotations
 
 import torch
 
+from ..rmsnorm.cpu import row_tree_sum
+
 
 def index_scores_cpu(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
-    """q (n, H, D), k (L, D) of any float dtype, w (n, H) fp32 -> (n, L) fp32 (the order above)."""
+    """q (n, H, D), k (L, D) shared by the rows or (n, L, D) a row's own keys (the server's gather from
+    its paged pool), any float dtype, w (n, H) fp32 -> (n, L) fp32 (the order above)."""
     n, H, D = q.shape
-    L = k.shape[0]
+    L = k.shape[-2]
     q_DNH = q.float().permute(2, 0, 1).contiguous()  # (D, n, H): q_DNH[d] is component d of every head
-    k_DL = k.float().t().contiguous()  # (D, L)
+    if k.dim() == 2:
+        k_D = k.float().t().contiguous()[:, None, None, :]  # (D, 1, 1, L)
+    else:
+        k_D = k.float().permute(2, 0, 1).contiguous()[:, :, None, :]  # (D, n, 1, L)
     s = torch.zeros(n, H, L, dtype=torch.float32, device=q.device)
     tmp = torch.empty_like(s)
     for d in range(D):
-        torch.mul(q_DNH[d][:, :, None], k_DL[d][None, None, :], out=tmp)
+        torch.mul(q_DNH[d][:, :, None], k_D[d], out=tmp)
         s.add_(tmp)
     s.mul_(scale).clamp_(min=0.0).add_(0.0)
     out = torch.zeros(n, L, dtype=torch.float32, device=q.device)
@@ -53,3 +59,24 @@ def index_topk_cpu(scores: torch.Tensor, positions: torch.Tensor, top_k: int) ->
     out = torch.full((n, top_k), -1, dtype=torch.int32, device=scores.device)
     out[:, : chosen.shape[1]] = torch.where(chosen == L, -1, chosen).to(torch.int32)
     return out
+
+
+def gather_keys(k_cache: torch.Tensor, block_table: torch.Tensor, seq_idx: torch.Tensor) -> torch.Tensor:
+    """Each row's keys from the paged pool, positions 0 .. W·64 - 1 of its sequence:
+    k_cache (P, 64, 1, D), block_table (B, W), seq_idx (n,) -> (n, W·64, D).  A page past a sequence's
+    end gathers whatever it holds; the selection masks every key past the row's position."""
+    P, page, _, D = k_cache.shape
+    pages = block_table[seq_idx.long()].long().clamp(min=0)  # (n, W); -1 entries read page 0, masked later
+    slots = (pages[:, :, None] * page + torch.arange(page, device=pages.device)).reshape(pages.shape[0], -1)
+    return k_cache.view(P * page, D)[slots]
+
+
+def index_key_norm_cpu(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """The indexer key's LayerNorm, (T, D) -> (T, D) in k's dtype, from element-wise fp32 ops and
+    ``rmsnorm.cpu.row_tree_sum`` (a row's bits depend on the row alone):
+    mean = tree(x) / D;  c = x - mean;  var = tree(c · c) / D;  y = c · rsqrt(var + eps) · w + b, rounded once."""
+    x = k.float()
+    D = x.shape[-1]
+    c = x - (row_tree_sum(x) / D)[:, None]
+    r = torch.rsqrt(row_tree_sum(c * c) / D + eps)[:, None]
+    return (c * r * weight.float() + bias.float()).to(k.dtype)

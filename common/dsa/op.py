@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 
 from .._validate import check_tensor
-from .cpu import index_scores_cpu, index_topk_cpu
+from .cpu import gather_keys, index_key_norm_cpu, index_scores_cpu, index_topk_cpu
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+ROW_CHUNK = 256  # query rows scored at once: bounds the (rows, H, L) fp32 buffer, never changes a bit
 
 
 @torch.no_grad()
@@ -46,3 +47,46 @@ def index_topk(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> tor
     if torch.isnan(scores).any():
         raise ValueError("scores hold NaN: the indexer's inputs were not finite")
     return index_topk_cpu(scores, positions.to(scores.device).long(), top_k)
+
+
+# ---------------------------------------------------------------- the model's calls
+@torch.no_grad()
+def index_key_norm(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """The indexer key's LayerNorm with bias (transformers' ``k_norm``, eps 1e-6), one order (``cpu.py``):
+    k (T, D) -> (T, D) in k's dtype.  Trainer and server both call it; no checks (a model's own call)."""
+    return index_key_norm_cpu(k, weight, bias, float(eps))
+
+
+@torch.no_grad()
+def index_select(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cu_seqlens: torch.Tensor,
+                 positions: torch.Tensor, *, scale: float, top_k: int) -> torch.Tensor:
+    """The trainer's selection over packed sequences: row t of sequence b scores the keys of b
+    (``index_scores``) and keeps its ``top_k`` among positions 0..positions[t] (``index_topk``).
+    q (T, H, D), k (T, D), w (T, H) fp32, cu_seqlens (B + 1,), positions (T,) from 0 in each sequence
+    -> (T, top_k) int32 positions relative to the sequence start, ascending, -1 pads."""
+    out = torch.empty(q.shape[0], top_k, dtype=torch.int32, device=q.device)
+    cu = cu_seqlens.tolist()
+    for s, e in zip(cu[:-1], cu[1:]):
+        for a in range(s, e, ROW_CHUNK):
+            b = min(a + ROW_CHUNK, e)
+            scores = index_scores_cpu(q[a:b], k[s:e], w[a:b], float(scale))
+            out[a:b] = index_topk_cpu(scores, positions[a:b].long(), top_k)
+    return out
+
+
+@torch.no_grad()
+def paged_index_select_fwd(q: torch.Tensor, k_cache: torch.Tensor, w: torch.Tensor, seq_idx: torch.Tensor,
+                           block_table: torch.Tensor, positions: torch.Tensor, *, scale: float,
+                           top_k: int) -> torch.Tensor:
+    """The server's selection: each row scores its sequence's keys in the paged pool (``gather_keys``:
+    k_cache (P, 64, 1, D), block_table (B, W), seq_idx (n,)) and keeps its ``top_k`` among
+    0..positions[i] -> (n, top_k) int32, the bits ``index_select`` gives the same row (a key's score
+    depends on that key alone; the masked keys past the row never enter the selection).  No checks and
+    no host reads: decode steps run it inside a CUDA graph."""
+    n = q.shape[0]
+    out = torch.empty(n, top_k, dtype=torch.int32, device=q.device)
+    for a in range(0, n, ROW_CHUNK):
+        b = min(a + ROW_CHUNK, n)
+        keys = gather_keys(k_cache, block_table, seq_idx[a:b])
+        out[a:b] = index_topk_cpu(index_scores_cpu(q[a:b], keys, w[a:b], float(scale)), positions[a:b].long(), top_k)
+    return out

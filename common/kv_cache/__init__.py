@@ -7,7 +7,8 @@ packed training path walk the same 64-position blocks.
 """
 from .block_manager import BlockManager, OutOfPages, StateSlots, WindowManager
 from .pools import CacheManager, PagedPool, PoolLimits, RatePool, StatePool, WindowPool
-from .op import PAGE_SIZE, allocate_kv_cache, write_kv, write_kv_fwd
+from .op import PAGE_SIZE, allocate_kv_cache, write_kv, write_kv_fwd, write_row, write_row_fwd
 
 __all__ = ["PAGE_SIZE", "BlockManager", "CacheManager", "OutOfPages", "PagedPool", "PoolLimits", "RatePool",
-           "StatePool", "StateSlots", "WindowManager", "WindowPool", "allocate_kv_cache", "write_kv", "write_kv_fwd"]
+           "StatePool", "StateSlots", "WindowManager", "WindowPool", "allocate_kv_cache", "write_kv", "write_kv_fwd",
+           "write_row", "write_row_fwd"]

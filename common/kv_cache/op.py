@@ -50,6 +50,41 @@ def write_kv_fwd(
         write_kv_cpu(k, v, k_cache, v_cache, slot_mapping)
 
 
+def write_row_fwd(parts, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Copy a row made of several parts into one paged pool, in place: token i's row is
+    ``cat([p[i] for p in parts], -1)`` (an MLA row: [latent (Rkv) | rope key (Dr)]), written to slot
+    ``slot_mapping[i]`` of ``cache`` (P, PAGE_SIZE, *row); -1 skips the token.  A copy, no arithmetic:
+    the pool holds the bytes the parts were, whichever path wrote them.  No checks (``write_row``)."""
+    n = parts[0].shape[0]
+    if n == 0:
+        return
+    row = cache.shape[2:]
+    keep = slot_mapping >= 0
+    flat = cache.view(-1, *row)
+    flat[slot_mapping[keep].long()] = torch.cat([p.reshape(n, *row[:-1], -1) for p in parts], dim=-1)[keep]
+
+
+def write_row(parts, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``write_row_fwd`` after the checks: every part (N, ...) in the cache's dtype, their widths adding
+    up to the cache's row, the slots inside the cache and distinct."""
+    if not parts:
+        raise ValueError("write_row needs at least one part")
+    for i, p in enumerate(parts):
+        check_tensor(f"parts[{i}]", p, dtypes=FLOAT_DTYPES)
+    n = parts[0].shape[0]
+    if any(p.shape[0] != n for p in parts):
+        raise ValueError(f"the parts have {[p.shape[0] for p in parts]} rows; they must agree")
+    width = sum(p[0].numel() if n else p.shape[1:].numel() for p in parts)
+    row = tuple(cache.shape[2:])
+    if width != torch.Size(row).numel():
+        raise ValueError(f"the parts add up to {width} values a row; the cache holds rows of {row}")
+    check_cache_write(cache, cache, slot_mapping, n, row, parts[0].dtype, parts[0].dtype, name="row", **{
+        f"part{i}": p for i, p in enumerate(parts)})
+    if any(p.dtype != cache.dtype for p in parts):
+        raise TypeError(f"part dtypes {[p.dtype for p in parts]}; the cache is {cache.dtype}: the writer never casts")
+    write_row_fwd(parts, cache, slot_mapping)
+
+
 def check_cache_write(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, n_tokens: int, rows: tuple,
     k_dtype: torch.dtype, v_dtype: torch.dtype, name: str = "k/v", **inputs: torch.Tensor,

@@ -239,6 +239,8 @@ class Glm5Config:
         n_layers, n_heads = config["num_hidden_layers"], config["num_attention_heads"]
         if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
             raise CheckpointError(f"{where}: num_hidden_layers must be a positive int, got {n_layers!r}")
+        if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
+            raise CheckpointError(f"{where}: num_attention_heads must be a positive int, got {n_heads!r}")
         n_kv = config.get("num_key_value_heads", n_heads)
         if n_kv is not None and n_kv != n_heads:
             raise CheckpointError(f"{where}: num_key_value_heads {n_kv} != num_attention_heads {n_heads}: MLA expands "

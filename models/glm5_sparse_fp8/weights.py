@@ -71,13 +71,44 @@ from ...weights.fp8 import SCALE_SUFFIX
 MODEL_TYPE = "glm_moe_dsa"
 ARCHITECTURES = ("GlmMoeDsaForCausalLM",)
 BLOCK = FP8_BLOCK128.block[0]
-FP32_NAMES = ("moe.gate.weight", "moe.correction_bias.weight")  # transformers' _keep_in_fp32_modules_strict
+# FP32 in any dtype: the router (transformers' _keep_in_fp32_modules_strict) and the indexer's
+# weights_proj (its _keep_in_fp32_modules; GLM-5-FP8 leaves it unquantized too)
+FP32_NAMES = ("moe.gate.weight", "moe.correction_bias.weight", "indexer.weights_proj.weight")
+# LoRA targets {HF projection: its module under model.layers.{i}}: MLA's projections.  kv_b_proj is read
+# per head in the absorbed form, which a separate adapter branch cannot enter; the indexer takes no gradient.
+LORA_TARGETS = {"q_a_proj": "self_attn.q_a_proj", "q_b_proj": "self_attn.q_b_proj",
+                "kv_a_proj_with_mqa": "self_attn.kv_a_proj_with_mqa", "o_proj": "self_attn.o_proj"}
 log = logging.getLogger("alignzoo.models")
 
 
 def check_checkpoint_config(config: dict) -> None:
     """Raise, naming what it is, unless ``config`` (config.json) is a GLM-5 (glm_moe_dsa) causal LM."""
     check_model_type(config, MODEL_TYPE, ARCHITECTURES)
+
+
+def lora_slices(cfg) -> dict[str, tuple[tuple[str, int, int], ...]]:
+    """{our layer: ((HF projection, first row, end row),)}: one projection each (none is fused)."""
+    return {"attn.q_a": (("q_a_proj", 0, cfg.q_lora_rank),),
+            "attn.q_b": (("q_b_proj", 0, cfg.num_heads * cfg.qk_head_dim),),
+            "attn.kv_a": (("kv_a_proj_with_mqa", 0, cfg.kv_lora_rank + cfg.qk_rope_head_dim),),
+            "attn.o": (("o_proj", 0, cfg.hidden_size),)}
+
+
+def lora_to_hf(name: str) -> str:
+    """Our adapter name ``layers.{i}.<projection>`` -> its module as ``GlmMoeDsaForCausalLM`` names it."""
+    _, i, proj = name.split(".")
+    return f"model.layers.{i}.{LORA_TARGETS[proj]}"
+
+
+def lora_from_hf(module: str) -> str | None:
+    """A PEFT module name -> ``layers.{i}.<projection>``, or None for a module that is no target here."""
+    if not module.startswith("model.layers."):
+        return None
+    rest = module[len("model.layers."):].split(".", 1)
+    if len(rest) != 2 or not rest[0].isdigit():
+        return None
+    proj = next((p for p, m in LORA_TARGETS.items() if m == rest[1]), None)
+    return None if proj is None else f"layers.{int(rest[0])}.{proj}"
 
 
 def hf_names(cfg) -> dict:
