@@ -52,13 +52,22 @@ def choice_logprobs(choice: dict) -> torch.Tensor:
 
 def join_stream(chunks) -> list[dict]:
     """The choices of a streamed OpenAI answer, joined as the non-streamed answer has them: text (or
-    message content), log-probs, token ids, finish_reason and matched_stop."""
+    message content), log-probs, token ids, finish_reason and matched_stop; ``tool_calls`` where a
+    chat choice has any (each call's deltas joined by their ``index``, arguments concatenated)."""
     out: dict[int, dict] = {}
     for ch in chunks:
         for c in ch.get("choices", []):
             o = out.setdefault(c["index"], {"index": c["index"], "text": "", "logprobs": None, "token_ids": [],
                                             "finish_reason": None, "matched_stop": None})
-            o["text"] += c["delta"].get("content", "") if "delta" in c else c.get("text", "")
+            o["text"] += (c["delta"].get("content") or "") if "delta" in c else c.get("text", "")
+            for tc in c.get("delta", {}).get("tool_calls") or []:
+                calls = o.setdefault("tool_calls", [])
+                while len(calls) <= tc["index"]:
+                    calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                call, fn = calls[tc["index"]], tc.get("function") or {}
+                call["id"] = tc.get("id") or call["id"]
+                call["function"]["name"] += fn.get("name") or ""
+                call["function"]["arguments"] += fn.get("arguments") or ""
             lp = c.get("logprobs")
             if lp is not None:
                 if o["logprobs"] is None:

@@ -14,8 +14,13 @@ Refused with a 400 naming the field, at any but their neutral value: what the tr
 (penalties, ``logit_bias``, ``min_tokens``, grammars and ``response_format``, a forced ``tool_choice``)
 and what this server does not compute: alternatives' log-probs (``top_logprobs`` > 0, completions'
 ``logprobs`` > 0: the chosen token's log-prob is served, with ``logprobs: true`` / ``logprobs: 0``),
-``echo``, ``suffix``.  ``tools`` are rendered by the chat template; tool calls are not parsed out of
-the text.  Each answer's ``metadata`` holds the weight version and the sampling parameters every
+``echo``, ``suffix``.  ``tools`` are rendered by the chat template, and the calls the model writes
+(``tools.py``: Hermes / Qwen3 blocks, or GLM's) come back as the message's ``tool_calls`` with
+``finish_reason`` tool_calls (length stays length); a block that does not parse, or names a tool the
+request did not offer, stays in the content.  A stream sends content until a block may begin and the
+calls with the last chunk.  ``tool_choice: none`` leaves the text as it is.  An assistant message's
+``tool_calls`` may carry their arguments as JSON text (OpenAI's) or an object: the template gets an
+object.  Each answer's ``metadata`` holds the weight version and the sampling parameters every
 choice was drawn with (the trainer replays them); ``return_token_ids: true`` (vLLM's) adds the prompt's
 and each choice's token ids.
 """
@@ -33,6 +38,7 @@ from pydantic import BaseModel, ConfigDict
 from . import api
 from .api import ApiError, Item, ModelLimits, TextOut, _short
 from .text import TextDelta, output_text
+from .tools import StreamCalls, Tools, parse, template_calls
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -141,6 +147,7 @@ class OpenAISpec:
     model: str
     params: dict  # the sampling parameters every choice was drawn with (choice j: seed + j)
     stop: tuple[str, ...] = ()
+    tools: Tools | None = None  # the request's tools, when calls are parsed out of the text
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -220,6 +227,8 @@ def _messages(messages) -> list[dict]:
         if role == "developer":  # OpenAI's newer name for the system message; chat templates know "system"
             msg["role"] = "system"
         msg["content"] = _content(m.get("content"), where)
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = template_calls(m["tool_calls"], where)
         if msg["content"] is None and not (role == "assistant" and m.get("tool_calls")):
             raise ApiError(400, f"{where}.content is required (only an assistant message with tool_calls may omit it)")
         out.append(msg)
@@ -265,6 +274,7 @@ def build(req_body: Any, limits: ModelLimits, defaults: dict, model_name: str, c
         raise ApiError(400, f"{route} needs the checkpoint's tokenizer and this server has none (the checkpoint ships "
                             f"none); use /generate with input_ids")
     if chat:
+        offered = Tools.of(req.tools, tok.chat_template) if req.tools else None  # checked before the template sees them
         prompts, field_name = [render_chat(tok, req)], "messages"
         if req.max_tokens is not None and req.max_completion_tokens is not None \
                 and req.max_tokens != req.max_completion_tokens:
@@ -274,6 +284,7 @@ def build(req_body: Any, limits: ModelLimits, defaults: dict, model_name: str, c
             raise ApiError(400, f"top_logprobs = {req.top_logprobs} is not supported: only the chosen token's "
                                 f"log-prob is served (the sampler's, bitwise the trainer's); leave it at 0")
         logprobs = req.logprobs
+        tools = offered if req.tool_choice != "none" else None
     else:
         prompts, field_name = _completion_prompts(req.prompt, limits), "prompt"
         max_tokens = req.max_tokens
@@ -283,6 +294,7 @@ def build(req_body: Any, limits: ModelLimits, defaults: dict, model_name: str, c
         if req.best_of not in (None, req.n):
             raise ApiError(400, f"best_of = {req.best_of} is not supported: every sample is returned (use n)")
         logprobs = req.logprobs is not None
+        tools = None
     if req.n < 1:
         raise ApiError(400, f"n must be >= 1, got {req.n}")
     if max_tokens is not None and max_tokens < 1:
@@ -319,12 +331,14 @@ def build(req_body: Any, limits: ModelLimits, defaults: dict, model_name: str, c
     params = {"temperature": sp_in.temperature, "top_k": sp_in.top_k, "top_p": sp_in.top_p, "min_p": sp_in.min_p,
               "seed": api._wrap64(seed)}
     return OpenAISpec(chat, items, prompts, req.n, req.stream, bool(opts.get("include_usage")), logprobs,
-                      req.return_token_ids, req.model or model_name, params, items[0].sampling.stop, id=base)
+                      req.return_token_ids, req.model or model_name, params, items[0].sampling.stop, tools, id=base)
 
 
 # ------------------------------------------------------------------ answers
-def finish(c) -> str:
-    return {"stop": "stop", "length": "length"}.get(c.finish_reason, "abort")
+def finish(c, calls: list | None = None) -> str:
+    """stop, length or abort; tool_calls for a choice that stopped by itself after writing calls."""
+    reason = {"stop": "stop", "length": "length"}.get(c.finish_reason, "abort")
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 _STRINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {token id: its text}
@@ -378,14 +392,17 @@ def choice(spec: OpenAISpec, tokenizer, item: Item, c) -> dict:
                        spaces_between_special_tokens=t.spaces_between_special_tokens, no_stop_trim=t.no_stop_trim)
     lps = c.logprobs.tolist()
     out: dict = {"index": item.index}
+    content, calls = parse(text, spec.tools) if spec.tools is not None else (text, [])
     if spec.chat:
-        out["message"] = {"role": "assistant", "content": text}
+        out["message"] = {"role": "assistant", "content": content}
+        if calls:
+            out["message"]["tool_calls"] = calls
     else:
         out["text"] = text
     if spec.logprobs:
         check_finite(item, lps)
     out["logprobs"] = logprobs_of(spec, tokenizer, c.tokens, lps) if spec.logprobs else None
-    out["finish_reason"] = finish(c)
+    out["finish_reason"] = finish(c, calls)
     out["matched_stop"] = c.matched
     if c.finish_reason not in ("stop", "length"):
         out["error"] = c.error or "aborted"
@@ -409,7 +426,8 @@ def response(spec: OpenAISpec, tokenizer, done: list[tuple[Item, Any, int]]) -> 
 
 class Stream:
     """The server-sent chunks of a streamed answer: each choice's new text (``TextDelta``: their
-    concatenation is the non-streamed text) and its new tokens' log-probs."""
+    concatenation is the non-streamed text) and its new tokens' log-probs; with tools, the text of a
+    tool call held back and the calls sent with the last chunk (``StreamCalls``)."""
 
     def __init__(self, spec: OpenAISpec, tokenizer):
         self.spec, self.tokenizer = spec, tokenizer
@@ -417,6 +435,7 @@ class Stream:
                                          spaces_between_special_tokens=it.text.spaces_between_special_tokens,
                                          no_stop_trim=it.text.no_stop_trim) for it in spec.items}
         self.sent = {it.rid: 0 for it in spec.items}  # tokens sent
+        self.calls = {it.rid: StreamCalls(spec.tools) for it in spec.items} if spec.tools is not None else {}
         self.completion_tokens = 0
 
     def _chunk(self, choice_: dict) -> dict:
@@ -445,14 +464,20 @@ class Stream:
     def running(self, item: Item, tokens: list[int], lps: list[float], version: int) -> dict:
         """``version`` goes unused: a chunk names the weight version once, in the last one's metadata."""
         text = self.deltas[item.rid].running(tokens)
-        c = self._choice(item, tokens, lps, text)
+        held = self.calls.get(item.rid)
+        c = self._choice(item, tokens, lps, text if held is None else held.running(text))
         c["finish_reason"] = None
         return self._chunk(c)
 
     def final(self, item: Item, c, version: int) -> dict:
-        text = self.deltas[item.rid].final(c.tokens, c.matched)
+        text, calls = self.deltas[item.rid].final(c.tokens, c.matched), []
+        held = self.calls.get(item.rid)
+        if held is not None:
+            text, calls = held.final(text)
         ch = self._choice(item, c.tokens, c.logprobs.tolist(), text)
-        ch["finish_reason"], ch["matched_stop"] = finish(c), c.matched
+        if calls:
+            ch["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        ch["finish_reason"], ch["matched_stop"] = finish(c, calls), c.matched
         if c.finish_reason not in ("stop", "length"):
             ch["error"] = c.error or "aborted"
         self.completion_tokens += len(c.tokens)

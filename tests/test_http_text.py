@@ -74,8 +74,9 @@ def rejected(fn, status, *words):
     assert e.value.status == status and all(w in e.value.message for w in words), e.value.message
 
 
-def chat_ids(tok, messages):
-    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+def chat_ids(tok, messages, tools=None):
+    return list(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False))
 
 
 # ------------------------------------------------------------------ /generate with text
@@ -210,6 +211,54 @@ def test_streaming_returns_what_the_plain_answer_does(server, tok, chat):
     assert plain["choices"][0]["matched_stop"] == stop
 
 
+TOOLS = [{"type": "function", "function": {"name": "reverse", "description": "reverse the digits",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"digits": {"type": "string"}}}}}]
+
+
+def test_a_chat_with_tools_answers_well_formed_plain_and_streamed(server, pair, tok):
+    """The tiny model cannot write a call (``tests/test_tool_calls.py`` checks the answers to calls): with
+    tools, the prompt is the template's with them, each choice is a well-formed message, its log-probs the
+    trainer's, and the stream joins to the plain answer."""
+    kw = {"max_tokens": 12, "n": 3, "seed": 5, "logprobs": True, "return_token_ids": True, "tools": TOOLS,
+          "tool_choice": "auto"}
+    ans = server.chat(MESSAGES, **kw)
+    prompt = chat_ids(tok, as_template_takes(MESSAGES), TOOLS)
+    assert ans["prompt_token_ids"] == prompt and prompt != chat_ids(tok, as_template_takes(MESSAGES))
+    for j, ch in enumerate(ans["choices"]):
+        msg, tokens = ch["message"], ch["token_ids"]
+        assert msg["role"] == "assistant" and set(msg) <= {"role", "content", "tool_calls"}
+        for call in msg.get("tool_calls", []):
+            assert call["id"].startswith("call_") and call["type"] == "function"
+            assert call["function"]["name"] == "reverse" and isinstance(json.loads(call["function"]["arguments"]), dict)
+        if "tool_calls" not in msg:
+            body = tokens[:-1] if ch["finish_reason"] == "stop" else tokens
+            assert ch["finish_reason"] in ("stop", "length")
+            assert msg["content"] == tok.decode(body, skip_special_tokens=True)
+        sp = SamplingParams(**DEFAULTS, max_new_tokens=12, seed=5 + j)
+        assert torch.equal(trainer_logprobs(pair, prompt, tokens, sp), choice_logprobs(ch))
+    for got, want in zip(join_stream(server.chat_stream(MESSAGES, **kw)), ans["choices"]):
+        assert got["text"] == (want["message"]["content"] or "") and got["token_ids"] == want["token_ids"]
+        assert got["finish_reason"] == want["finish_reason"] and "tool_calls" not in got
+        assert torch.equal(choice_logprobs(got), choice_logprobs(want))
+
+
+def test_a_conversation_with_tool_calls_and_results_renders(server, tok):
+    """An assistant's calls come back with their arguments as JSON text (OpenAI's clients send them so);
+    the template, which iterates them as a dict (GLM's does), gets a dict."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "reverse", "arguments": '{"digits": "1 2 3"}'}}
+    history = [{"role": "user", "content": "reverse 1 2 3 please"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "3 2 1"}]
+    ans = server.chat(history, tools=TOOLS, max_tokens=4, seed=2, return_token_ids=True)
+    as_dict = {**call, "function": {"name": "reverse", "arguments": {"digits": "1 2 3"}}}
+    want = chat_ids(tok, [history[0], {**history[1], "tool_calls": [as_dict]}, history[2]], TOOLS)
+    assert ans["prompt_token_ids"] == want
+    shown = tok.decode(want)  # "<tool_call>" is no word of the toy vocabulary: <unk>s around the call
+    assert " reverse digits 1 2 3 " in shown and shown.endswith("<|tool|> 3 2 1 <|end|> <|assistant|>")
+    assert ans["choices"][0]["finish_reason"] in ("stop", "length")
+
+
 def test_v1_models(server):
     models = server.models()
     assert models["object"] == "list" and models["data"][0]["id"].endswith("ckpt")
@@ -241,6 +290,13 @@ BAD = [
      "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1},
      "frobnicate: extra inputs are not permitted"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "flat"}]},
+     "tools[0] must be {type: function, function: {name, parameters}}"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "reverse", "arguments": "{1 2"}}]}]},
+     "messages[1].tool_calls[0].function.arguments must be a JSON object or its JSON text"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs = 2 is not supported"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": [1, 151]}, "prompt: token id 151 at index 1 is outside the vocabulary"),

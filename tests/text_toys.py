@@ -18,11 +18,17 @@ VOCAB = 151
 EOS, END = 2, 7  # "</s>" (the tokenizer's eos_token) and "<|end|>" (a turn's end), both in generation_config.json
 GENERATION_CONFIG = {"eos_token_id": [EOS, END], "temperature": 0.9, "top_k": 40, "top_p": 0.95}
 
+# Tools and an assistant's tool calls as GLM's template writes them: the arguments iterated as a dict
+# (a message without them renders as it did before they were added).
 CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'assistant' -%}"
     "{{ raise_exception('the conversation must start with a system or user message') }}"
     "{%- endif -%}"
-    "{%- for m in messages -%}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor -%}"
+    "{%- if tools -%}<|system|> {% for t in tools %}{{ t['function']['name'] }} {% endfor %}<|end|> {% endif -%}"
+    "{%- for m in messages -%}<|{{ m['role'] }}|> {{ m['content'] if m['content'] is not none else '' }}"
+    "{%- for tc in m.get('tool_calls') or [] %} <tool_call> {{ tc['function']['name'] }}"
+    "{%- for k, v in tc['function']['arguments'].items() %} {{ k }} {{ v }}{% endfor %} </tool_call>{% endfor %}"
+    " <|end|> {% endfor -%}"
     "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
 )
 
