@@ -56,7 +56,7 @@ CASES: dict[str, ModelCase] = {
     "qwen35_gdn": ModelCase(gpu_preset="qwen3.5-35b-a3b-4l", fp8=False, hf_atol=1e-4, sharpen=sharpen_zero_centred),
     # hf_atol: the tiny preset selects 32 positions, and transformers breaks the indexer's exact-0.0 ties its own
     # way, so the round trip compares with every position kept (test_glm5_parity.py: 9.5e-7 measured)
-    "glm5_sparse_fp8": ModelCase(fp8=False, hf_atol=None, load_kw={}),
+    "glm5_sparse_fp8": ModelCase(hf_atol=None),
 }
 
 
