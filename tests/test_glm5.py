@@ -1,0 +1,147 @@
+"""glm5_sparse_fp8's own contract: trainer == server prefill == chunked prefill == decode with a top-32
+selection far below 1,000+-token sequences, the same selected positions on both sides at every full
+indexer layer and token (ties included: the indexer's exact-0.0 plateaus), shared layers, the routed
+experts as extras.  The generic rows (preemption, overlap, sync, FP8, checkpoints, the ladder) are
+tests/test_models.py's; parity with transformers is tests/test_glm5_parity.py's."""
+from __future__ import annotations
+
+import pytest
+import torch
+from model_cases import assert_trainer_matches, make_pair, prompts_of, rich
+
+from alignzoo import SamplingParams
+from alignzoo.models.capture import Recorder
+
+NAME = "glm5_sparse_fp8"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.set_num_threads(1)
+    return make_pair(NAME, dtype=torch.bfloat16, seed=3)
+
+
+def selections(rec: Recorder, layers) -> dict:
+    return {L: rec.rows[f"layer.{L}.indexer.selected"] for L in layers}
+
+
+def test_a_long_mixed_batch_keeps_the_contract(pair):
+    """A 1,100-token prompt beside short ones, top-32 selection, every sampling transform: the sampled
+    bits are the trainer's and the server prefill's, and both sides selected the same positions at
+    every full indexer layer and token."""
+    cfg = pair.config
+    assert cfg.index_topk == 32 and cfg.indexer_types == ("full", "shared", "full", "shared")
+    prompts = prompts_of([1100, 77, 300], cfg.vocab_size, seed=5)
+    sps = rich(3, [9, 14, 6], seed=2)
+    outs = pair.server.generate(prompts, sps)
+    assert_trainer_matches(pair, prompts, sps, outs)
+    seqs = [p + o.tokens for p, o in zip(prompts, outs)]
+    lens = [len(p) for p in prompts]
+    srv, trn = Recorder(seqs), Recorder(seqs)
+    with srv.attached_server(pair.server):
+        pair.server.score(seqs, lens, sps)
+    with torch.no_grad(), trn.attached_trainer(pair.trainer):
+        pair.trainer.logprobs(seqs, lens, sps)
+    assert not srv.conflicts and not trn.conflicts
+    got, want = selections(srv, cfg.indexer_layers), selections(trn, cfg.indexer_layers)
+    for L in cfg.indexer_layers:
+        # the server never feeds a sequence's last token; the trainer selects for it too
+        assert set(got[L]) == {(i, t) for i, s in enumerate(seqs) for t in range(len(s) - 1)}, L
+        for k, row in got[L].items():
+            assert torch.equal(row, want[L][k]), (L, k)
+    # far rows select 32 real positions, not pads; row p < 31 sees every position up to itself
+    far = want[0][(0, 1000)]
+    assert far.shape == (32,) and bool((far >= 0).all()) and bool((far.diff() > 0).all()) and int(far[-1]) <= 1000
+    assert want[0][(1, 10)].tolist() == list(range(11)) + [-1] * 21
+
+
+@pytest.fixture(scope="module")
+def one_prefill(pair):
+    seqs = prompts_of([1100, 131], pair.config.vocab_size, seed=8)
+    sps = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.1, seed=2)]
+    return seqs, sps, pair.server.score(seqs, [1, 1], sps)
+
+
+@pytest.mark.parametrize("chunk", [63, 64, 65, 257])
+def test_a_prefill_split_into_chunks_is_one_prefill(pair, one_prefill, chunk):
+    """Chunked prefill: each chunk's rows select among keys an earlier chunk wrote to the paged
+    indexer pool and attend to latent rows from earlier chunks; the log-probs equal one prefill's."""
+    seqs, sps, ref = one_prefill
+    lps = pair.server.score(seqs, [1, 1], sps, chunk_tokens=chunk)
+    for i, (a, b) in enumerate(zip(lps, ref)):
+        assert torch.equal(a, b), (chunk, i)
+
+
+def _tied(pair, how: str):
+    """A copy of the pair's weights whose indexer scores tie: "zero" (weights_proj = 0: every score
+    exactly 0.0) or "plateau" (wk = 0 and a k_norm bias: every key the same before RoPE, most scores 0)."""
+    t = pair.trainer
+    with torch.no_grad():
+        for L in pair.config.indexer_layers:
+            ix = t.layers[L].indexer
+            if how == "zero":
+                ix.weights_proj.weight.zero_()
+            else:
+                ix.wk.weight.zero_()
+                ix.k_norm.bias.copy_(torch.linspace(-1.0, 1.0, ix.k_norm.bias.numel()))
+    pair.sync()
+
+
+@pytest.mark.parametrize("how", ["zero", "plateau"])
+def test_ties_go_to_the_smaller_position_on_both_sides(how):
+    """Scores built to tie: the same selection on both sides at every token, the smallest positions
+    winning an all-zero row, and K3 == 0 across a mixed batch."""
+    torch.set_num_threads(1)
+    pair = make_pair(NAME, dtype=torch.bfloat16, seed=4)
+    _tied(pair, how)
+    cfg = pair.config
+    prompts = prompts_of([1030, 45], cfg.vocab_size, seed=9)
+    sps = rich(2, 7, seed=5)
+    outs = pair.server.generate(prompts, sps)
+    assert_trainer_matches(pair, prompts, sps, outs)
+    seqs = [p + o.tokens for p, o in zip(prompts, outs)]
+    srv, trn = Recorder(seqs), Recorder(seqs)
+    with srv.attached_server(pair.server):
+        pair.server.score(seqs, [1, 1], sps)
+    with torch.no_grad(), trn.attached_trainer(pair.trainer):
+        pair.trainer.logprobs(seqs, [1, 1], sps)
+    got, want = selections(srv, cfg.indexer_layers), selections(trn, cfg.indexer_layers)
+    for L in cfg.indexer_layers:
+        assert len(got[L]) == sum(len(s) - 1 for s in seqs), L
+        for k, row in got[L].items():
+            assert torch.equal(row, want[L][k]), (L, k)
+    if how == "zero":
+        assert want[0][(0, 900)].tolist() == list(range(32))
+
+
+def test_routed_experts_are_the_trainers_routing(pair):
+    """The extras hold the MoE layers only (the dense first layer has no router), in layer order: the
+    trainer's own routing of every fed token, bit for bit."""
+    cfg = pair.config
+    moe = cfg.sparse_layers
+    assert moe == (1, 2, 3)
+    prompts = prompts_of([1040, 33], cfg.vocab_size, seed=12)
+    sps = rich(2, [5, 11], seed=6)
+    outs = pair.server.generate(prompts, sps)
+    seqs = [p + o.tokens for p, o in zip(prompts, outs)]
+    rec = Recorder(seqs)
+    with torch.no_grad(), rec.attached_trainer(pair.trainer):
+        pair.trainer.logprobs(seqs, [len(p) for p in prompts], sps)
+    for i, (s, o) in enumerate(zip(seqs, outs)):
+        fed = range(len(s) - 1)
+        ids = torch.stack([torch.stack([rec.rows[f"layer.{j}.moe.router.ids"][i, t] for j in moe]) for t in fed])
+        assert o.extras["routed_experts"].shape == (len(s) - 1, len(moe), cfg.num_experts_per_tok)
+        assert torch.equal(o.extras["routed_experts"], ids.to(torch.int32)), i
+    # replaying the server's routing gives the trainer the sampled bits
+    with torch.no_grad():
+        lps = pair.trainer.logprobs(seqs, [len(p) for p in prompts], sps, replay=[o.extras for o in outs])
+    for o, lp in zip(outs, lps):
+        assert torch.equal(lp, o.logprobs)
