@@ -108,6 +108,8 @@ def test_cuda_graph_decode_matches_eager(name, overlap):
     """The row's GPU preset (random weights) and a long sequence: trainer == server prefill ==
     eager decode == CUDA-graph decode, decode steps launched ahead (``overlap``) or not."""
     c = case(name)
+    if not c.cuda_graphs:
+        pytest.skip(f"{name} does not capture decode graphs yet (its kernels read the batch on the host)")
     kw = dict(config=c.gpu_preset, device="cuda", max_batch_size=8, kv_cache_bytes=8 << 30, **c.load_kw)
     pair = alignzoo.load_pair(name, overlap=overlap, **kw)
     eager = alignzoo.load_pair(name, cuda_graphs=False, **kw)
