@@ -1,6 +1,6 @@
 """benchmarks/run_suite.py's report on a synthetic result, the vendor server
 (the engine benchmark's baseline) on the CPU, and CPU smoke runs of
-profile_prefill.py, bench_sync.py and bench_moe_train.py."""
+profile_prefill.py, bench_sync.py, bench_moe_train.py and bench_http.py's OpenAI routes."""
 from __future__ import annotations
 
 import json
@@ -252,3 +252,24 @@ def test_engine_rows_of_qwen35_on_cpu():
     row = bench_engine.measure(pair.server, pair.config.vocab_size, 3, 20, 6)
     assert row["batch"] == 3 and row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
     assert row["steady_decode_step_ms"] is not None and row["steady_decode_tok_s"] > 0
+
+
+@pytest.mark.parametrize("route,rows", [("completions", {"batched", "concurrent"}), ("chat", {"concurrent"})],
+                         ids=["completions", "chat"])
+def test_bench_http_openai_routes_smoke_on_cpu(tmp_path, capsys, route, rows):
+    """benchmarks/bench_http.py through /v1/completions and /v1/chat/completions (a checkpoint built with a
+    tokenizer and a chat template): every request its --new tokens, the tokens, the prompt ids the server
+    rendered and the FP32 log-probs (the JSON floats exactly) equal to in-process generate's, the figures
+    written (the /generate route's smoke test is tests/test_http.py's)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("transformers")
+    import bench_http
+
+    out = tmp_path / "http.json"
+    report = bench_http.main(["--route", route, "--batch", "3", "--prompt-len", "9", "--new", "5", "--repeats", "1",
+                              "--json", str(out)])
+    assert report["tokens"] == 15 and set(report["ratio"]) == rows
+    assert all(report["bitwise_equal"].values()) and all(report["logprobs_json_exact"].values())
+    assert json.loads(out.read_text())["path"] == bench_http.PATHS[route]
+    assert "bits equal" in capsys.readouterr().out
