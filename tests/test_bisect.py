@@ -165,3 +165,14 @@ def test_qwen35_gdn_bisect_equal_server_and_vendor_parts_in_layer_0():
         first = rep.diffs[0]
         assert first.name.startswith("layer.0.")
         assert not {d.name for d in rep.diffs} & set(rep.order[:rep.order.index(first.name)])
+
+
+def test_glm5_vendor_bisect_parts_in_layer_0():
+    """glm5_sparse_fp8's vendor server (torch's linear, norms, RoPE, indexer top-k and attention) parts in
+    layer 0 with every op before it equal, and its indexer's selection is among the ops compared."""
+    glm5 = alignzoo.load_pair("glm5_sparse_fp8", config="tiny", device="cpu", cuda_graphs=False, freeze_gc=False)
+    for rep in bisect(glm5, against="vendor", length=200, batch=2):
+        first = rep.diffs[0]
+        assert first.name.startswith("layer.0.") and "layer.0.indexer.selected" in rep.order
+        assert not {d.name for d in rep.diffs} & set(rep.order[:rep.order.index(first.name)])
+        assert rep.tokens_differing > 0 and not rep.one_sided
