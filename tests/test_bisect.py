@@ -168,9 +168,13 @@ def test_qwen35_gdn_bisect_equal_server_and_vendor_parts_in_layer_0():
 
 
 def test_glm5_vendor_bisect_parts_in_layer_0():
-    """glm5_sparse_fp8's vendor server (torch's linear, norms, RoPE, indexer top-k and attention) parts in
-    layer 0 with every op before it equal, and its indexer's selection is among the ops compared."""
+    """glm5_sparse_fp8: the aligned server has every byte (its latent rows and indexer keys compared as
+    the cache holds them, and the selection); the vendor server (torch's linear, norms, RoPE, indexer
+    top-k and attention) parts in layer 0 with every op before it equal."""
     glm5 = alignzoo.load_pair("glm5_sparse_fp8", config="tiny", device="cpu", cuda_graphs=False, freeze_gc=False)
+    reps = bisect(glm5, against="server", length=200, batch=2)
+    assert all(r.equal for r in reps) and reps[0].ops > 40
+    assert {"layer.0.attn.kv_row", "layer.0.indexer.k", "layer.2.indexer.selected"} <= set(reps[0].order)
     for rep in bisect(glm5, against="vendor", length=200, batch=2):
         first = rep.diffs[0]
         assert first.name.startswith("layer.0.") and "layer.0.indexer.selected" in rep.order

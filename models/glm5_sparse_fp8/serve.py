@@ -78,7 +78,7 @@ class Glm5Server(ServerBase):
                            self.w(p + "k_norm.bias"), INDEXER_NORM_EPS)
         k = rope_fwd(k.view(T, 1, c.index_head_dim), batch.positions, c.indexer_rope, check=False)
         write_row_fwd((k,), cache["k"], rows.slot_mapping)
-        self.tap_cache("indexer.k", cache["k"], rows.slot_mapping, L)
+        self.tap_cache("indexer.k", cache["k"].flatten(2), rows.slot_mapping, L)
         w = indexer_weights(h, self.w(p + "weights_proj.weight"), c, matmul_fwd)
         sel = paged_index_select_fwd(q, cache["k"], w, seq_idx, rows.block_table, batch.positions,
                                      scale=c.indexer_scale, top_k=c.index_topk)
@@ -118,7 +118,7 @@ class Glm5Server(ServerBase):
             q_resid, q_abs, latent, k_rope = self._q_and_row(h, i, batch)
             cache = caches["mla"][i]
             write_row_fwd((latent, k_rope), cache["row"], mla.slot_mapping)
-            self.tap_cache("attn.kv_row", cache["row"], mla.slot_mapping, i)
+            self.tap_cache("attn.kv_row", cache["row"].flatten(2), mla.slot_mapping, i)
             if i in self._index_slot:
                 sel = self._select(h, q_resid, i, batch, seq_idx, caches["index"][self._index_slot[i]])
             x = self._attend(q_abs, sel, i, batch, seq_idx, cache)
