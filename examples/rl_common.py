@@ -125,19 +125,21 @@ def add_run_arguments(ap, out: str, device_help: str = "the trainer's and the se
 
 
 def print_step(step: int, row: dict) -> None:
-    """One progress line of an HTTP example's step (its log.jsonl row)."""
+    """One progress line of an example's step (its log.jsonl row); the sync's bytes where the row has them."""
+    shipped = (f", {row['sync_bytes'] / 1024:.1f} of {row['sync_bytes_full'] / 1024:.1f} KiB"
+               if "sync_bytes" in row else "")
     print(f"step {step:3d}  reward {row['reward']:.3f}  K3 max {row['k3_max']:.3g}  "
           f"{row['differing_tokens']}/{row['tokens']} tokens differ  sampled under "
-          f"v{row['sampled_under_version']}  -> v{row['weight_version']} ({row['sync_blocks']} blocks)  "
+          f"v{row['sampled_under_version']}  -> v{row['weight_version']} ({row['sync_blocks']} blocks{shipped})  "
           f"{row['seconds']:.2f}s", flush=True)
 
 
-def finish(log: list[dict], same: bool, code: int) -> int:
-    """An HTTP example's last line; its exit status: 0 when no token differed, the served weights are the
-    trainer's and the server stopped cleanly."""
+def finish(log: list[dict], same: bool, code: int | None) -> int:
+    """An example's last line; its exit status: 0 when no token differed, the served weights are the
+    trainer's and the server stopped cleanly (``code`` None: it runs in this process)."""
     differing, tokens = sum(r["differing_tokens"] for r in log), sum(r["tokens"] for r in log)
+    stopped = "" if code is None else f"; server exit status {code}"
     print(f"{reward_summary([r['reward'] for r in log])}; {differing} of {tokens} tokens differ, K3 max "
-          f"{max(r['k3_max'] for r in log):.3g}; served weights {'==' if same else '!='} the trainer's; "
-          f"server exit status {code}")
-    return 0 if same and code == 0 and differing == 0 else 1
+          f"{max(r['k3_max'] for r in log):.3g}; served weights {'==' if same else '!='} the trainer's{stopped}")
+    return 0 if same and not code and differing == 0 else 1
 

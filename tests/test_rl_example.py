@@ -8,6 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import glm5_sparse_fp8_rl  # noqa: E402
 import qwen3_rl  # noqa: E402
 from rl_common import OrderedGradSum, group_advantages, reward_summary, token_objective  # noqa: E402
 
@@ -134,3 +135,27 @@ def test_qwen35_gdn_example_describes_itself():
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "qwen35_gdn_rl.py")
     out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, check=True).stdout
     assert out.count("RL on qwen35_gdn (Gated DeltaNet + MoE)") == 1 and "A tiny Qwen3 learns" not in out
+
+
+@pytest.mark.parametrize("mode", [["--lora", "4", "--lora-mode", "separate"], ["--fp8"]], ids=["lora-separate", "fp8"])
+def test_glm5_sparse_fp8_steps_are_exact(tmp_path, capsys, mode):
+    """Rung 5 on GLM-5: prompts of 34 tokens, past the tiny preset's top-32 selection, so every sampled token's
+    query attends to the positions the indexer picks; K3 == 0 on every token of every step, in adapter training
+    and in full-weight unified FP8 alike, and each sync ships the changed blocks only (the indexer's, which take
+    no gradient, never change; separate LoRA ships the adapters alone)."""
+    out = str(tmp_path / "glm5")
+    argv = ["--steps", "2", "--prompts", "2", "--group-size", "2", "--out", out, "--no-plot", *mode]
+    assert glm5_sparse_fp8_rl.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "prompts of 34 tokens, top-32 selection" in text and "served weights == the trainer's" in text
+    assert ("full-weight unified FP8" in text) == ("--fp8" in mode)
+    log = read_log(out)
+    assert len(log) == 2
+    assert all(r["differing_tokens"] == 0 and r["k3_max"] == 0.0 and r["tokens"] > 0 for r in log)
+    assert all(r["sampled_under_version"] == [r["weight_version"] - 1] for r in log)
+    for r in log:
+        changed, total = map(int, r["sync_blocks"].split("/"))
+        assert 0 < changed < total and 0 < r["sync_bytes"] < r["sync_bytes_full"], r
+        assert f"({r['sync_blocks']} blocks, {r['sync_bytes'] / 1024:.1f} of " in text
+    if "--lora" in mode:
+        assert all(r["sync_bytes"] < r["sync_bytes_full"] / 10 for r in log)
