@@ -316,12 +316,17 @@ class TrainerBase(nn.Module):
             per_token = torch.repeat_interleave(torch.tensor(ids, device=batch.tokens.device),
                                                 batch.cu_seqlens.diff(), output_size=batch.tokens.shape[0])
             rows = AdapterRows(per_token, frozenset(ids) - {-1})
-        kw = {} if replay is None else {"replay": self._replay_rows(replay, sequences, batch, replay_mode)}
+        kw = {} if replay is None else self.replay_kwargs(replay, sequences, batch, replay_mode)
         logits = self.logits(batch.tokens, batch.positions, batch.cu_seqlens, batch.rows, batch.max_seqlen, rows, **kw)
         per_row = [p for p, n in zip(params, batch.counts) for _ in range(n)]
         t = params_to_tensors(per_row, [0] * len(per_row), device=logits.device)
         lp = sampling_logprobs(logits, batch.targets, t["temperature"], t["top_k"], t["top_p"], t["min_p"])
         return list(lp.split(batch.counts))
+
+    def replay_kwargs(self, replay, sequences, batch, mode: str) -> dict:
+        """``hidden``'s keywords for the server's extras ``replay`` (one entry per sequence): the routed
+        experts (``replay``); a model that replays more (glm5's selections) extends this."""
+        return {"replay": self._replay_rows(replay, sequences, batch, mode)}
 
     def _replay_rows(self, replay, sequences, batch, mode: str):
         """Per layer (ids (T, k), weights (T, k), rows with a replay (T,) bool, mode) of the packed batch."""

@@ -5,6 +5,8 @@ experts as extras.  The generic rows (preemption, overlap, sync, FP8, checkpoint
 tests/test_models.py's; parity with transformers is tests/test_glm5_parity.py's."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from model_cases import assert_trainer_matches, make_pair, prompts_of, rich
@@ -145,3 +147,61 @@ def test_routed_experts_are_the_trainers_routing(pair):
         lps = pair.trainer.logprobs(seqs, [len(p) for p in prompts], sps, replay=[o.extras for o in outs])
     for o, lp in zip(outs, lps):
         assert torch.equal(lp, o.logprobs)
+
+
+# ---------------------------------------------------------------- index replay
+def test_index_replay_gives_the_sampled_bits_and_catches_a_tampered_selection(pair):
+    """A request that asks (``SamplingParams(extras=("index_selected",))``) gets each full layer's selection
+    of every fed token, the trainer's own; one that does not gets none.  Replayed, the selections give the
+    trainer the sampled bits; one position swapped changes the log-probs; a selection the indexer could not
+    have made is refused, naming it."""
+    cfg = pair.config
+    prompts = prompts_of([1050, 90], cfg.vocab_size, seed=21)
+    sps = rich(2, [8, 6], seed=3)
+    asked = [dataclasses.replace(sps[0], extras=("index_selected",)), sps[1]]
+    outs = pair.server.generate(prompts, asked)
+    sel = outs[0].extras["index_selected"]
+    n = len(prompts[0]) + len(outs[0].tokens)
+    assert sel.shape == (n - 1, len(cfg.indexer_layers), cfg.index_topk) and sel.dtype == torch.int32
+    assert "index_selected" not in outs[1].extras and "routed_experts" in outs[1].extras
+    seqs = [p + o.tokens for p, o in zip(prompts, outs)]
+    rec = Recorder(seqs[:1])
+    with torch.no_grad(), rec.attached_trainer(pair.trainer):
+        own = pair.trainer.logprobs(seqs[:1], [len(prompts[0])], asked[:1])[0]
+    for j, L in enumerate(cfg.indexer_layers):
+        rows = rec.rows[f"layer.{L}.indexer.selected"]
+        assert all(torch.equal(sel[t, j], rows[(0, t)]) for t in range(n - 1)), L
+    assert torch.equal(own, outs[0].logprobs)
+
+    def replayed(s):
+        with torch.no_grad():
+            return pair.trainer.logprobs(seqs[:1], [len(prompts[0])], asked[:1],
+                                         replay=[{"index_selected": s}])[0]
+    assert torch.equal(replayed(sel), outs[0].logprobs)
+    # the score path returns them too, to whoever asks
+    _, scored = pair.server.score(seqs[:1], [len(prompts[0])], asked[:1], return_extras=True)
+    assert torch.equal(scored[0]["index_selected"], sel)
+    # tampered: the last prompt token's layer-0 selection drops its smallest position for one it did not pick
+    t = len(prompts[0]) - 1
+    row = sel[t, 0].tolist()
+    new = sorted(set(row[1:]) | {next(p for p in range(t + 1) if p not in row)})
+    bad = sel.clone()
+    bad[t, 0] = torch.tensor(new, dtype=torch.int32)
+    assert not torch.equal(replayed(bad), outs[0].logprobs)
+    for edit, match in ((lambda s: s[5, 1, 0].fill_(6), "not causal"), (lambda s: s[700, 0, 3].fill_(-7), "out of range"),
+                        (lambda s: s[700, 0, :2].copy_(s[700, 0, :2].flip(0)), "not strictly ascending"),
+                        (lambda s: s[3, 0, 0].fill_(-1), "not strictly ascending")):
+        bad = sel.clone()
+        edit(bad)
+        with pytest.raises(ValueError, match=match):
+            replayed(bad)
+    with pytest.raises(ValueError, match=r"want integer \(1057, 2, 32\)"):
+        replayed(sel[:-1])
+
+
+def test_an_unknown_extra_fails_that_request_alone(pair):
+    prompts = prompts_of([70, 40], pair.config.vocab_size, seed=2)
+    outs = pair.server.generate(prompts, [SamplingParams(max_new_tokens=3, extras=("attention_maps",)),
+                                          SamplingParams(max_new_tokens=3)])
+    assert outs[0].finish_reason == "error" and "not an on-request extra of this model (it has: index_selected)" in outs[0].error
+    assert outs[1].error is None and len(outs[1].tokens) == 3

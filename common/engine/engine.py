@@ -469,6 +469,10 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         prompt = check_token_ids(prompt, self.model.vocab_size)
+        unknown = [x for x in sampling.extras if x not in self.runner.on_request_extras]
+        if unknown:
+            have = ", ".join(sorted(self.runner.on_request_extras)) or "none"
+            raise ValueError(f"extras {unknown}: not an on-request extra of this model (it has: {have})")
         total = len(prompt) + sampling.max_new_tokens
         if total > self.model.max_position:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "

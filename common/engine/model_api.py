@@ -77,6 +77,7 @@ class ForwardBatch:
     pools: dict[str, PagedRows]
     max_seqlen_q: int
     host: HostLists | None = None
+    want_extras: frozenset[str] = frozenset()  # on-request extras a sequence of this (eager) step asked for
 
 
 # Every tensor of a batch, by path: its dtype, what a padding row holds, and whether it has B + 1 rows.
@@ -163,7 +164,10 @@ class ServeModel(Protocol):
     ``forward`` returns the (R, V) fp32 logits, or (logits, extras): extras
     a {name: (T, ...) tensor} of per-token outputs (e.g. router replay's
     expert ids and weights), handed back on each ``Completion.extras`` and
-    by ``Engine.score(..., return_extras=True)``.
+    by ``Engine.score(..., return_extras=True)``.  A model may also have
+    ``on_request_extras: tuple[str, ...]``: extras it computes only when
+    ``batch.want_extras`` names them (a request asked, ``SamplingParams.extras``;
+    such a step is eager), and only those requests get them back.
 
     A model that serves several LoRA adapters in one batch also has
     ``adapter_names: tuple[str, ...]``: the names requests may ask for, in the

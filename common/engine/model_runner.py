@@ -111,6 +111,7 @@ class Launched:
     event: torch.cuda.Event | None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # host copies, (T, ...) each
     cu: list[int] = field(default_factory=list)  # each chunk's first token row, then T
+    on_request: frozenset[str] = frozenset()  # the model's on-request extras (``ServeModel.on_request_extras``)
 
     def read(self) -> list[list[tuple[int, float]]]:
         if self.event is not None:
@@ -122,8 +123,11 @@ class Launched:
         return results
 
     def chunk_extras(self, i: int) -> dict[str, torch.Tensor]:
-        """Chunk i's rows of the per-token extras (after ``read``)."""
-        return {n: t[self.cu[i]:self.cu[i + 1]] for n, t in self.extras.items()}
+        """Chunk i's rows of the per-token extras (after ``read``): the model's always-on ones, and the
+        on-request ones its sequence asked for (another sequence of the step may have)."""
+        asked = self.chunks[i].seq.sampling.extras
+        return {n: t[self.cu[i]:self.cu[i + 1]] for n, t in self.extras.items()
+                if n not in self.on_request or n in asked}
 
 
 class SampleGraphs:
@@ -211,6 +215,7 @@ class ModelRunner:
     def __init__(self, model: ServeModel, pools: dict, units: dict[str, int], cache: CacheManager, *,
                  max_batch_size: int, cuda_graphs: bool):
         self.model = model
+        self.on_request_extras = frozenset(getattr(model, "on_request_extras", ()))
         self.device = torch.device(model.device)
         self.pools = pools
         self.caches = {n: p.allocate(units[n], self.device) for n, p in pools.items()}
@@ -266,7 +271,9 @@ class ModelRunner:
         for n in self.paged:
             host[f"pools.{n}.slot_mapping"] = slots[n]
         B = len(chunks)
-        bucket = self.graphs.bucket(B) if self.graphs is not None and len(positions) == len(rows) == B else None
+        want = frozenset(x for c in chunks for x in c.seq.sampling.extras)  # on-request extras: an eager step
+        bucket = (self.graphs.bucket(B) if self.graphs is not None and len(positions) == len(rows) == B and not want
+                  else None)
         staged = None
         if bucket is not None:
             staged = self._stage_sampler(bucket, [c.seq for c in chunks], steps)  # before the forward is launched
@@ -282,13 +289,14 @@ class ModelRunner:
             batch = from_tensors({p: self._to_device(v, field_spec(p)[0]) for p, v in host.items()},
                                  max(b - a for a, b in zip(cu, cu[1:])))
             batch.host = HostLists(cu, [c.start for c in chunks], states)
+            batch.want_extras = want
             logits, extras = split_output(self.model.forward(batch, self.caches))  # (R, V) fp32
         extras_host = {k: self._to_host(v) for k, v in extras.items()}
         if not rows:
-            return Launched(chunks, [], None, version, None, self._event(), extras_host, cu)
+            return Launched(chunks, [], None, version, None, self._event(), extras_host, cu, self.on_request_extras)
         tok, lp = self._sample(logits, [(chunks[i].seq, p, i) for i, p in wanted], staged, steps)
         return Launched(chunks, [i for i, _ in wanted], tok, version, (self._to_host(tok), self._to_host(lp)),
-                        self._event(), extras_host, cu)
+                        self._event(), extras_host, cu, self.on_request_extras)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin)

@@ -46,6 +46,12 @@ class SamplingParams:
     ``ignore_eos`` does; and at the first of ``stop`` (strings) that its
     decoded tail contains (needs the checkpoint's tokenizer).  Then at
     ``max_new_tokens``.  The trainer reads none of them.
+
+    ``extras``: the model's on-request per-token extras this request wants on
+    its ``Completion.extras`` beside the ones it always returns (glm5's
+    "index_selected", each full indexer layer's selected positions, for index
+    replay).  No step computes or copies one to the host unless a request in
+    it asked; such a step runs eager (no decode graph).
     """
 
     temperature: float = 1.0
@@ -57,6 +63,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    extras: tuple[str, ...] = ()
 
     def __post_init__(self):
         def is_int(x):
@@ -107,6 +114,9 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
         object.__setattr__(self, "stop", _stop_strings(self.stop))
+        if isinstance(self.extras, str) or not all(isinstance(x, str) for x in self.extras):
+            raise TypeError(f"extras must be a sequence of extra names (str), got {self.extras!r}")
+        object.__setattr__(self, "extras", tuple(self.extras))
 
 
 def _stop_strings(stop) -> tuple[str, ...]:

@@ -14,7 +14,9 @@ pool and keeps the top ``index_topk`` (``paged_index_select_fwd``: the trainer's
 a shared layer attends with the last full layer's selection, as the trainer does.
 
 Per-token extras: the routed experts of every MoE layer ("routed_experts",
-"routed_weights", (T, L_moe, k)), for router replay.
+"routed_weights", (T, L_moe, k)), for router replay; on request
+(``SamplingParams(extras=("index_selected",))``), "index_selected" (T, L_full,
+index_topk) int32, every full indexer layer's selection, for index replay.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from ...common.swiglu import swiglu_fwd
 from ..base import ServerBase
 from ..moe_block import moe_block_fwd, routed_extras, server_experts_lora
 from .config import INDEXER_NORM_EPS, LATENT_NORM_EPS, Glm5Config
-from .train import absorb_q, indexer_weights, moe_spec, unabsorb_o
+from .train import INDEX_SELECTED, absorb_q, indexer_weights, moe_spec, unabsorb_o
 from .weights import lora_slices
 
 
@@ -39,6 +41,7 @@ class Glm5Server(ServerBase):
     """``ServerBase``: the weight dict, the RoPE table, LoRA branches, ``linear``, the final norm and LM head."""
 
     lora_slices_of = staticmethod(lora_slices)
+    on_request_extras = (INDEX_SELECTED,)
 
     def __init__(self, cfg: Glm5Config, weights: dict[str, torch.Tensor], lora_scale: float | None = None,
                  lora_adapters: tuple[tuple[str, float], ...] = ()):
@@ -107,7 +110,7 @@ class Glm5Server(ServerBase):
                                           output_size=T)
         mla = batch.pools["mla"]
         x, residual, sel = self.w("embed.weight")[batch.tokens], None, None
-        ids_all, w_all = [], []
+        ids_all, w_all, sels = [], [], []
         for i in range(c.num_layers):
             p = f"layers.{i}."
             if residual is None:
@@ -121,6 +124,7 @@ class Glm5Server(ServerBase):
             self.tap_cache("attn.kv_row", cache["row"].flatten(2), mla.slot_mapping, i)
             if i in self._index_slot:
                 sel = self._select(h, q_resid, i, batch, seq_idx, caches["index"][self._index_slot[i]])
+                sels.append(sel)
             x = self._attend(q_abs, sel, i, batch, seq_idx, cache)
             h, residual = self._norm(x, p + "mlp_norm.weight", residual)
             self.tap("mlp_norm", h, i)
@@ -131,4 +135,7 @@ class Glm5Server(ServerBase):
                 ids_all.append(ids)
                 w_all.append(w)
         logits = self._logits(x, residual, batch)
-        return (logits, routed_extras(ids_all, w_all)) if ids_all else logits
+        extras = routed_extras(ids_all, w_all) if ids_all else {}
+        if INDEX_SELECTED in batch.want_extras:  # index replay: only when a request of this step asked
+            extras[INDEX_SELECTED] = torch.stack(sels, 1)
+        return logits, extras

@@ -39,6 +39,7 @@ from .config import INDEXER_NORM_EPS, LATENT_NORM_EPS, Glm5Config
 from .weights import LORA_TARGETS, lora_slices
 
 NAME = "glm5_sparse_fp8"
+INDEX_SELECTED = "index_selected"  # the on-request extra: (T, full indexer layers, index_topk) int32
 
 
 def moe_spec(cfg: Glm5Config, fp8: bool = False) -> MoESpec:
@@ -99,8 +100,9 @@ class Indexer(nn.Module):
     tap = staticmethod(no_tap)
 
     @torch.no_grad()
-    def forward(self, x, q_resid, positions, cu_seqlens):
-        """-> the selection (T, index_topk) int32: positions from each sequence's start, ascending, -1 pads."""
+    def forward(self, x, q_resid, positions, cu_seqlens, replay=None):
+        """-> the selection (T, index_topk) int32: positions from each sequence's start, ascending, -1 pads.
+        ``replay``: (selection (T, index_topk), rows that have one (T,)): the server's, taken as given."""
         c, T, L = self.cfg, x.shape[0], self.index
         q = rope(self.wq_b(q_resid).view(T, c.index_n_heads, c.index_head_dim), positions, c.indexer_rope)
         k = index_key_norm(self.wk(x), self.k_norm.weight, self.k_norm.bias, INDEXER_NORM_EPS)
@@ -108,6 +110,8 @@ class Indexer(nn.Module):
         w = indexer_weights(x, self.weights_proj.weight, c, matmul)
         self.tap("indexer.k", k, L)
         sel = index_select(q, k, w, cu_seqlens, positions, scale=c.indexer_scale, top_k=c.index_topk)
+        if replay is not None:
+            sel = torch.where(replay[1][:, None], replay[0], sel)
         self.tap("indexer.selected", sel, L)
         return sel
 
@@ -181,7 +185,7 @@ class Block(nn.Module):
 
     tap = staticmethod(no_tap)
 
-    def forward(self, x, residual, sel, positions, cu_seqlens, adapters=None, replay=None):
+    def forward(self, x, residual, sel, positions, cu_seqlens, adapters=None, replay=None, index_replay=None):
         """-> (x, residual, the selection this layer attended with: its own, or ``sel`` on a shared layer)."""
         eps, L = self.cfg.rms_norm_eps, self.index
         if residual is None:
@@ -191,7 +195,7 @@ class Block(nn.Module):
         self.tap("attn_norm", h, L)
         q_resid, q_abs, row = self.attn.q_and_row(h, positions, adapters)
         if self.indexer is not None:
-            sel = self.indexer(h, q_resid.detach(), positions, cu_seqlens)
+            sel = self.indexer(h, q_resid.detach(), positions, cu_seqlens, index_replay)
         x = self.attn.out(q_abs, row, sel, cu_seqlens, adapters)
         h, residual = rmsnorm_residual(x, residual, self.mlp_norm.weight, eps)
         self.tap("mlp_norm", h, L)
@@ -226,17 +230,72 @@ class Glm5Trainer(TrainerBase):
         return out
 
     def hidden(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None,
-               replay=None):
+               replay=None, index_replay=None):
         """Final normed hidden states (R, H) of ``rows``.  ``replay``: per MoE layer (ids (T, k), weights
-        (T, k), rows that have them (T,), mode) to route by instead of the router."""
+        (T, k), rows that have them (T,), mode) to route by instead of the router; ``index_replay``: per
+        full indexer layer (selection (T, index_topk), rows that have one (T,)) to attend with."""
         x, residual, sel = self.embed.weight[tokens], None, None
+        full = {L: j for j, L in enumerate(self.cfg.indexer_layers)}
         for i, layer in enumerate(self.layers):
             rep = None if replay is None or i not in self._moe_slot else replay[self._moe_slot[i]]
+            irep = None if index_replay is None or i not in full else index_replay[full[i]]
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x, residual, sel = checkpoint(layer, x, residual, sel, positions, cu_seqlens, adapters, rep,
+                x, residual, sel = checkpoint(layer, x, residual, sel, positions, cu_seqlens, adapters, rep, irep,
                                               use_reentrant=False)
             else:
-                x, residual, sel = layer(x, residual, sel, positions, cu_seqlens, adapters, rep)
+                x, residual, sel = layer(x, residual, sel, positions, cu_seqlens, adapters, rep, irep)
         h = rmsnorm_residual(x[rows], residual[rows], self.norm.weight, self.cfg.rms_norm_eps)[0]
         self.tap("norm", h, rows="logits")
         return h
+
+    def replay_kwargs(self, replay, sequences, batch, mode: str) -> dict:
+        """The server's extras as ``hidden``'s keywords: its routing where the entries hold
+        "routed_experts" (router replay), its selections where they hold "index_selected" (index
+        replay: ``SamplingParams(extras=("index_selected",))`` on the request), or both."""
+        if len(replay) != len(sequences):
+            raise ValueError(f"{len(sequences)} sequences but {len(replay)} replay entries: one per sequence")
+        kw = {}
+        if any("routed_experts" in ex for ex in replay):
+            kw["replay"] = self._replay_rows(replay, sequences, batch, mode)
+        if any(INDEX_SELECTED in ex for ex in replay):
+            kw["index_replay"] = self._index_rows(replay, batch)
+        if not kw:
+            raise ValueError("the replay entries hold neither routed_experts nor index_selected: pass the server's "
+                             "Completion.extras (index_selected needs SamplingParams(extras=('index_selected',)))")
+        return kw
+
+    def _index_rows(self, replay, batch):
+        """Per full indexer layer (selection (T, index_topk) int32, rows that have one (T,)), after checking
+        each entry is a selection the indexer could have made: -1 or a causal position, ascending, pads last."""
+        c = self.cfg
+        shape = (len(c.indexer_layers), c.index_topk)
+        sels, have = [], []
+        for i, (ex, n) in enumerate(zip(replay, batch.cu_seqlens.diff().tolist())):
+            s = ex.get(INDEX_SELECTED)
+            if s is None:
+                raise ValueError(f"replay entry {i} has no {INDEX_SELECTED}: every entry needs one, or none")
+            if s.dtype.is_floating_point or s.dtype == torch.bool or tuple(s.shape) != (n - 1, *shape):
+                raise ValueError(f"replay entry {i}: {INDEX_SELECTED} is {s.dtype} {tuple(s.shape)}, want integer "
+                                 f"({n - 1}, {shape[0]}, {shape[1]}) for a sequence of {n} tokens")
+            check_selection(s.long(), i)
+            sels.append(torch.cat([s.to(torch.int32), s.new_full((1, *shape), -1, dtype=torch.int32)]))
+            have.append(torch.arange(n) < n - 1)
+        sel, have = torch.cat(sels).to(self.device), torch.cat(have).to(self.device)
+        return [(sel[:, j].contiguous(), have) for j in range(shape[0])]
+
+
+def check_selection(s: torch.Tensor, entry: int) -> None:
+    """s (n, L_full, k) of one sequence (token t at position t): ValueError naming the first entry, layer and
+    token whose selection is out of range, not causal, not ascending or has a pad before a position."""
+    pos = torch.arange(s.shape[0])[:, None, None]
+    valid = s >= 0
+    bad = (s < -1) | (s > pos)
+    ascending = (s[..., 1:] > s[..., :-1]) | ~valid[..., 1:]
+    bad[..., 1:] |= ~ascending | (valid[..., 1:] & ~valid[..., :-1])  # a position after a pad, or out of order
+    if bool(bad.any()):
+        t, j, e = (int(v) for v in bad.nonzero()[0])
+        row = s[t, j].tolist()
+        why = ("not causal" if row[e] > t else "out of range") if (row[e] > t or row[e] < -1) else \
+            "not strictly ascending with the -1 pads last"
+        raise ValueError(f"replay entry {entry}: {INDEX_SELECTED} of full layer {j}, token {t}: entry {e} = {row[e]} is "
+                         f"{why} (a selection is positions 0..{t}, ascending, then -1 pads): {row[:8]}...")
