@@ -50,14 +50,16 @@ from ._packing import pack_scored, sampling_list
 from .capture import no_tap, no_tap_cache, no_tap_state
 
 
-def check_lora_mode(mode: str, fp8: bool = False) -> None:
-    """The LoRA mode is one of ``LORA_MODES``, and no FP8 trainer takes LoRA
-    (``load`` and ``add_lora`` refuse alike)."""
+def check_lora_mode(mode: str, fp8: bool = False, lora: LoRAConfig | None = None) -> None:
+    """The LoRA mode is one of ``LORA_MODES``; an FP8 trainer takes LoRA only on its FP8 experts, in
+    separate mode (the adapter added inside the experts' computation, the base kept as FP8 codes):
+    ``load`` and ``add_lora`` refuse the rest alike."""
     if mode not in LORA_MODES:
         raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {mode!r}")
-    if fp8:
-        raise NotImplementedError("LoRA with fp8=True is not supported yet (the adapters would need the FP8 GEMM's "
-                                  "rounding points); use bf16 or fp32 with LoRA")
+    if fp8 and (mode != "separate" or lora is None or lora.target_modules or not lora.target_parameters):
+        raise NotImplementedError("LoRA with fp8=True adapts the FP8 experts only: lora_mode='separate' with "
+                                  "target_parameters (the experts) and no target_modules (a projection's adapter "
+                                  "would need the FP8 GEMM's rounding points); use bf16 or fp32 for projections")
 
 
 def _no_lora_slices(cfg) -> dict[str, tuple[tuple[str, int, int], ...]]:
@@ -127,8 +129,8 @@ class TrainerBase(nn.Module):
         ``generate(..., adapters=)``)."""
         if self.lora_mode is not None:
             raise RuntimeError("this trainer already has LoRA adapters")
-        check_lora_mode(mode, self.fp8)
         configs = self.check_adapters(lora) if mode == "multi" else {None: self.check_lora(lora)}
+        check_lora_mode(mode, self.fp8, None if mode == "multi" else configs[None])
         if mode == "multi" and any(c.target_parameters for c in configs.values()):
             raise NotImplementedError("LoRA on the experts (target_parameters) runs in the merged and separate modes; "
                                       "multi-mode adapters target projections (target_modules) only")
@@ -177,7 +179,8 @@ class TrainerBase(nn.Module):
                 experts = getattr(owner, attr)
                 seeds = {k: seed * 1_000_003 + 500_009 + 2 * i + ExpertsAdapter.KEYS.index(k) for k in keys}
                 setattr(experts, ExpertsAdapter.ATTR, ExpertsAdapter(experts.gate_up.weight, experts.down.weight,
-                                                                     keys, cfg.r, cfg.scale, mode, seeds))
+                                                                     keys, cfg.r, cfg.scale, mode, seeds,
+                                                                     dtype=self.embed.weight.dtype))
 
     @property
     def adapter_names(self) -> tuple[str, ...]:

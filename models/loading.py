@@ -189,7 +189,7 @@ def load(spec: ModelSpec, checkpoint=None, config=None, device=None, dtype=torch
             _check_same_lora(spec, lora, from_file, f"the adapter in {os.fspath(lora_adapter)!r}")
     if lora is not None:
         lora = spec.trainer_cls.check_adapters(lora) if lora_mode == "multi" else spec.trainer_cls.check_lora(lora)
-        check_lora_mode(lora_mode, fp8)
+        check_lora_mode(lora_mode, fp8, None if lora_mode == "multi" else lora)
         if lora_mode != "merged" and server_kernels == "vendor":
             raise NotImplementedError(f"the vendor server does not apply {lora_mode} LoRA adapters; "
                                       f"use lora_mode='merged'")

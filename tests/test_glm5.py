@@ -12,6 +12,7 @@ import torch
 from model_cases import assert_trainer_matches, make_pair, prompts_of, rich
 
 from alignzoo import SamplingParams
+from alignzoo.models import glm5_sparse_fp8 as glm5
 from alignzoo.models.capture import Recorder
 
 NAME = "glm5_sparse_fp8"
@@ -205,3 +206,53 @@ def test_an_unknown_extra_fails_that_request_alone(pair):
                                           SamplingParams(max_new_tokens=3)])
     assert outs[0].finish_reason == "error" and "not an on-request extra of this model (it has: index_selected)" in outs[0].error
     assert outs[1].error is None and len(outs[1].tokens) == 3
+
+
+# ---------------------------------------------------------------- LoRA
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("fp8,mode,lora", [
+    (True, "separate", {"r": 4, "lora_alpha": 8, "target_parameters": EXPERTS}),
+    (False, "separate", {"r": 4, "lora_alpha": 8, "target_modules": ["q_a_proj", "kv_a_proj_with_mqa", "o_proj"],
+                         "target_parameters": EXPERTS}),
+    (False, "merged", {"r": 3, "lora_alpha": 6, "target_modules": ["q_b_proj"], "target_parameters": EXPERTS[1:]}),
+], ids=["fp8-experts-separate", "bf16-mla-and-experts-separate", "bf16-merged"])
+def test_lora_on_mla_and_on_the_experts_keeps_k3_zero_across_a_step(fp8, mode, lora, tmp_path):
+    """LoRA on MLA's projections and inside the routed experts (over FP8 codes that stay frozen with
+    fp8=True): sampled bits == the trainer's before and after an Adam step on the adapters; the sync ships
+    the adapters only; a PEFT directory written and read back gives the same bits."""
+    torch.set_num_threads(1)
+    pair = make_pair(NAME, fp8=fp8, lora=lora, lora_mode=mode, seed=2)
+    t = pair.trainer
+    with torch.no_grad():
+        for p in t.adapter_parameters():
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    pair.sync()
+    prompts = prompts_of([150, 41], pair.config.vocab_size, seed=3)
+    sps = rich(2, 6, seed=1)
+    outs = pair.server.generate(prompts, sps)
+    assert_trainer_matches(pair, prompts, sps, outs)
+    before = {n: w.clone() for n, w in pair.server.model.weights.items() if ".lora_" not in n and "adapters." not in n}
+    lps = t.logprobs([p + o.tokens for p, o in zip(prompts, outs)], [len(p) for p in prompts], sps)
+    sum(lp.sum() for lp in lps).backward()
+    opt = torch.optim.Adam(t.adapter_parameters(), lr=1e-2)
+    opt.step()
+    pair.sync()
+    for n, w in pair.server.model.weights.items():  # only adapters moved (merged: the W' they are folded into)
+        if n in before and not (mode == "merged" and (".q_b." in n or ".moe.down." in n)):
+            assert torch.equal(w, before[n]), n
+    outs = pair.server.generate(prompts, sps)
+    assert_trainer_matches(pair, prompts, sps, outs)
+    pair.save_pretrained(tmp_path, adapter_only=True)
+    again = make_pair(NAME, fp8=fp8, lora=lora, lora_mode=mode, seed=2)  # the same sharpened base
+    glm5.load_adapter(again, tmp_path)  # its adapters from the PEFT directory, then synced
+    for a, b in zip(again.server.generate(prompts, sps), outs):
+        assert torch.equal(a.logprobs, b.logprobs)
+
+
+def test_lora_with_fp8_adapts_the_experts_only():
+    with pytest.raises(NotImplementedError, match="adapts the FP8 experts only"):
+        make_pair(NAME, fp8=True, lora={"r": 2, "lora_alpha": 4, "target_modules": ["o_proj"]}, lora_mode="separate")
+    with pytest.raises(NotImplementedError, match="adapts the FP8 experts only"):
+        make_pair(NAME, fp8=True, lora={"r": 2, "lora_alpha": 4, "target_parameters": EXPERTS}, lora_mode="merged")

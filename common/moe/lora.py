@@ -74,15 +74,18 @@ class ExpertsAdapter(nn.Module):
     KEYS = ("gate_up", "down")
 
     def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, keys, r: int, scale: float, mode: str,
-                 seeds: dict[str, int]):
+                 seeds: dict[str, int], dtype: torch.dtype | None = None):
         super().__init__()
         self.mode, self.scale, self.r = mode, scale, r
         self._base = {"gate_up": w_gate_up, "down": w_down}  # the frozen experts (a dict: not registered again)
+        # the adapters' dtype: the experts' own, or the activations' where the experts are FP32 masters read as FP8
+        dt = dtype or w_gate_up.dtype
+        self._like = {p: torch.zeros((), dtype=dt, device=w.device).expand(w.shape) for p, w in self._base.items()}
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
         for p, w in self._base.items():
             if p in keys:
                 E, out, K = w.shape
-                ab = [init_lora_weights(out, K, r, seed=seeds[p] * 1_000_003 + e, dtype=w.dtype, device=w.device)
+                ab = [init_lora_weights(out, K, r, seed=seeds[p] * 1_000_003 + e, dtype=dt, device=w.device)
                       for e in range(E)]
                 self.lora_A[p] = nn.Parameter(torch.stack([a for a, _ in ab]))
                 self.lora_B[p] = nn.Parameter(torch.stack([b for _, b in ab]))
@@ -93,8 +96,8 @@ class ExpertsAdapter(nn.Module):
 
     def expert_lora(self) -> ExpertLoRA:
         """separate mode: the ``ExpertLoRA`` the experts add (a projection not targeted: zeros)."""
-        return expert_lora_of({p: (self.lora_A[p], self.lora_B[p]) for p in self.lora_A}, self._base["gate_up"],
-                              self._base["down"], self.r, self.scale)
+        return expert_lora_of({p: (self.lora_A[p], self.lora_B[p]) for p in self.lora_A}, self._like["gate_up"],
+                              self._like["down"], self.r, self.scale)
 
     def merge(self) -> dict[str, torch.Tensor]:
         """{p: a new W'} of the targeted projections (not cached)."""

@@ -15,7 +15,7 @@ from ..spec import ModelSpec
 from .config import PRESETS, Glm5Config
 from .serve import Glm5Server
 from .train import NAME, Glm5Trainer
-from .weights import FP32_NAMES, from_hf, lora_from_hf, lora_to_hf, to_hf
+from .weights import FP32_NAMES, LORA_PARAM_ORDER, from_hf, lora_from_hf, lora_to_hf, to_hf
 
 
 def init_weights(trainer: Glm5Trainer, seed: int = 0) -> None:
@@ -34,6 +34,7 @@ SPEC = ModelSpec(
     name=NAME, config_cls=Glm5Config, presets=PRESETS, trainer_cls=Glm5Trainer, server_cls=Glm5Server,
     vendor_server_cls=_vendor_server, from_hf=from_hf, to_hf=to_hf, lora_from_hf=lora_from_hf,
     lora_to_hf=lora_to_hf, init_weights=init_weights, fp32_names=FP32_NAMES,
+    lora_param_order=LORA_PARAM_ORDER,
 )
 
 load = functools.partial(loading.load, SPEC)

@@ -36,7 +36,7 @@ from ..base import TrainerBase
 from ..capture import no_tap
 from ..moe_block import FP8, MoEBlock, MoESpec, SharedExpert, SigmoidRouter
 from .config import INDEXER_NORM_EPS, LATENT_NORM_EPS, Glm5Config
-from .weights import LORA_TARGETS, lora_slices
+from .weights import LORA_PARAM_SLOTS, LORA_TARGETS, lora_slices
 
 NAME = "glm5_sparse_fp8"
 INDEX_SELECTED = "index_selected"  # the on-request extra: (T, full indexer layers, index_topk) int32
@@ -210,6 +210,7 @@ class Glm5Trainer(TrainerBase):
     model_name = NAME
     lora_targets = tuple(LORA_TARGETS)
     lora_slices_of = staticmethod(lora_slices)
+    lora_param_slots = LORA_PARAM_SLOTS
 
     def __init__(self, cfg: Glm5Config, *, device=None, dtype=torch.bfloat16, activation_checkpointing=False,
                  fp8: bool = False):

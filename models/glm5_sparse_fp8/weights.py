@@ -86,6 +86,12 @@ def check_checkpoint_config(config: dict) -> None:
     check_model_type(config, MODEL_TYPE, ARCHITECTURES)
 
 
+# LoRA on the routed experts (PEFT's target_parameters): HF parameter -> (our experts module, which)
+LORA_PARAM_SLOTS = {"mlp.experts.gate_up_proj": ("moe", "gate_up"), "mlp.experts.down_proj": ("moe", "down")}
+# transformers' GlmMoeDsaExperts registers gate_up_proj before down_proj: PEFT nests their adapters in that order
+LORA_PARAM_ORDER = ("gate_up_proj", "down_proj")
+
+
 def lora_slices(cfg) -> dict[str, tuple[tuple[str, int, int], ...]]:
     """{our layer: ((HF projection, first row, end row),)}: one projection each (none is fused)."""
     return {"attn.q_a": (("q_a_proj", 0, cfg.q_lora_rank),),
@@ -95,9 +101,14 @@ def lora_slices(cfg) -> dict[str, tuple[tuple[str, int, int], ...]]:
 
 
 def lora_to_hf(name: str) -> str:
-    """Our adapter name ``layers.{i}.<projection>`` -> its module as ``GlmMoeDsaForCausalLM`` names it."""
-    _, i, proj = name.split(".")
-    return f"model.layers.{i}.{LORA_TARGETS[proj]}"
+    """Our adapter name ``layers.{i}.<projection>`` -> its module as ``GlmMoeDsaForCausalLM`` names it;
+    an experts adapter ``layers.{i}.moe.<gate_up|down>`` -> ``model.layers.{i}.mlp.experts:<parameter>``."""
+    _, i, *rest = name.split(".")
+    if len(rest) == 2:
+        hf = next(h for h, slot in LORA_PARAM_SLOTS.items() if slot == tuple(rest))
+        module, param = hf.rsplit(".", 1)
+        return f"model.layers.{i}.{module}:{param}"
+    return f"model.layers.{i}.{LORA_TARGETS[rest[0]]}"
 
 
 def lora_from_hf(module: str) -> str | None:
@@ -107,6 +118,9 @@ def lora_from_hf(module: str) -> str | None:
     rest = module[len("model.layers."):].split(".", 1)
     if len(rest) != 2 or not rest[0].isdigit():
         return None
+    if ":" in rest[1]:
+        slot = LORA_PARAM_SLOTS.get(rest[1].replace(":", "."))
+        return None if slot is None else f"layers.{int(rest[0])}.{slot[0]}.{slot[1]}"
     proj = next((p for p, m in LORA_TARGETS.items() if m == rest[1]), None)
     return None if proj is None else f"layers.{int(rest[0])}.{proj}"
 
