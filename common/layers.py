@@ -23,11 +23,26 @@ from .matmul import matmul
 
 class Weight(nn.Module):
     """One named parameter (``<name>.weight``), so module paths are the
-    checkpoint names of ``weights.py``."""
+    checkpoint names of ``weights.py``.  ``forward_weights(prefix)``: what the
+    server reads of it (``TrainerBase.forward_weights`` asks every module)."""
 
     def __init__(self, *shape: int, device=None, dtype=None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
+
+    def forward_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {prefix + "weight": self.weight.detach()}
+
+
+class WeightBias(Weight):
+    """``<name>.weight`` and ``<name>.bias`` (a LayerNorm's affine pair)."""
+
+    def __init__(self, *shape: int, device=None, dtype=None):
+        super().__init__(*shape, device=device, dtype=dtype)
+        self.bias = nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
+
+    def forward_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {prefix + "weight": self.weight.detach(), prefix + "bias": self.bias.detach()}
 
 
 class AdapterRows(NamedTuple):
@@ -43,9 +58,6 @@ class Linear(Weight):
 
     def forward(self, x, adapters: AdapterRows | None = None):
         return matmul(x, self.weight)
-
-    def forward_weights(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {prefix + "weight": self.weight.detach()}
 
 
 class _Rows(torch.autograd.Function):

@@ -31,11 +31,8 @@ from ..common.fp8 import fp8_matmul_fwd
 from ..common.layers import (
     LORA_MODES,
     AdapterRows,
-    Fp8Linear,
-    Linear,
     LoRALinear,
     MultiLoRALinear,
-    Weight,
     check_adapter_configs,
     check_lora_config,
 )
@@ -265,18 +262,23 @@ class TrainerBase(nn.Module):
                 m.invalidate()
 
     def forward_weights(self) -> dict[str, torch.Tensor]:
-        """The tensors the forward reads, named as the server's weights: the
-        parameters, and for FP8 layers their cached codes and scales
-        (``<layer>.weight`` e4m3, ``<layer>.weight_scale_inv`` fp32)."""
-        out = {}
-        for name, module in self.named_modules():
-            prefix = name + "." if name else ""
-            if isinstance(module, (Linear, Fp8Linear)):  # LoRALinear and MultiLoRALinear too
-                out.update(module.forward_weights(prefix))
-            elif isinstance(module, Weight):
-                out[prefix + "weight"] = module.weight.detach()
-            elif isinstance(module, ExpertsAdapter):  # after its experts' Weights: merged W' replaces them
-                out.update(module.forward_weights(prefix[: -len(ExpertsAdapter.ATTR) - 1]))
+        """The tensors the forward reads, named as the server's weights: what
+        each module's ``forward_weights(prefix)`` says the server reads of it
+        (a ``Weight``'s parameter; an FP8 layer's cached codes and scales,
+        ``<layer>.weight`` e4m3 and ``<layer>.weight_scale_inv`` fp32; merged
+        LoRA's W'; an MoE block's quantized experts), a module's entries laid
+        over its children's.  No module type is special-cased here: a layer
+        that stores its weights its own way says so in its own method."""
+        out: dict[str, torch.Tensor] = {}
+
+        def visit(module: nn.Module, prefix: str) -> None:
+            for name, child in module.named_children():
+                visit(child, f"{prefix}{name}.")
+            served = getattr(module, "forward_weights", None)
+            if module is not self and callable(served):  # after its children: a layer's codes replace its masters
+                out.update(served(prefix))
+
+        visit(self, "")
         return out
 
     def logits(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None,

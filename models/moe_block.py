@@ -383,10 +383,11 @@ class MoEBlock(nn.Module):
         return y
 
     def forward_weights(self, prefix: str) -> dict[str, torch.Tensor]:
-        """What the server reads of quantized experts (codes and scales) in place of the
-        masters ``TrainerBase.forward_weights`` collects ({} for BF16): a model with FP8 or
-        MXFP4 experts lays these over its ``forward_weights``."""
-        return self.spec.experts.forward_weights(self, prefix)
+        """What the server reads beyond the block's parameters, laid over them (``TrainerBase.forward_weights``
+        asks a module after its children): the experts adapter's (merged W', or separate A and B), then
+        quantized experts' codes and scales in place of the FP32 masters (none for BF16)."""
+        out = {} if self.experts_lora is None else self.experts_lora.served_weights(prefix)
+        return out | self.spec.experts.forward_weights(self, prefix)
 
     def invalidate(self) -> None:
         self.spec.experts.invalidate(self)

@@ -113,7 +113,7 @@ class ExpertsAdapter(nn.Module):
             return self._merged
         return {p: _MergedExperts.apply(m, self.lora_A[p], self.lora_B[p], self.scale) for p, m in self._merged.items()}
 
-    def forward_weights(self, prefix: str) -> dict[str, torch.Tensor]:
+    def served_weights(self, prefix: str) -> dict[str, torch.Tensor]:
         """What the server reads, under the experts module's ``prefix`` ("layers.{i}.moe."): merged,
         the W' as ``<prefix><p>.weight``; separate, ``<prefix>lora_A.<p>`` and ``<prefix>lora_B.<p>``."""
         if self.mode == "merged":

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ...common.dsa import index_key_norm, index_select
-from ...common.layers import AdapterRows, Fp8Linear, Linear, Weight
+from ...common.layers import AdapterRows, Fp8Linear, Linear, Weight, WeightBias
 from ...common.matmul import matmul
 from ...common.rmsnorm import rmsnorm, rmsnorm_residual
 from ...common.rope import rope
@@ -91,8 +91,7 @@ class Indexer(nn.Module):
         Hi, Di = cfg.index_n_heads, cfg.index_head_dim
         self.wq_b = Linear(Hi * Di, cfg.q_lora_rank, device=device, dtype=dtype)
         self.wk = Linear(Di, cfg.hidden_size, device=device, dtype=dtype)
-        self.k_norm = Weight(Di, device=device, dtype=dtype)
-        self.k_norm.bias = nn.Parameter(torch.empty(Di, device=device, dtype=dtype))
+        self.k_norm = WeightBias(Di, device=device, dtype=dtype)
         self.weights_proj = Weight(Hi, cfg.hidden_size, device=device, dtype=torch.float32)
         for p in self.parameters():
             p.requires_grad_(False)
@@ -221,14 +220,6 @@ class Glm5Trainer(TrainerBase):
         self.norm = Weight(cfg.hidden_size, **kw)
         self.lm_head = None if cfg.tie_word_embeddings else Weight(cfg.vocab_size, cfg.hidden_size, **kw)
         self._moe_slot = {i: n for n, i in enumerate(cfg.sparse_layers)}
-
-    def forward_weights(self) -> dict[str, torch.Tensor]:
-        out = super().forward_weights()
-        for i in self.cfg.indexer_layers:  # the LayerNorm's bias, beside the weight the base collects
-            out[f"layers.{i}.indexer.k_norm.bias"] = self.layers[i].indexer.k_norm.bias.detach()
-        for i in self.cfg.sparse_layers:
-            out |= self.layers[i].moe.forward_weights(f"layers.{i}.moe.")
-        return out
 
     def hidden(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None,
                replay=None, index_replay=None):
