@@ -256,3 +256,46 @@ def test_lora_with_fp8_adapts_the_experts_only():
         make_pair(NAME, fp8=True, lora={"r": 2, "lora_alpha": 4, "target_modules": ["o_proj"]}, lora_mode="separate")
     with pytest.raises(NotImplementedError, match="adapts the FP8 experts only"):
         make_pair(NAME, fp8=True, lora={"r": 2, "lora_alpha": 4, "target_parameters": EXPERTS}, lora_mode="merged")
+
+
+# ---------------------------------------------------------------- FP8 checkpoints
+def test_an_fp8_checkpoint_is_served_as_its_own_codes(tmp_path):
+    """Unified FP8 from an FP8 block checkpoint: the FP32 masters are code x scale, and the codes and scales
+    the trainer quantizes them back into, which the server reads, are the checkpoint's byte for byte, for
+    every FP8 weight whose fused parts are whole 128-row blocks (GLM-5's are: 12,288 and 2,048 wide)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    import alignzoo
+    from alignzoo.common.fp8 import quantize_weight_fp8
+    from alignzoo.models.glm5_sparse_fp8 import weights as glm5_weights
+
+    torch.set_num_threads(1)
+    cfg = {"intermediate_size": 256, "moe_intermediate_size": 128}  # fused gate_up parts of whole blocks
+    pair = alignzoo.load_pair(NAME, config=cfg, dtype=torch.bfloat16, seed=0)
+    pair.save_pretrained(tmp_path / "bf16")
+    out = {}
+    for n, t in load_file(tmp_path / "bf16" / "model.safetensors").items():
+        plain = t.dim() != 2 or n.endswith(("embed_tokens.weight", "lm_head.weight", "weights_proj.weight",
+                                             "mlp.gate.weight")) or "norm" in n
+        if plain:
+            out[n] = t
+        else:  # each block its own scale: x3 and a per-row tilt, so no block's maximum sits on 448 by accident
+            out[n], out[n + "_scale_inv"] = quantize_weight_fp8(t.float() * torch.linspace(1, 3, t.shape[0])[:, None])
+    (tmp_path / "fp8").mkdir()
+    save_file(out, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    conf = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(conf))
+    p8 = alignzoo.load_pair(NAME, checkpoint=tmp_path / "fp8", dtype=torch.bfloat16, fp8=True)
+    stored = glm5_weights.from_hf_fp8(tmp_path / "fp8", p8.config)
+    served = p8.server.model.weights
+    checked = [n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn and n + "_scale_inv" in served]
+    assert len(checked) >= 25 and "layers.1.moe.gate_up.weight" in checked and "layers.0.mlp.gate_up.weight" in checked
+    for n in checked:
+        assert torch.equal(served[n].view(torch.uint8), stored[n].view(torch.uint8)), n
+        assert torch.equal(served[n + "_scale_inv"], stored[n + "_scale_inv"]), n
+    prompts = prompts_of([140, 33], p8.config.vocab_size, seed=1)
+    sps = rich(2, 5, seed=2)
+    assert_trainer_matches(p8, prompts, sps, p8.server.generate(prompts, sps))
