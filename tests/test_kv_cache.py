@@ -137,3 +137,26 @@ def test_manager_bad_input():
         bm.add("a")
     with pytest.raises(ValueError, match="cannot append -1"):
         bm.append("a", -1)
+
+
+def test_a_row_of_parts_lands_as_its_parts_side_by_side():
+    """``write_row``: an MLA row [latent (36) | rope key (16)] written from its two parts, a -1 slot skipped, the
+    bytes those of the parts (no cast, no arithmetic); bad rows are refused naming the problem."""
+    from alignzoo.common.kv_cache import write_row
+
+    g = torch.Generator().manual_seed(0)
+    latent, rope = torch.randn(5, 36, generator=g).bfloat16(), torch.randn(5, 16, generator=g).bfloat16()
+    cache = torch.zeros(3, PAGE_SIZE, 1, 52, dtype=torch.bfloat16)
+    slots = torch.tensor([7, 64, -1, 130, 0])
+    write_row((latent, rope), cache, slots)
+    flat = cache.view(-1, 52)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat[s, :36], latent[i]) and torch.equal(flat[s, 36:], rope[i])
+    assert int((flat != 0).any(1).sum()) == 4
+    with pytest.raises(ValueError, match="add up to 50 values a row"):
+        write_row((latent, rope[:, :14].contiguous()), cache, slots)
+    with pytest.raises(TypeError, match="never casts"):
+        write_row((latent.float(), rope.float()), cache, slots)
+    with pytest.raises(ValueError, match="same slot twice"):
+        write_row((latent, rope), cache, torch.tensor([7, 7, -1, 1, 2]))

@@ -350,3 +350,26 @@ def test_bad_paged_input(case):
         table[1, 0] = 99
     with pytest.raises((ValueError, TypeError), match=re.escape(_PAGED_ERRORS[case])):
         paged_sparse_attention(q, cache, sel, seq_idx, pos, table, scale=SCALE, v_dim=16)
+
+
+@pytest.mark.parametrize("T,K", [(2200, 1100), (700, 200)], ids=["two-segments", "one-segment"])
+def test_the_static_path_reads_nothing_on_the_host_and_gives_the_same_bits(T, K):
+    """The mode CUDA runs (a decode graph captures it): every row gathers all K entries and every block runs,
+    a block past the row's entries masked.  It adds exactly nothing: the bits of the path that gathers only
+    up to the longest row (rows with 1..K entries, one with none, a second 1024-entry segment empty for most)."""
+    from alignzoo.common.sparse_attention import cpu
+
+    g = torch.Generator().manual_seed(T)
+    H, D, V = 2, 40, 24
+    q = torch.randn(T, H, D, generator=g).bfloat16()
+    kv = torch.randn(T, D, generator=g).bfloat16()
+    sel = torch.full((T, K), -1, dtype=torch.int32)
+    for t in range(T):
+        n = min(t + 1, K)
+        sel[t, :n] = torch.randperm(t + 1, generator=g)[:n].sort().values.int()
+    sel[5] = -1
+    ent, n_valid = cpu.compact(sel)
+    rows = cpu.contiguous_rows(torch.tensor([0, T]), ent)
+    a = cpu.sparse_attend(q, kv, rows, n_valid, 0.1, V, static=False)
+    b = cpu.sparse_attend(q, kv, rows, n_valid, 0.1, V, static=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

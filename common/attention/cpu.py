@@ -135,6 +135,7 @@ def attend_rows(
     block0: int = 0,
     row_chunk: int | None = None,
     seg_blocks: int = SEG_BLOCKS,
+    static: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-row recurrence of the module docstring, for S independent streams.
 
@@ -147,7 +148,10 @@ def attend_rows(
     on q's device (the ops are the same element-wise ops on any device).
     ``row_chunk`` only bounds memory: it cannot change bits.  ``seg_blocks``
     is part of the order: anything but ``SEG_BLOCKS`` breaks the contract
-    (the tests' counter-example uses it).
+    (the tests' counter-example uses it).  ``static``: read nothing on the
+    host (a CUDA graph can capture it): every block of every chunk runs, a
+    block outside a row's range kept out by ``torch.where``, which adds
+    exactly nothing, so the bits are the skipping path's.
     """
     S, M, D = q.shape
     Dv, dev = v.shape[2], q.device
@@ -167,10 +171,13 @@ def attend_rows(
     for m0 in range(0, M, mc):
         m1 = min(M, m0 + mc)
         ok = valid[:, m0:m1]
-        if not bool(ok.any()):
-            continue
-        j0 = int(jlo[:, m0:m1][ok].min()) - block0
-        j1 = int(jhi[:, m0:m1][ok].max()) - block0 + 1
+        if static:
+            j0, j1 = 0, NB
+        else:
+            if not bool(ok.any()):
+                continue
+            j0 = int(jlo[:, m0:m1][ok].min()) - block0
+            j1 = int(jhi[:, m0:m1][ok].max()) - block0 + 1
         pos_c, lo_c = pos[:, m0:m1], lo[:, m0:m1]
         jlo_c, jhi_c = jlo[:, m0:m1], jhi[:, m0:m1]
         m_t = torch.full((S, m1 - m0), _NEG_INF, device=dev)
@@ -199,8 +206,8 @@ def attend_rows(
                 pv = _tree_sum0(p[..., None] * vT[:, :, None, b0:b1, :])  # (S, Mc, nb, Dv)
                 jj = block0 + torch.arange(b0, b1, device=dev)
                 act = (jj >= jlo_c[..., None]) & (jj <= jhi_c[..., None])  # (S, Mc, nb)
-                all_act = act.flatten(0, 1).all(0).tolist()
-                any_act = act.flatten(0, 1).any(0).tolist()
+                all_act = [False] * nb if static else act.flatten(0, 1).all(0).tolist()
+                any_act = [True] * nb if static else act.flatten(0, 1).any(0).tolist()
                 for t in range(nb):
                     if not any_act[t]:
                         continue

@@ -59,9 +59,14 @@ def write_row_fwd(parts, cache: torch.Tensor, slot_mapping: torch.Tensor) -> Non
     if n == 0:
         return
     row = cache.shape[2:]
+    rows = torch.cat([p.reshape(n, *row[:-1], -1) for p in parts], dim=-1)
+    if cache.is_cuda:  # the K/V writer's kernel, the row as both its k and v: no host read, graph-safe
+        from .kernel import write_kv_triton
+
+        write_kv_triton(rows, rows, cache, cache, slot_mapping)
+        return
     keep = slot_mapping >= 0
-    flat = cache.view(-1, *row)
-    flat[slot_mapping[keep].long()] = torch.cat([p.reshape(n, *row[:-1], -1) for p in parts], dim=-1)[keep]
+    cache.view(-1, *row)[slot_mapping[keep].long()] = rows[keep]
 
 
 def write_row(parts, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

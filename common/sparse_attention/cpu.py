@@ -105,24 +105,27 @@ def _width(n_valid: torch.Tensor) -> int:
 
 def sparse_attend(
     q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, n_valid: torch.Tensor, scale: float, v_dim: int,
-    *, row_chunk: int | None = None,
+    *, row_chunk: int | None = None, static: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (n, H, Dqk); table (R, Dqk) the KV rows; rows (n, K) the table row of each compacted entry; n_valid (n,)
     -> out (n, H, Dv) in q.dtype, lse (n, H) fp32 (the order of the module docstring).  ``row_chunk`` (query
-    rows per ``attend_rows`` call) only bounds memory: it cannot change bits."""
+    rows per ``attend_rows`` call) only bounds memory: it cannot change bits.  ``static`` (default: on CUDA)
+    reads nothing on the host, so a CUDA graph captures it: all K entries of every row run, the blocks past a
+    row's entries masked, which adds exactly nothing (the same bits as gathering only the longest row's)."""
     n, H, D = q.shape
     out = q.new_zeros(n, H, v_dim)
     lse = torch.full((n, H), float("-inf"), device=q.device)
     rc = row_chunk or max(1, _BUDGET // max(1, D * rows.shape[1] * H))
+    static = q.is_cuda if static is None else static
     for r0 in range(0, n, rc):
         r1 = min(n, r0 + rc)
         nv = n_valid[r0:r1]
-        w = _width(nv)
+        w = rows.shape[1] if static else _width(nv)
         if w == 0:
             continue
         kv = _gather(table, rows[r0:r1], nv, w)
         pos = (nv - 1)[:, None].expand(-1, H).contiguous()  # -1: a row with no entry is a padding row
-        o, ls = attend_rows(q[r0:r1], kv, kv[..., :v_dim], pos, torch.zeros_like(pos), nv, scale)
+        o, ls = attend_rows(q[r0:r1], kv, kv[..., :v_dim], pos, torch.zeros_like(pos), nv, scale, static=static)
         out[r0:r1] = o.to(q.dtype)
         lse[r0:r1] = ls
     return out, lse

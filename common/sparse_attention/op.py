@@ -7,7 +7,8 @@ prefill and decode alike.  Both gather each query row's selected rows and run on
 launchers do no checks; the public functions validate first.
 
 There is no Triton kernel yet: on CUDA tensors the same element-wise routine runs as is (as ``common/dsa``
-does), with host syncs (row widths, the backward's per-row scatter) that keep it out of a CUDA graph.
+does).  Its forward reads nothing on the host there (``cpu.sparse_attend``'s static mode, the same bits), so
+decode steps can be captured; the backward's per-row scatter still syncs.
 
 ``scale`` has no default: MLA's is YaRN's mscale of ``qk_head_dim ** -0.5`` (GLM-5: qk_head_dim = 192 + 64),
 not ``Dqk ** -0.5`` of the absorbed row.  ``v_dim`` (= kv_lora_rank) says how many leading columns of a KV
