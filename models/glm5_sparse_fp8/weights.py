@@ -67,6 +67,7 @@ from ...weights import (
     read_hf_config,
 )
 from ...weights.fp8 import SCALE_SUFFIX
+from ...weights.lora_names import LoraNames
 
 MODEL_TYPE = "glm_moe_dsa"
 ARCHITECTURES = ("GlmMoeDsaForCausalLM",)
@@ -100,29 +101,9 @@ def lora_slices(cfg) -> dict[str, tuple[tuple[str, int, int], ...]]:
             "attn.o": (("o_proj", 0, cfg.hidden_size),)}
 
 
-def lora_to_hf(name: str) -> str:
-    """Our adapter name ``layers.{i}.<projection>`` -> its module as ``GlmMoeDsaForCausalLM`` names it;
-    an experts adapter ``layers.{i}.moe.<gate_up|down>`` -> ``model.layers.{i}.mlp.experts:<parameter>``."""
-    _, i, *rest = name.split(".")
-    if len(rest) == 2:
-        hf = next(h for h, slot in LORA_PARAM_SLOTS.items() if slot == tuple(rest))
-        module, param = hf.rsplit(".", 1)
-        return f"model.layers.{i}.{module}:{param}"
-    return f"model.layers.{i}.{LORA_TARGETS[rest[0]]}"
-
-
-def lora_from_hf(module: str) -> str | None:
-    """A PEFT module name -> ``layers.{i}.<projection>``, or None for a module that is no target here."""
-    if not module.startswith("model.layers."):
-        return None
-    rest = module[len("model.layers."):].split(".", 1)
-    if len(rest) != 2 or not rest[0].isdigit():
-        return None
-    if ":" in rest[1]:
-        slot = LORA_PARAM_SLOTS.get(rest[1].replace(":", "."))
-        return None if slot is None else f"layers.{int(rest[0])}.{slot[0]}.{slot[1]}"
-    proj = next((p for p, m in LORA_TARGETS.items() if m == rest[1]), None)
-    return None if proj is None else f"layers.{int(rest[0])}.{proj}"
+_LORA_NAMES = LoraNames(LORA_TARGETS, LORA_PARAM_SLOTS)
+lora_to_hf = _LORA_NAMES.to_hf  # layers.{i}.<projection> -> model.layers.{i}.self_attn.<module>; experts: <module>:<param>
+lora_from_hf = _LORA_NAMES.from_hf
 
 
 def hf_names(cfg) -> dict:

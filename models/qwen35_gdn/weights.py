@@ -24,6 +24,7 @@ import re
 import torch
 
 from ...weights import CheckpointError, Fuse, HFCheckpoint, NameMap, OneOf, Stack, open_source, read_hf_config
+from ...weights.lora_names import LoraNames
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 log = logging.getLogger("alignzoo.models")
@@ -69,28 +70,11 @@ def lora_slices(cfg) -> dict[str, tuple[tuple[str, int, int], ...]]:
     }
 
 
-def lora_to_hf(name: str) -> str:
-    """Our adapter name ``layers.{i}.<projection>`` -> its HF module (as ``Qwen3_5MoeForCausalLM`` names it);
-    an experts adapter ``layers.{i}.moe.<gate_up|down>`` -> ``model.layers.{i}.mlp.experts:<parameter>``."""
-    _, i, *rest = name.split(".")
-    if len(rest) == 2:
-        hf = next(h for h, slot in LORA_PARAM_SLOTS.items() if slot == tuple(rest))
-        module, param = hf.rsplit(".", 1)
-        return f"model.layers.{i}.{module}:{param}"
-    return f"model.layers.{i}.{LORA_TARGETS[rest[0]]}"
-
-
-def lora_from_hf(module: str) -> str | None:
-    for prefix in ("model.language_model.", "model."):
-        if module.startswith(prefix + "layers."):
-            rest = module[len(prefix) + len("layers."):].split(".", 1)
-            if len(rest) == 2 and rest[0].isdigit():
-                if ":" in rest[1]:
-                    slot = LORA_PARAM_SLOTS.get(rest[1].replace(":", "."))
-                    return None if slot is None else f"layers.{int(rest[0])}.{slot[0]}.{slot[1]}"
-                proj = next((p for p, m in LORA_TARGETS.items() if m == rest[1]), None)
-                return None if proj is None else f"layers.{int(rest[0])}.{proj}"
-    return None
+# layers.{i}.<projection> <-> model.layers.{i}.<module> (a multimodal checkpoint's: model.language_model.layers...);
+# an experts adapter layers.{i}.moe.<gate_up|down> <-> model.layers.{i}.mlp.experts:<parameter>
+_LORA_NAMES = LoraNames(LORA_TARGETS, LORA_PARAM_SLOTS, prefixes=("model.", "model.language_model."))
+lora_to_hf = _LORA_NAMES.to_hf
+lora_from_hf = _LORA_NAMES.from_hf
 
 
 def hf_names(cfg, prefix: str = "model.") -> dict:
