@@ -20,6 +20,7 @@ A JSON float is the Python float of the FP32 value, which parses back to the sam
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import math
 import secrets
@@ -38,6 +39,7 @@ from . import jsonio
 from .text import TextDelta, output_text
 
 ROUTED_EXPERTS = "routed_experts"  # the extras key an MoE model's forward fills: (T, layers, top_k) expert ids
+INDEX_SELECTED = "index_selected"  # glm5's on-request extra: (T, full indexer layers, index_topk) positions
 _INT64 = 2**63
 
 
@@ -132,6 +134,8 @@ class GenerateIn(_Strict):
     lora_path: str | list[str | None] | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    return_index_selected: bool = False  # index replay (a DSA model's on-request extra); ours, not SGLang's
+    index_selected_start_len: int = 0
     return_hidden_states: bool = False
     custom_logit_processor: str | list[str | None] | None = None
     log_metrics: bool = True
@@ -217,6 +221,7 @@ class ModelLimits:
     adapter_names: tuple[str, ...] = ()
     extras: tuple[str, ...] = ()  # the per-token extras the model's forward emits
     tokenizer: Any = None  # the checkpoint's (the HTTP side's copy), None: token ids only
+    on_request: tuple[str, ...] = ()  # the extras it emits only for a request that asks (SamplingParams.extras)
 
 
 @dataclass(frozen=True)
@@ -238,6 +243,7 @@ class Item:
     return_logprob: bool
     routed_start: int | None  # None: no routed experts asked
     text: TextOut | None = None  # None: no text in the answer (no tokenizer)
+    index_start: int | None = None  # None: no index selections asked
     engine_id: int = -1
     seq: Any = None  # the engine's Sequence, for streaming progress
     sent: int = 0  # tokens streamed so far
@@ -394,6 +400,12 @@ def build_generate(body: Any, limits: ModelLimits) -> GenerateSpec:
             raise ApiError(400, f"return_routed_experts: model {limits.name} emits no routed experts (it is not a "
                                 f"mixture of experts); leave it false")
         routed = req.routed_experts_start_len
+    selected = None
+    if req.return_index_selected:
+        if INDEX_SELECTED not in limits.on_request:
+            raise ApiError(400, f"return_index_selected: model {limits.name} has no indexer selections to return (it "
+                                f"is not a DSA sparse-attention model); leave it false")
+        selected = req.index_selected_start_len
     items, index = [], 0
     for i, (ids, spd, lp, adapter, rid) in enumerate(zip(prompts, sps, logprob, adapters, rids)):
         where = "" if single else f"prompt {i}: "
@@ -407,9 +419,9 @@ def build_generate(body: Any, limits: ModelLimits) -> GenerateSpec:
         if adapter is not None and adapter not in limits.adapter_names:
             have = ", ".join(map(repr, limits.adapter_names)) or "none"
             raise ApiError(400, f"{where}lora_path {adapter!r}: unknown adapter; the model serves {have}")
-        if routed is not None and not 0 <= routed <= len(prompt):
-            raise ApiError(400, f"{where}routed_experts_start_len must be in [0, {len(prompt)}] (the prompt's "
-                                f"tokens), got {routed}")
+        for name, start in (("routed_experts_start_len", routed), ("index_selected_start_len", selected)):
+            if start is not None and not 0 <= start <= len(prompt):
+                raise ApiError(400, f"{where}{name} must be in [0, {len(prompt)}] (the prompt's tokens), got {start}")
         seed = sp_in.sampling_seed if sp_in.sampling_seed is not None else secrets.randbits(63)
         if not -_INT64 <= seed < _INT64:
             raise ApiError(400, f"{where}sampling_params.sampling_seed must fit in int64, got {seed}")
@@ -418,9 +430,11 @@ def build_generate(body: Any, limits: ModelLimits) -> GenerateSpec:
                                                               sp_in.spaces_between_special_tokens, sp_in.no_stop_trim)
         for j in range(sp_in.n):
             sp = _sampling(sp_in, len(prompt), limits, _wrap64(seed + j), where)
+            if selected is not None:
+                sp = dataclasses.replace(sp, extras=(INDEX_SELECTED,))
             check_length(len(prompt), sp.max_new_tokens, limits, field, where)
             item_rid = rid if sp_in.n == 1 else f"{rid}_{j}"
-            items.append(Item(item_rid, index, prompt, sp, adapter, bool(lp), routed, text))
+            items.append(Item(item_rid, index, prompt, sp, adapter, bool(lp), routed, text, index_start=selected))
             index += 1
     rid_list = [it.rid for it in items]
     if len(set(rid_list)) != len(rid_list):
@@ -463,6 +477,8 @@ def item_response(item: Item, tokens: list[int], logprobs: list[float], version:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, tokens)]
     if item.routed_start is not None and c is not None:
         meta[ROUTED_EXPERTS] = encode_routed_experts(c.extras.get(ROUTED_EXPERTS), item.routed_start)
+    if item.index_start is not None and c is not None:  # the same int32 encoding, (positions, full layers, top_k)
+        meta[INDEX_SELECTED] = encode_routed_experts(c.extras.get(INDEX_SELECTED), item.index_start)
     out = {"output_ids": tokens, "meta_info": meta}
     if item.text is not None and tokenizer is not None:
         out = {"text": item_text(item, tokens, c, tokenizer) if text is None else text, **out}

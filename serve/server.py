@@ -449,7 +449,8 @@ class AlignedServer:
         _, extras = engine.score([[0, 0]], [1], SamplingParams(), return_extras=True)
         self.limits = api.ModelLimits(model, engine.model.vocab_size, engine.model.max_position,
                                       engine.block_manager.fits_alone, tuple(engine.adapter_names),
-                                      tuple(sorted(extras[0])), self.text.tokenizer)
+                                      tuple(sorted(extras[0])), self.text.tokenizer,
+                                      on_request=tuple(sorted(engine.runner.on_request_extras)))
         self.loop = EngineLoop(engine)
         self._update_lock = threading.Lock()  # one weight update at a time, read to apply
         self._group: dict | None = None
@@ -600,6 +601,7 @@ class AlignedServer:
                 "weight_version": self.engine.weight_version, "vocab_size": self.limits.vocab_size,
                 "max_position": self.limits.max_position, "extras": list(self.limits.extras),
                 "routed_experts": api.ROUTED_EXPERTS in self.limits.extras,
+                "index_selected": api.INDEX_SELECTED in self.limits.on_request,
                 "adapters": list(self.limits.adapter_names)}
 
     def server_info(self) -> dict:

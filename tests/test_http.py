@@ -6,6 +6,7 @@ served bytes as they were (the device-side checksum of the weights)."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import signal
@@ -486,6 +487,37 @@ def test_routed_experts_of_an_moe_model(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_index_selections_of_a_dsa_model(tmp_path):
+    """glm5's on-request extra over HTTP: return_index_selected gives each full indexer layer's selection, base64
+    of int32 (positions from the start, full layers, index_topk), the pair's own; a model without an indexer,
+    or a start past the prompt, is a 400 naming it."""
+    proc, client = start_server("glm5_sparse_fp8", "--config", "tiny", log_path=tmp_path / "glm5.log")
+    try:
+        assert client.get_model_info()["index_selected"] is True
+        prompt, d = list(range(1, 80)), sp_dict(seed=4, max_new=5)
+        out = client.generate(prompt, d, return_logprob=True, return_index_selected=True, index_selected_start_len=3)
+        pair = alignzoo.load_pair("glm5_sparse_fp8", config="tiny")
+        want = pair.server.generate([prompt], [dataclasses.replace(ours(d), extras=("index_selected",))])[0]
+        assert out["output_ids"] == want.tokens and torch.equal(output_logprobs(out), want.logprobs)
+        sel = want.extras["index_selected"]  # (positions fed, full layers, top_k)
+        got = torch.frombuffer(bytearray(base64.b64decode(out["meta_info"]["index_selected"])), dtype=torch.int32)
+        assert torch.equal(got.reshape(-1, *sel.shape[1:]), sel[3:])
+        plain = client.generate(prompt, d, return_logprob=True)
+        assert "index_selected" not in plain["meta_info"] and plain["output_ids"] == want.tokens
+        with pytest.raises(ServerError) as e:
+            client.generate(prompt, d, return_index_selected=True, index_selected_start_len=80)
+        assert e.value.status == 400 and "index_selected_start_len must be in [0, 79]" in e.value.message
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_index_selections_are_refused_without_an_indexer(server):
+    with pytest.raises(ServerError) as e:
+        server.generate([1, 2, 3], sp_dict(seed=1, max_new=2), return_index_selected=True)
+    assert e.value.status == 400 and "no indexer selections to return" in e.value.message
 
 
 # ------------------------------------------------------------------ the command
