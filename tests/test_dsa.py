@@ -108,3 +108,32 @@ def test_bad_input_is_named():
         index_topk(torch.zeros(2, 5), torch.tensor([1, 5]), 2)
     with pytest.raises(ValueError, match="NaN"):
         index_topk(torch.tensor([[0.0, float("nan")]]), torch.tensor([1]), 1)
+
+
+_INTERPRETED_PAGED_SCORES = """
+import torch
+from alignzoo.common.dsa.cpu import gather_keys, index_scores_cpu
+from alignzoo.common.dsa.kernel import paged_index_scores_triton
+g = torch.Generator().manual_seed(0)
+for n, H, D, P, W in ((37, 3, 24, 9, 4), (5, 4, 20, 6, 2)):
+    q = torch.randn(n, H, D, generator=g)
+    k_cache = torch.randn(P, 64, 1, D, generator=g)
+    w = torch.randn(n, H, generator=g)
+    block_table = torch.randperm(P, generator=g)[: 2 * W].view(2, W).int()
+    block_table[1, -1] = -1  # a page given back: read as page 0, masked by the selection
+    seq_idx = (torch.arange(n) % 2).long()
+    got = paged_index_scores_triton(q, k_cache, w, seq_idx, block_table, 0.2)
+    want = index_scores_cpu(q, gather_keys(k_cache, block_table, seq_idx), w, 0.2)
+    assert got.shape == want.shape == (n, W * 64)
+    assert torch.equal(got, want), (n, (got - want).abs().max())
+    assert bool((got >= 0).logical_or(w.min() < 0).all())
+"""
+
+
+def test_paged_scores_kernel_adds_in_the_cpu_order_interpreted():
+    """The Triton kernel the server runs on CUDA (``kernel.py``), run by Triton's interpreter on CPU tensors in
+    fp32: every score has the element-wise CPU path's bits (d left to right, then the heads, no FMA), for rows
+    of two sequences in shuffled pages, a given-back page included."""
+    from interpreted import run_interpreted
+
+    run_interpreted(_INTERPRETED_PAGED_SCORES)

@@ -1,7 +1,8 @@
 """Public functions of the DSA indexer: input checks, then the element-wise path (``cpu.py``) on any device.
 
 The indexer takes no gradient (transformers runs it under ``no_grad``): both functions run without autograd.
-A Triton kernel with the same order is to come; until then a CUDA tensor runs the same element-wise ops.
+On CUDA the server's paged scores run one Triton kernel in that order (``kernel.py``); the trainer's packed
+scores and the selection run the same element-wise ops on any device.
 """
 from __future__ import annotations
 
@@ -87,6 +88,11 @@ def paged_index_select_fwd(q: torch.Tensor, k_cache: torch.Tensor, w: torch.Tens
     out = torch.empty(n, top_k, dtype=torch.int32, device=q.device)
     for a in range(0, n, ROW_CHUNK):
         b = min(a + ROW_CHUNK, n)
-        keys = gather_keys(k_cache, block_table, seq_idx[a:b])
-        out[a:b] = index_topk_cpu(index_scores_cpu(q[a:b], keys, w[a:b], float(scale)), positions[a:b].long(), top_k)
+        if q.is_cuda:  # the same element order in one kernel (kernel.py), no (rows, H, L) buffer
+            from .kernel import paged_index_scores_triton
+
+            scores = paged_index_scores_triton(q[a:b], k_cache, w[a:b], seq_idx[a:b], block_table, scale)
+        else:
+            scores = index_scores_cpu(q[a:b], gather_keys(k_cache, block_table, seq_idx[a:b]), w[a:b], float(scale))
+        out[a:b] = index_topk_cpu(scores, positions[a:b].long(), top_k)
     return out
