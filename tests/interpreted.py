@@ -41,6 +41,38 @@ _it.ReduceOps.sum = lambda self, x: (self.to_tensor(np.add.reduce(
 """
 
 
+# Put before every interpreted script.  The interpreter re-patches triton.language on every nested jit call
+# (each level of a tree, each tl.sum): test_gdn.py's decode script took 40 s, 18 s with this.  Within one launch
+# a module once patched stays patched, so patch each once per launch (the values computed are the same).
+ONE_PATCH_A_LAUNCH = r"""
+import inspect as _inspect
+
+import triton.language as _tl
+from triton.runtime import interpreter as _it
+
+_patched, _langs_of, _patch_lang, _grid_call = set(), {}, _it._patch_lang, _it.GridExecutor.__call__
+
+
+def _patch_once(fn):
+    langs = _langs_of.get(fn)
+    if langs is None:
+        mods = fn.__globals__.values()
+        langs = _langs_of[fn] = {id(m) for m in mods if _inspect.ismodule(m) and m in (_tl, _tl.core)}
+    if langs <= _patched:
+        return _it._LangPatchScope()
+    _patched.update(langs)
+    return _patch_lang(fn)
+
+
+def _grid_once(self, *a, **kw):
+    _patched.clear()
+    return _grid_call(self, *a, **kw)
+
+
+_it._patch_lang, _it.GridExecutor.__call__ = _patch_once, _grid_once
+"""
+
+
 def run_interpreted(script: str, *, timeout: int = 600, expect: str | None = None, interpret: bool = True) -> str:
     """Run ``script`` (Python source) interpreted; it fails the calling test
     when the script exits non-zero (an assertion inside it) or, with
@@ -49,7 +81,7 @@ def run_interpreted(script: str, *, timeout: int = 600, expect: str | None = Non
     file, since ``triton.jit`` reads its kernels' source."""
     pytest.importorskip("triton")
     with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
-        f.write(script)
+        f.write(ONE_PATCH_A_LAUNCH + script if interpret else script)
         f.flush()
         run = subprocess.run([sys.executable, f.name], env={**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"},
                              capture_output=True, text=True, timeout=timeout)

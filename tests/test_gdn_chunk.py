@@ -28,35 +28,11 @@ class _NanScratch:
 """
 
 _INTERPRETED_CHUNK = _INTERPRETED_PRELUDE + _NAN_SCRATCH + r"""
-import inspect
-
-import triton.language as tl
-
 from alignzoo.common.gdn import chunk_kernel as _ck
 from alignzoo.common.gdn import cpu
 from alignzoo.common.gdn.chunk_kernel import gdn_chunk_triton
 from alignzoo.common.gdn.kernel import gdn_scan_triton
 
-# The interpreter re-patches triton.language on every nested jit call (a tree level's tl.sum):
-# 60-80% of this script's time.  Within one launch a module once patched stays patched, so
-# patch each once per launch (the values computed are the same).
-_patched, _patch_lang, _grid_call = set(), _it._patch_lang, _it.GridExecutor.__call__
-
-
-def _patch_once(fn):
-    langs = {id(m) for m in fn.__globals__.values() if inspect.ismodule(m) and m in (tl, tl.core)}
-    if langs <= _patched:
-        return _it._LangPatchScope()
-    _patched.update(langs)
-    return _patch_lang(fn)
-
-
-def _grid_once(self, *a, **kw):
-    _patched.clear()
-    return _grid_call(self, *a, **kw)
-
-
-_it._patch_lang, _it.GridExecutor.__call__ = _patch_once, _grid_once
 # rows of several at a time (a launch knob: the same bits, fewer interpreted steps)
 FAST = dict(bi=64, bw=64, br=64, bs=64, bro=64, bvo=64)
 FIELDS = ("k", "g_cum", "x", "v_new")
@@ -119,6 +95,17 @@ def case(Hk, Hv, K, V, lens, calls, seed, scan=True, **knobs):
     assert torch.equal(o_tr, o_ref)
 
 
+# one sequence split at several offsets in one batch, then the rest of each (GVA, Hv = 2 Hk)
+case(1, 2, 24, 20, [100], seed=3, scan=False, calls=[
+    [(0, 0, s, i) for i, s in enumerate((1, 37, 64, 65))],
+    [(0, s, 100 - s, i) for i, s in enumerate((1, 37, 64, 65))],
+], **FAST)
+# odd K and V (not powers of two: padded lanes, two V tiles, a column tile mixing u and w), two qk heads
+case(2, 4, 24, 40, [70, 5], seed=4, calls=[[(0, 0, 40, 1), (1, 0, 5, 0)], [(0, 40, 30, 1)]], **FAST)
+
+# the kernels' trees load their leaves unmasked: from here every scratch buffer is NaN-filled (the cases
+# above ran on torch.empty's), so rows past a piece's end and clamped columns must still reach no stored value
+_ck.torch = _NanScratch()
 # mixed lengths across several chunks beside a padding sequence, then continuations from
 # mid-chunk (into the next chunk, within the chunk, from a boundary, empty) and more padding
 case(1, 2, 24, 20, [1, 63, 64, 65, 200], seed=2, calls=[
@@ -126,31 +113,11 @@ case(1, 2, 24, 20, [1, 63, 64, 65, 200], seed=2, calls=[
     [(3, 10, 55, 3), (4, 70, 3, 2), (1, 0, 1, -1), (2, 64, 0, 1)],
     [(4, 73, 127, 2)],
 ], **FAST)
-# one sequence split at several offsets in one batch, then the rest of each (GVA, Hv = 2 Hk)
-case(1, 2, 24, 20, [100], seed=3, scan=False, calls=[
-    [(0, 0, s, i) for i, s in enumerate((1, 37, 64, 65))],
-    [(0, s, 100 - s, i) for i, s in enumerate((1, 37, 64, 65))],
-], **FAST)
-# odd K and V (not powers of two: padded lanes, two V tiles, a column tile mixing u and w),
-# two qk heads; then the GPU's launch knobs, and others (two state K-tiles, four rows a step,
-# solve blocks of two rows: every level of left siblings; o in the state kernel, then in the output
-# kernel)
-case(2, 4, 24, 40, [70, 5], seed=4, calls=[[(0, 0, 40, 1), (1, 0, 5, 0)], [(0, 40, 30, 1)]], **FAST)
+# the GPU's launch knobs, and others (two state K-tiles, four rows a step, solve blocks of two rows: every
+# level of left siblings; o in the state kernel, then in the output kernel)
 case(1, 2, 24, 20, [130], seed=5, calls=[[(0, 0, 30, 0)], [(0, 30, 100, 0)]], fused=True)
 case(1, 2, 24, 40, [100], seed=6, calls=[[(0, 0, 40, 0)], [(0, 40, 60, 0)]], bv=16, bw=16, br=4, bks=8, bi=8, bs=2,
      bro=4, bvo=8, fused=False)
-
-
-# the kernels' trees load their leaves unmasked: with every scratch buffer NaN-filled, rows past a
-# piece's end and clamped columns must still reach no stored value
-_ck.torch = _NanScratch()
-case(1, 2, 24, 20, [1, 63, 64, 65, 200], seed=2, scan=False, calls=[
-    [(4, 0, 70, 2), (0, 0, 1, 4), (0, 0, 1, -1), (1, 0, 63, 0), (2, 0, 64, 1), (3, 0, 10, 3)],
-    [(3, 10, 55, 3), (4, 70, 3, 2)],
-], **FAST)
-case(1, 2, 24, 40, [100], seed=6, scan=False, calls=[[(0, 0, 40, 0)], [(0, 40, 60, 0)]], bv=16, bw=16, br=4, bks=8,
-     bi=8, bs=2, bro=4, bvo=8, fused=False)
-case(1, 2, 24, 20, [130], seed=5, scan=False, calls=[[(0, 0, 30, 0)], [(0, 30, 100, 0)]], fused=True)
 print("ok")
 """
 
@@ -159,8 +126,8 @@ def test_chunk_kernel_interpreted():
     """gdn_chunk_triton under the interpreter == gdn_scan_triton == cpu.chunked ==
     the trainer's rows: o (padding rows 0) and, per slot, state, n and the open
     chunk's k, g_cum, x, v_new rows from NaN-filled slots (slots never written
-    stay as the scan leaves them), then the trainer form; then again with every
-    scratch buffer NaN-filled (the trees read leaves unmasked)."""
+    stay as the scan leaves them), then the trainer form; every scratch buffer
+    NaN-filled in three of the five cases (the trees read leaves unmasked)."""
     run_interpreted(_INTERPRETED_CHUNK, expect="ok")
 
 
