@@ -117,10 +117,11 @@ def test_bisect_cli_exits_nonzero_on_a_difference(capsys):
 
 def test_receipts_round_trip_verify_and_refuse_edits(tmp_path, capsys, monkeypatch):
     path = tmp_path / "r.json"
-    assert main(["check", "qwen3", "--length", "150", "--batch", "2", "--receipt", str(path)]) == 0
+    # 80 tokens: the check runs three times here (written, verified, re-run against a server one ULP off)
+    assert main(["check", "qwen3", "--length", "80", "--batch", "2", "--receipt", str(path)]) == 0
     r = json.loads(path.read_text())
     assert r["schema"] == "alignzoo.receipt/1" and r["model"] == "qwen3" and r["passed"]
-    assert r["run"] == {"length": 150, "batch": 2, "seed": 0, "dtype": "bf16", "fp8": False, "device": "cpu"}
+    assert r["run"] == {"length": 80, "batch": 2, "seed": 0, "dtype": "bf16", "fp8": False, "device": "cpu"}
     assert len(r["rungs"]) == 9 and all(x["differing"] == 0 and x["tokens"] > 0 for x in r["rungs"])
     assert r["environment"]["torch"] == torch.__version__ and r["checkpoint"] is None
     capsys.readouterr()

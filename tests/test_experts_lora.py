@@ -30,12 +30,25 @@ def served_and_scored(pair):
     return outs, lps
 
 
+@pytest.fixture(scope="module")
+def served():
+    """mode -> (trained_pair(mode), served_and_scored of it), built once a mode (3-4 s each): the tests
+    below only read the pair (a backward fills gradients, the weights stay)."""
+    built = {}
+
+    def get(mode):
+        if mode not in built:
+            pair = trained_pair(mode)
+            built[mode] = (pair, *served_and_scored(pair))
+        return built[mode]
+    return get
+
+
 @pytest.mark.parametrize("mode", ["separate", "merged"])
-def test_experts_lora_trainer_equals_server(mode):
-    pair = trained_pair(mode)
+def test_experts_lora_trainer_equals_server(served, mode):
+    pair, outs, lps = served(mode)
     names = [n for n in pair.trainer.lora_adapters() if ".moe." in n]
     assert names[:2] == ["layers.0.moe.gate_up", "layers.0.moe.down"] and len(names) == 8
-    outs, lps = served_and_scored(pair)
     assert all(torch.equal(lp, o.logprobs) for lp, o in zip(lps, outs))
     # the experts' adapters matter: without them the same tokens score differently
     plain = alignzoo.load_pair("qwen35_gdn", config="tiny", device="cpu", lora={**LORA, "target_parameters": []},
@@ -74,9 +87,8 @@ def test_merged_experts_gradient_is_the_formula():
 
 
 @pytest.mark.parametrize("mode", ["separate", "merged"])
-def test_experts_adapter_round_trips_through_peft_files(tmp_path, mode):
-    pair = trained_pair(mode)
-    outs, lps = served_and_scored(pair)
+def test_experts_adapter_round_trips_through_peft_files(tmp_path, served, mode):
+    pair, outs, _ = served(mode)
     pair.save_pretrained(tmp_path / "ad", adapter_only=True)
     from safetensors import safe_open
 
@@ -94,9 +106,8 @@ def test_experts_adapter_round_trips_through_peft_files(tmp_path, mode):
     assert all(x.tokens == y.tokens and torch.equal(x.logprobs, y.logprobs) for x, y in zip(outs, outs2))
 
 
-def test_merged_checkpoint_folds_the_experts_adapter(tmp_path):
-    pair = trained_pair("merged")
-    outs, lps = served_and_scored(pair)
+def test_merged_checkpoint_folds_the_experts_adapter(tmp_path, served):
+    pair, outs, lps = served("merged")
     pair.save_pretrained(tmp_path / "ckpt")
     plain = alignzoo.load_pair("qwen35_gdn", checkpoint=tmp_path / "ckpt", device="cpu")
     again = plain.trainer.logprobs([p + o.tokens for p, o in zip(PROMPTS, outs)], [len(p) for p in PROMPTS], SP)
