@@ -137,3 +137,23 @@ def test_paged_scores_kernel_adds_in_the_cpu_order_interpreted():
     from interpreted import run_interpreted
 
     run_interpreted(_INTERPRETED_PAGED_SCORES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,H,D,P,W", [(37, 3, 24, 9, 4), (300, 32, 128, 40, 17)])
+def test_paged_scores_kernel_on_cuda_has_the_cpu_bits(n, H, D, P, W):
+    """On the GPU the compiled kernel keeps the CPU path's bits: GLM-5's 32 × 128 indexer heads, keys read
+    through a shuffled block table with a given-back page."""
+    from alignzoo.common.dsa.cpu import gather_keys, index_scores_cpu
+    from alignzoo.common.dsa.kernel import paged_index_scores_triton
+
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(n, H, D, generator=g)
+    k_cache = torch.randn(P, 64, 1, D, generator=g)
+    w = torch.randn(n, H, generator=g)
+    block_table = torch.randperm(P, generator=g)[: 2 * W].view(2, W).int()
+    block_table[1, -1] = -1
+    seq_idx = (torch.arange(n) % 2).long()
+    want = index_scores_cpu(q, gather_keys(k_cache, block_table, seq_idx), w, 0.2)
+    got = paged_index_scores_triton(q.cuda(), k_cache.cuda(), w.cuda(), seq_idx.cuda(), block_table.cuda(), 0.2)
+    assert torch.equal(got.cpu(), want), (got.cpu() - want).abs().max()
