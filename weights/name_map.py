@@ -190,7 +190,8 @@ class NameMap:
     ``tie_word_embeddings``, each ``tied[a] = b`` (e.g. ``lm_head.weight`` -> ``embed.weight``) lets
     HF tensor ``a`` be absent from the checkpoint (b's is read instead) and drops ``a`` when saving;
     without it ``a`` is required like any other. HF names matching a regex of ``ignore`` are
-    skipped, named in a debug log message.
+    skipped, named in a debug log message.  Our names ending in one of ``integer_names`` (a routing table
+    such as DeepSeek-V4's ``tid2eid``) are read from integer tensors, cast only where every value survives.
     """
 
     def __init__(
@@ -202,7 +203,9 @@ class NameMap:
         tie_word_embeddings: bool = False,
         ignore: Sequence[str] = DEFAULT_IGNORE,
         name: str = "model",
+        integer_names: Sequence[str] = (),
     ):
+        self.integer_names = tuple(integer_names)
         self.mapping: dict[str, tuple[Fuse, ...]] = {
             k: v.options if isinstance(v, OneOf) else (_as_fuse(v),) for k, v in mapping.items()}
         self.split_sizes = {k: tuple(v) for k, v in (split_sizes or {}).items()}
@@ -367,7 +370,7 @@ class NameMap:
                 misshaped += bad
                 sizes_of[ours] = sizes
                 is_float = getattr(src, "is_float", None)
-                if is_float is not None:
+                if is_float is not None and not (self.integer_names and ours.endswith(self.integer_names)):
                     not_float += [p for p in lay.flat if not is_float(p)]
 
             claimed = {p for lay in plan.values() for p in lay.flat}
@@ -401,8 +404,16 @@ class NameMap:
             return out
 
     def _read(self, where, src, ours, lay: _Layout, shape, dtype, sizes, device) -> torch.Tensor:
+        integer = bool(self.integer_names) and ours.endswith(self.integer_names)
+
         def get(p):
             t = src.get(p)
+            if integer:
+                if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+                    raise CheckpointError(f"{where}: {p} is stored as {t.dtype}; an integer tensor is expected")
+                if not torch.equal(t.to(dtype).to(t.dtype), t):
+                    raise CheckpointError(f"{where}: {p} ({t.dtype}) has values that {dtype_name(dtype)} cannot hold")
+                return t
             if not t.dtype.is_floating_point:
                 raise CheckpointError(f"{where}: {p} is stored as {t.dtype}, not floating point (a cast "
                                       f"would invent its values)")

@@ -341,7 +341,7 @@ PRESETS: dict[str, DeepseekV4Config] = {
         head_dim=40, qk_rope_head_dim=16, q_lora_rank=36, o_groups=3, o_lora_rank=20, sliding_window=40,
         compress_rates=((CSA, 4), (HCA, 16)), index_n_heads=3, index_head_dim=24, index_topk=24,
         mlp_layer_types=("hash_moe", "moe", "moe", "moe"), moe_intermediate_size=32, n_routed_experts=9,
-        num_experts_per_tok=3, compress_yarn=Yarn(factor=4.0, original_max_position_embeddings=1024,
+        num_experts_per_tok=3, compress_yarn=Yarn(factor=4.0, original_max_position_embeddings=2048,
                                                   attention_factor=1.0), max_position=8192),
     # DeepSeek-V4-Flash's shapes (DeepseekV4Config's defaults; a release config.json brings its own layer list).
     "deepseek-v4-flash": DeepseekV4Config(compress_yarn=_FLASH_YARN),
