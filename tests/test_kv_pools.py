@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from alignzoo.common._host import cdiv
+
 from alignzoo.common.kv_cache import (
     PAGE_SIZE,
     BlockManager,
@@ -49,6 +51,17 @@ def test_rate_pages_needed_counts_rows():
     assert bm.num_free == 1 and bm.pages_needed("s", 1) == 1
     assert bm.append_one("s") == bm.block_table("s")[1] * PAGE_SIZE and bm.num_free == 0
     assert bm.pages_for(4 * PAGE_SIZE * 2) == 2
+
+
+def test_rate_pool_gives_every_short_sequence_its_page():
+    """Eight 70-position sequences fill 16 blocks; each still holds a C4 page of 17 rows: 8 pages, not the 4 that
+    blocks / rate alone would give."""
+    lim = PoolLimits(max_batch_size=8, max_batch_tokens=256)
+    c4 = RatePool({"kv": (8,)}, torch.float32, layers=1, rate=4)
+    ledger = c4.ledger(c4.units(16, lim), name="c4")
+    for s in range(8):
+        ledger.append(s, 70)
+    assert c4.units(16, lim) == 16 and cdiv(16, 4) < 8
 
 
 def test_window_gives_pages_back_under_a_long_decode():
@@ -134,7 +147,7 @@ def test_pool_specs_size_and_allocate():
     lim = PoolLimits(max_batch_size=4, max_batch_tokens=256)
     pools = {"kv": kv, "c4": c4, "win": win, "state": st}
     units = pool_units(pools, 100, lim)
-    assert units == {"kv": 100, "c4": 25, "win": min(100, 4 * 4 + 4), "state": 8}
+    assert units == {"kv": 100, "c4": 25 + 8, "win": min(100, 4 * 4 + 4), "state": 8}
     budget = pool_bytes(pools, units)
     assert blocks_for_bytes(pools, budget, lim, most=1000) == 100
     assert blocks_for_bytes(pools, budget - 1, lim, most=1000) == 99
@@ -158,7 +171,7 @@ def test_pool_specs_share_one_sizing_interface():
     win = WindowPool({"k": (2, 24)}, torch.bfloat16, layers=1, window=128)
     st = StatePool({"h": ((4, 8, 8), torch.float32)}, layers=2)
     lim = PoolLimits(max_batch_size=4, max_batch_tokens=256)
-    assert [p.units(100, lim) for p in (kv, c4, win, st)] == [100, 25, 20, 8]
+    assert [p.units(100, lim) for p in (kv, c4, win, st)] == [100, 33, 20, 8]
     assert [p.units(1, lim) for p in (kv, c4, win, st)] == [1, 1, 1, 8]
     assert (kv.unit_bytes(), st.unit_bytes()) == (kv.page_bytes(), st.slot_bytes())
     for make, match in ((lambda: PagedPool({"k": (4,)}, torch.float32, 0), "a pool's layers must be an int >= 1, got 0"),

@@ -87,6 +87,11 @@ class RatePool(PagedPool):
         super().__post_init__()
         check_int("a rate pool's rate", self.rate)
 
+    def units(self, blocks: int, engine_limits: "PoolLimits") -> int:
+        # a sequence of n positions holds n / (64 rate) pages plus its open one: blocks / rate in all, plus one
+        # per sequence holding pages (at most state_slots), never more than the blocks themselves
+        return max(1, min(blocks, cdiv(blocks, self.rate) + engine_limits.state_slots))
+
 
 @dataclass(frozen=True)
 class WindowPool(PagedPool):
