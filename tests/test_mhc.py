@@ -218,11 +218,11 @@ def test_gradients_match_float64_autograd():
         assert rel_err(a.grad, b.grad) < 1e-5, name
 
 
-def test_backward_is_deterministic_run_to_run():
+def test_backward_is_deterministic_run_to_run(device):
     T, D = 593, 60
-    x, out = _streams(T, D, torch.bfloat16)
-    w = _params(D)
-    wy = _loss_terms(T, D)[0]
+    x, _ = _streams(T, D, torch.bfloat16)
+    x, wy = x.to(device), _loss_terms(T, D)[0].to(device)
+    w = [t.to(device) for t in _params(D)]
     grads = []
     for _ in range(2):
         xx, *ww = (t.clone().requires_grad_() for t in (x, *w))

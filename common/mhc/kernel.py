@@ -45,8 +45,8 @@ def _sigmoid(z, HC: tl.constexpr, LIB: tl.constexpr):
 
 
 @triton.jit
-def _hc_weights_kernel(p_x, p_fn, p_base, p_scale, p_pre, p_post, p_comb, p_rstd, p_mix, K, M, norm_eps, hc_eps,
-                       iters, HC: tl.constexpr, LOG2_HC: tl.constexpr, CHUNK: tl.constexpr,
+def _hc_weights_kernel(p_x, p_fn, p_base, p_scale, p_pre, p_post, p_comb, p_rstd, p_mix, norm_eps, hc_eps, iters,
+                       K: tl.constexpr, M: tl.constexpr, HC: tl.constexpr, LOG2_HC: tl.constexpr, CHUNK: tl.constexpr,
                        LOG2_CHUNK: tl.constexpr, NC: tl.constexpr, HEAD: tl.constexpr, LIB: tl.constexpr):
     i_t = tl.program_id(0).to(tl.int64)
     p_x += i_t * K
@@ -127,8 +127,8 @@ def hc_weights_triton(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     lib, opts = _launch_opts(x)
     _hc_weights_kernel[(T,)](
         x.contiguous(), fn.contiguous(), base.contiguous(), scale.contiguous(), pre, pre if head else post,
-        pre if head else comb, rstd, mix, K, M, float(norm_eps), float(hc_eps), int(sinkhorn_iters),
-        HC=hc, LOG2_HC=hc.bit_length() - 1, CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, NC=P // chunk,
+        pre if head else comb, rstd, mix, float(norm_eps), float(hc_eps), int(sinkhorn_iters),
+        K=K, M=M, HC=hc, LOG2_HC=hc.bit_length() - 1, CHUNK=chunk, LOG2_CHUNK=chunk.bit_length() - 1, NC=P // chunk,
         HEAD=head, LIB=lib, **opts, enable_fp_fusion=FP_FUSION, num_warps=4,
     )
     return pre, post, comb, rstd, mix

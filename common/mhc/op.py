@@ -36,7 +36,7 @@ def hc_weights_fwd(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
     lead, (hc, D) = x.shape[:-2], x.shape[-2:]
     pre, post, comb, rstd, mix = _weights(x.reshape(-1, hc, D), fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
     return (pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc), rstd.view(lead),
-            mix.view(*lead, -1))
+            mix.view(*lead, fn.shape[0]))
 
 
 def hc_collapse_fwd(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
