@@ -300,3 +300,11 @@ def test_bad_input_is_named():
         hc_mix(out, x, post.bfloat16(), comb)
     with pytest.raises(ValueError, match="fn must have shape"):
         hyper_head(x, fn, base[:4], scale[:1])
+
+
+def test_ladder(device):
+    """``alignzoo check mhc``'s rows (run twice, batch/order/padding, float64) pass."""
+    from alignzoo.common.mhc.checks import ladder
+
+    rows = ladder(device)
+    assert rows and all(r.passed for r in rows), [(r.check, r.detail) for r in rows if not r.passed]

@@ -40,6 +40,7 @@ from ..matmul.cpu import fixed_order_dot
 from ..rmsnorm.cpu import ROW_CHUNK, dw_sum, row_tree_sum
 from ..tree.cpu import pad_to, pairwise_tree, tree_width
 
+DOT_ROWS = 1024  # tokens a rows_dot pass: its (rows, M, 256) fp32 accumulator is 25 MB (memory, not order)
 DFN_SLAB = 1 << 24  # elements of one (T, M, columns) product slab of the dfn sum (memory, not order: columns never mix)
 
 
@@ -47,6 +48,8 @@ def rows_dot(n: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     """n (T, K), fn (M, K) fp32 -> (T, M): Σ_k fl(n[t, k] · fn[j, k]) in ``row_tree_sum``'s order (the bits of
     ``row_tree_sum`` on the (T·M, K) products) without holding the products."""
     T, K = n.shape
+    if T > DOT_ROWS:
+        return torch.cat([rows_dot(part, fn) for part in n.split(DOT_ROWS)])
     P = tree_width(K)
     n, fn = pad_to(n, 1, P, 0.0), pad_to(fn, 1, P, 0.0)
     if P <= ROW_CHUNK:
