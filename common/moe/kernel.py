@@ -78,7 +78,7 @@ def _weighted_scatter(b_c, p_wt, p_dst, p_c, o_r, m_r, o_n, m_n, H):
 # keeps the low one at 0-3; shifted by 6 and 12 and masked, each nibble's 3 magnitude bits sit
 # under bf16's exponent and first mantissa bit and its sign on the sign bit: v 2^-126 (code 1:
 # the subnormal 2^-127).  Times 2^126, then the scale, in bf16x2: each product is exact (a 2-bit
-# significand at 2^-127 or more), so the weights are the fp32 decode's, in 7 operations a pair.
+# significand at 2^-128 or more), so the weights are the fp32 decode's, in 7 operations a pair.
 _E2M1X2_BF16 = tl.constexpr("""{
 .reg .b32 x, m, s, c;
 mad.lo.u32 x, $2, 4097, 0;
@@ -107,7 +107,8 @@ def _mx_rows(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, BLOCK_N: tl.con
     s = tl.load(p_s + rows[:, None] * (K // 32) + o_g[None, :], mask=m_rows[:, None] & (o_g < K // 32)[None, :],
                 other=0).to(tl.int32)  # (BN, BK/32) scale bytes
     if MX == 2:
-        s2 = s * 0x00800080  # the scale byte under both halves' bf16 exponent fields
+        # the scale byte under both halves' bf16 exponent fields; 0 is 2^-127, 255 NaN (mxfp4.e8m0_to_float)
+        s2 = tl.where(s == 0, 0x00400040, tl.where(s == 255, 0x7FC07FC0, s * 0x00800080))
         s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
         lo, hi = tl.inline_asm_elementwise(_E2M1X2_BF16, "=h,=h,r,r", [b, s2], dtype=(tl.bfloat16, tl.bfloat16),
                                            is_pure=True, pack=1)
@@ -117,7 +118,8 @@ def _mx_rows(p_w, p_s, rows, m_rows, k0, K, dtype: tl.constexpr, BLOCK_N: tl.con
     # 2^-127), times 2^126: v exactly in ~6 operations an element, as the decode bounds the
     # experts at decode sizes
     v = (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37
-    sv = (s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) from the exponent bits
+    # 2^(s - 127) from the exponent bits; 0 is 2^-127, 255 NaN (mxfp4.e8m0_to_float)
+    sv = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23)).to(tl.float32, bitcast=True)
     sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
     return (v * sv).to(dtype)
 
