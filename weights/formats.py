@@ -14,15 +14,15 @@ format                 codes                      scales                        
                        = even K index
 =====================  =========================  ===============================  =============
 
-E8M0 is one exponent byte ``e`` worth ``2**(e - 127)`` (255 is NaN), stored as uint8 or
-``torch.float8_e8m0fnu``.  E2M1 is a sign bit over {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
-Dequantization is ``code * scale`` in fp32: exact for the E8M0 formats (a power of two times a
-short code), one rounding for fp32 scales.  The E8M0 quantizers pick the smallest power of two
-that brings the block's amax within the largest code (6 or 448), then round to nearest, ties to
-even; a weight that some codes and scales of the format represent comes back bit for bit (an
-exponent below the stored one only doubles codes up to half the largest, which stay codes), and
-canonical codes (each block reaching above half the largest code) come back byte for byte.
-Every step is exact or one IEEE rounding, so every device gives the same bytes.
+E8M0 is one exponent byte ``e`` worth ``2**(e - 127)`` (0 is 2**-127, 255 is NaN), stored as uint8
+or ``torch.float8_e8m0fnu``.  ``MXFP4`` is ``common/moe/mxfp4.py``'s codec, the one the experts'
+kernels and the trainer use (its docstring gives its rules).  For the FP8 formats dequantization is
+``code * scale`` in fp32: exact for E8M0 scales (a power of two times a short code), one rounding
+for fp32 ones.  The E8M0 FP8 quantizer picks the smallest power of two that brings the block's amax
+within 448, then rounds to nearest, ties to even; a weight that some codes and scales of the
+format represent comes back bit for bit (an exponent below the stored one only doubles codes up to
+half the largest, which stay codes), and canonical codes (each block reaching above 224) come back
+byte for byte.  Every step is exact or one IEEE rounding, so every device gives the same bytes.
 
 ``QuantRule`` says which checkpoint tensors are stored how (their scale's name, a name pattern);
 ``DequantizedSource`` reads a checkpoint through rules so a name map sees float weights of their
@@ -39,26 +39,11 @@ from dataclasses import dataclass
 import torch
 
 from ..common._host import cdiv
+from ..common.moe.mxfp4 import (E2M1X2_DTYPES, E8M0_BIAS, E8M0_DTYPES, dequantize_mxfp4, e8m0_to_float,
+                                quantize_mxfp4)
 from ..sync.checksum import dtype_name
 from .checkpoint import CheckpointError
 from .name_map import _DictSource
-
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# |q| above threshold i rounds up from code i; ties (==) go to the even code, so '>' at even i.
-_E2M1_UP = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-_FP4_DTYPE = getattr(torch, "float4_e2m1fn_x2", None)
-_E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
-E8M0_DTYPES = tuple(d for d in (torch.uint8, _E8M0_DTYPE) if d is not None)
-E2M1X2_DTYPES = tuple(d for d in (torch.uint8, torch.int8, _FP4_DTYPE) if d is not None)
-E8M0_BIAS = 127
-
-
-def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes (uint8 or float8_e8m0fnu) -> fp32 ``2**(e - 127)`` built from its bits (no pow:
-    the same value on every device); 0 is the subnormal 2**-127, 255 is NaN."""
-    i = e.view(torch.uint8).to(torch.int32)
-    bits = torch.where(i == 0, 0x00400000, torch.where(i == 255, 0x7FC00000, i << 23))
-    return bits.view(torch.float32)
 
 
 def _e8m0_exponents(amax: torch.Tensor, max_code: float) -> torch.Tensor:
@@ -89,25 +74,6 @@ def _block_amax(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     if (nbr * br, nbc * bc) != (N, K):
         a = torch.nn.functional.pad(a, (0, nbc * bc - K, 0, nbr * br - N))
     return a.reshape(*lead, nbr, br, nbc, bc).amax(dim=(-3, -1))
-
-
-def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """Packed E2M1 (..., K/2) bytes -> fp32 (..., K); the low nibble is the even K index."""
-    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
-    u = codes.view(torch.uint8).to(torch.int64)
-    out = torch.stack([lut[u & 0xF], lut[u >> 4]], dim=-1)
-    return out.reshape(*codes.shape[:-1], 2 * codes.shape[-1])
-
-
-def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
-    """fp32 (..., K) -> packed E2M1 uint8 (..., K/2): nearest code, ties to even, |q| > 6 saturates,
-    the sign kept (so -0.0 stays -0.0)."""
-    a = q.abs()
-    idx = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
-    for t, inclusive in _E2M1_UP:
-        idx += (a >= t) if inclusive else (a > t)
-    nib = idx | (torch.signbit(q).to(torch.uint8) << 3)
-    return nib[..., 0::2] | (nib[..., 1::2] << 4)
 
 
 @dataclass(frozen=True)
@@ -178,20 +144,22 @@ class WeightFormat:
         scale_name = scale_name or f"{name} scales"
         self.check_dtypes(name, codes.dtype, scale_name, scales.dtype)
         shape = self.check_shapes(name, codes.shape, scale_name, scales.shape)
+        if self.codes == "e2m1x2":
+            return dequantize_mxfp4(codes, scales, dtype, name=name, scale_name=scale_name)
         *_, N, K = shape
-        values = e2m1_decode(codes) if self.codes == "e2m1x2" else codes.float()
-        w = values * _expand(scales if self.scales == "fp32" else e8m0_to_float(scales), self.block, N, K)
+        w = codes.float() * _expand(scales if self.scales == "fp32" else e8m0_to_float(scales), self.block, N, K)
         return w if dtype == torch.float32 else w.to(dtype)
 
     def quantize(self, w: torch.Tensor, *, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
         """(..., N, K) float weight -> (codes, scales): float8_e4m3fn or packed uint8 codes, fp32 or
-        uint8 E8M0 scales (view them as another allowed dtype to store them so)."""
+        uint8 E8M0 scales (view them as another allowed dtype to store them so); MXFP4 by
+        ``quantize_mxfp4``."""
         if not w.dtype.is_floating_point or w.dim() < 2:
             raise TypeError(f"{name}: {self.name} quantizes a float tensor of >= 2 dims, got "
                             f"{dtype_name(w.dtype)} {tuple(w.shape)}")
+        if self.codes == "e2m1x2":
+            return quantize_mxfp4(w, name=name)
         N, K = w.shape[-2:]
-        if self.codes == "e2m1x2" and K % self.block[1]:
-            raise ValueError(f"{name}: {self.name} needs K = {K} to be a multiple of {self.block[1]}")
         bad = int((~torch.isfinite(w)).sum())
         if bad:
             raise ValueError(f"{name}: holds {bad} NaN/Inf value(s), which {self.name} cannot encode")
@@ -204,8 +172,6 @@ class WeightFormat:
             return codes, torch.stack([s for _, s in pairs]).reshape(self.scales_shape(w.shape))
         e = _e8m0_exponents(_block_amax(w, self.block), self.max_code)
         q = w.float() / _expand(e8m0_to_float(e), self.block, N, K)  # a power of two: exact for normals
-        if self.codes == "e2m1x2":
-            return e2m1_encode(q), e
         return q.clamp_(-self.max_code, self.max_code).to(torch.float8_e4m3fn), e
 
 
