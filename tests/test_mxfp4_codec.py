@@ -15,6 +15,8 @@ import torch
 
 from alignzoo.common.ladder import rel_err
 from alignzoo.common.moe.mxfp4 import GROUP, dequantize_mxfp4, e2m1_decode, e8m0_to_float, quantize_mxfp4
+from alignzoo.sync import Publisher, Receiver
+from alignzoo.weights.formats import MXFP4, DequantizedSource, QuantRule
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -66,6 +68,10 @@ def test_decode_is_transformers_dequantization_bit_for_bit():
         assert bool(got.isnan().view(256, 16, 32).any(-1).eq(scales == 255).all())  # NaN only under byte 255
         assert torch.equal(bits(got[:255, :32]), bits(hf(c8[:255], scales[:255], output_dtype=dt)[:, :32]))
     assert torch.equal(bits(dequantize_mxfp4(c8, s8, torch.bfloat16)), bits(hf(c8, s8)))  # transformers' default
+    # checkpoint load: DeepSeek's names (codes "X.weight", scales "X.scale") through the format's rule
+    rule = QuantRule(MXFP4, suffix="weight", scale_suffix="scale")
+    src = DequantizedSource({"layers.0.ffn.experts.3.w1.weight": c8, "layers.0.ffn.experts.3.w1.scale": s8}, (rule,))
+    assert same_or_both_nan(src.get("layers.0.ffn.experts.3.w1.weight"), hf(c8, s8, output_dtype=torch.float32))
     stack = torch.stack([codes[:64], codes[64:128]]).view(torch.int8), torch.stack([s8[:64], s8[64:128]])
     assert same_or_both_nan(dequantize_mxfp4(*stack), torch.stack([hf(stack[0][i], stack[1][i], torch.float32)
                                                                    for i in range(2)]))
@@ -116,6 +122,23 @@ def test_encode_gives_back_what_it_decodes():
         c, s = quantize_mxfp4(x.to(dt))
         c2, s2 = quantize_mxfp4(dequantize_mxfp4(c, s, dt))
         assert torch.equal(c2, c) and torch.equal(s2, s), dt
+
+
+def test_a_sync_of_unchanged_weights_ships_nothing():
+    """The server holds a checkpoint's canonical codes; the trainer's masters are their decode.  Requantized
+    after a step that left expert 0 alone, the publisher ships expert 1's blocks only, and none at all when
+    no weight changed."""
+    codes, scales = canonical((2, 16, 64), seed=7)
+    master = dequantize_mxfp4(codes, scales)
+    trainer = dict(zip(("w.weight", "w.scale"), quantize_mxfp4(master)))
+    server = {"w.weight": codes.clone(), "w.scale": scales.clone()}
+    pub = Publisher(lambda: trainer, rows_per_block=16)
+    Receiver(server).apply(pub.publish())
+    assert torch.equal(trainer["w.weight"], codes) and torch.equal(trainer["w.scale"], scales)
+    assert pub.publish().changed_blocks() == {}
+    master[1] += 0.01 * master[1].abs().amax()
+    trainer.update(zip(("w.weight", "w.scale"), quantize_mxfp4(master)))
+    assert set(pub.publish().changed_blocks()["w.weight"]) == {1}
 
 
 def _encode_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

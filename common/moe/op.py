@@ -28,7 +28,7 @@ from ..swiglu.cpu import clamp_gate_up, limit_in
 from ..tree import tree_reduce
 from .cpu import experts_fwd_cpu, experts_fwd_fp8_cpu, experts_fwd_mxfp4_cpu, swiglu_f32
 from .lora import ExpertLoRA
-from .mxfp4 import check_mx_shape, dequantize_mxfp4, quantize_mxfp4
+from .mxfp4 import E8M0_DTYPES, check_mx_shape, dequantize_mxfp4, quantize_mxfp4
 
 
 def experts_fwd(x, ids, weights, w_gate_up, w_down, limit=None, lora=None) -> torch.Tensor:
@@ -480,9 +480,8 @@ def moe_experts_mxfp4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     _check_tokens(x, ids, weights)
     check_tensor("gu_codes", gu_codes, dtypes=(torch.uint8,), ndim=3)
     check_tensor("d_codes", d_codes, dtypes=(torch.uint8,), ndim=3)
-    scale_dtypes = (torch.uint8, *((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()))
-    check_tensor("gu_scales", gu_scales, dtypes=scale_dtypes, ndim=3)
-    check_tensor("d_scales", d_scales, dtypes=scale_dtypes, ndim=3)
+    check_tensor("gu_scales", gu_scales, dtypes=E8M0_DTYPES, ndim=3)
+    check_tensor("d_scales", d_scales, dtypes=E8M0_DTYPES, ndim=3)
     check_same_device(x=x, ids=ids, weights=weights, gu_codes=gu_codes, gu_scales=gu_scales, d_codes=d_codes,
                       d_scales=d_scales)
     T, H = x.shape
