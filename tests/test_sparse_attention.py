@@ -373,3 +373,105 @@ def test_the_static_path_reads_nothing_on_the_host_and_gives_the_same_bits(T, K)
     a = cpu.sparse_attend(q, kv, rows, n_valid, 0.1, V, static=False)
     b = cpu.sparse_attend(q, kv, rows, n_valid, 0.1, V, static=True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ------------------------------------------------------------------ the Triton kernel (kernel.py)
+def _kernel_inputs(g, dtype, H, D, lens, rows, top_k, *, pages_extra=2):
+    """A pool of two-plus sequences in shuffled pages with given-back (-1) table entries, and query rows
+    ``rows`` = [(sequence, position)] each selecting up to top_k of 0..position, -1 pads anywhere (a third of
+    the rows one fewer entry, the row at index 1 none) -> q, cache, sel, seq_idx, table, and the packed kv."""
+    need = [-(-L // PAGE_SIZE) for L in lens]
+    P = sum(need) + pages_extra
+    cache = torch.randn(P, PAGE_SIZE, 1, D, generator=g).to(dtype)
+    perm = torch.randperm(P, generator=g).tolist()
+    table = torch.full((len(lens), max(need) + 1), -1, dtype=torch.int32)
+    for b in range(len(lens)):
+        table[b, : need[b]] = torch.tensor([perm.pop() for _ in range(need[b])], dtype=torch.int32)
+    kv = torch.cat([cache[table[b, : need[b]].long()].view(-1, D)[:L] for b, L in enumerate(lens)])
+    sel = torch.full((len(rows), top_k), -1, dtype=torch.int64)
+    for r, (b, p) in enumerate(rows):
+        n = 0 if r == 1 else min(p + 1, top_k) - (r % 3 == 2)
+        cols = torch.randperm(top_k, generator=g)[:n].sort().values
+        sel[r, cols] = torch.randperm(p + 1, generator=g)[:n].sort().values
+    q = torch.randn(len(rows), H, D, generator=g).to(dtype)
+    seq_idx = torch.tensor([b for b, _ in rows])
+    return q, cache, sel, seq_idx, table, kv
+
+
+_INTERPRETED_SPARSE_FWD = r"""
+import numpy as np
+import torch
+from triton.runtime import interpreter as _it
+from alignzoo.common.sparse_attention import cpu
+from alignzoo.common.sparse_attention.kernel import paged_sparse_attention_fwd_triton, sparse_attention_fwd_triton
+from test_sparse_attention import _kernel_inputs
+
+_it.InterpreterBuilder.create_log = lambda self, arg: self.unary_op(  # torch's log, as exp above
+    arg, lambda a: torch.log(torch.from_numpy(np.array(a, copy=True))).numpy())
+
+def same(got, want, what):
+    assert got[0].dtype == want[0].dtype and got[0].shape == want[0].shape, what
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (what, (got[0] - want[0]).abs().max())
+
+g = torch.Generator().manual_seed(0)
+H, D, V, top = 3, 40, 32, 5  # D = 8 * 5: three halvings, then the odd tree over 5
+# paged: two sequences in shuffled pages, rows on either side of a page boundary, a row with no entry
+rows = [(0, 69), (0, 40), (1, 8), (0, 64), (1, 0), (0, 2)]
+q, cache, sel, seq_idx, table, kv = _kernel_inputs(g, torch.bfloat16, H, D, [70, 9], rows, top)
+got = paged_sparse_attention_fwd_triton(q, cache, sel, seq_idx, table, 0.17, V)
+same(got, cpu.paged_sparse_attention_fwd_cpu(q, cache, sel, seq_idx, table, 0.17, V), "paged")
+assert torch.equal(got[0][1], torch.zeros(H, V, dtype=q.dtype)) and bool((got[1][1] == float("-inf")).all())
+# packed: every token of two short sequences
+lens = [3, 8]
+_, _, sel, _, _, kv = _kernel_inputs(g, torch.bfloat16, H, D, lens, [(0, p) for p in range(3)] + [(1, p) for p in range(8)], top)
+q = torch.randn(sum(lens), H, D, generator=g).bfloat16()
+cu = torch.tensor([0, 3, 11])
+same(sparse_attention_fwd_triton(q, kv, sel, cu, 0.17, V), cpu.sparse_attention_fwd_cpu(q, kv, sel, cu, 0.17, V),
+     "packed")
+# one row of 1,090 entries: two 1024-entry segments merged; D = 8 * 3, the value the whole row
+q, cache, sel, seq_idx, table, _ = _kernel_inputs(g, torch.float32, 1, 24, [1200], [(0, 1199)], 1100)
+same(paged_sparse_attention_fwd_triton(q, cache, sel, seq_idx, table, 0.3, 24),
+     cpu.paged_sparse_attention_fwd_cpu(q, cache, sel, seq_idx, table, 0.3, 24), "two segments")
+print("ok")
+"""
+
+
+def test_kernel_gives_the_cpu_bits_interpreted():
+    """The Triton kernel CUDA runs (``kernel.py``), run by Triton's interpreter on CPU tensors with torch's exp and
+    log: the CPU path's bits (out and lse) for paged rows of two sequences in shuffled pages with given-back
+    entries, -1 pads anywhere and a row with none (bf16, 3 heads, D = 40, v_dim = 32, top-k 5), packed rows of
+    two sequences, and a row whose 1,090 entries span two merged segments."""
+    from interpreted import TORCH_MATH, run_interpreted
+
+    run_interpreted("import sys\nsys.path.insert(0, %r)\n" % str(_TESTS) + TORCH_MATH + _INTERPRETED_SPARSE_FWD,
+                    expect="ok")
+
+
+_TESTS = __import__("pathlib").Path(__file__).resolve().parent
+
+
+@pytest.mark.gpu
+def test_kernel_on_cuda_has_the_cpu_bits_at_glm5_shapes():
+    """GLM-5's absorbed rows (Dqk = 512 + 64, v_dim 512, 64 heads), top-k 2048 over a 4,096-token context in
+    shuffled pages: the compiled kernel (what the launchers run on CUDA) gives the bits of ``cpu.py`` run on the
+    same CUDA tensors, and agrees with the CPU's run to within the last bits of exp/log; packed rows alike."""
+    from alignzoo.common.sparse_attention import cpu
+
+    g = torch.Generator().manual_seed(0)
+    H, D, V, top = 64, 576, 512, 2048
+    scale = 0.0723
+    rows = [(0, 4095), (1, 1500), (0, 2047), (1, 4000), (0, 0)]
+    q, cache, sel, seq_idx, table, _ = _kernel_inputs(g, torch.bfloat16, H, D, [4096, 4096], rows, top)
+    dev = [t.cuda() for t in (q, cache, sel, seq_idx, table)]
+    got = paged_sparse_attention_fwd(*dev, scale=scale, v_dim=V)
+    assert _equal(got, cpu.paged_sparse_attention_fwd_cpu(*dev, scale, V))
+    want = cpu.paged_sparse_attention_fwd_cpu(q, cache, sel, seq_idx, table, scale, V)
+    live = torch.isfinite(want[1])  # row 1 has no entry: -inf on both
+    assert torch.equal(torch.isfinite(got[1].cpu()), live) and rel_err(got[1].cpu()[live], want[1][live]) < 1e-6
+    assert rel_err(got[0].cpu().float(), want[0].float()) < 1e-3
+    lens = [130, 170]
+    _, _, sel, _, _, kv = _kernel_inputs(g, torch.bfloat16, H, D, lens,
+                                         [(0, p) for p in range(130)] + [(1, p) for p in range(170)], top)
+    q = torch.randn(sum(lens), H, D, generator=g).bfloat16()
+    dev = [t.cuda() for t in (q, kv, sel, torch.tensor([0, 130, 300]))]
+    assert _equal(sparse_attention_fwd(*dev, scale=scale, v_dim=V), cpu.sparse_attention_fwd_cpu(*dev, scale, V))

@@ -6,9 +6,10 @@ prefill and decode alike.  Both gather each query row's selected rows and run on
 (``cpu.py``; its docstring is the order), so a row has the same bits on every path.  ``*_fwd`` / ``*_bwd``
 launchers do no checks; the public functions validate first.
 
-There is no Triton kernel yet: on CUDA tensors the same element-wise routine runs as is (as ``common/dsa``
-does).  Its forward reads nothing on the host there (``cpu.sparse_attend``'s static mode, the same bits), so
-decode steps can be captured; the backward's per-row scatter still syncs.
+On CUDA both forward launchers run one Triton kernel in that order (``kernel.py``: a program per query row and
+head, the same bits as the routine run on those tensors, no host read, so a CUDA graph captures it); a head dim
+whose odd part passes ``kernel.MAX_ODD`` runs the routine itself (its static mode, the same bits).  The backward
+stays the element-wise routine on every device; its per-row scatter syncs with the host.
 
 ``scale`` has no default: MLA's is YaRN's mscale of ``qk_head_dim ** -0.5`` (GLM-5: qk_head_dim = 192 + 64),
 not ``Dqk ** -0.5`` of the absorbed row.  ``v_dim`` (= kv_lora_rank) says how many leading columns of a KV
@@ -34,11 +35,24 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 # ---------------------------------------------------------------- launchers
+def _on_kernel(q: torch.Tensor, v_dim: int) -> bool:
+    if not q.is_cuda:
+        return False
+    from .kernel import supported
+
+    return supported(q.shape[2], v_dim)
+
+
 def sparse_attention_fwd(
     q: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float, v_dim: int,
     row_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed forward -> (o (T, H, v_dim) in q.dtype, lse (T, H) fp32).  ``row_chunk`` bounds memory only."""
+    """Packed forward -> (o (T, H, v_dim) in q.dtype, lse (T, H) fp32).  ``row_chunk`` bounds the CPU path's
+    memory only."""
+    if _on_kernel(q, v_dim):
+        from .kernel import sparse_attention_fwd_triton
+
+        return sparse_attention_fwd_triton(q, kv, sel, cu_seqlens, float(scale), v_dim)
     return sparse_attention_fwd_cpu(q, kv, sel, cu_seqlens, float(scale), v_dim, row_chunk=row_chunk)
 
 
@@ -48,6 +62,10 @@ def paged_sparse_attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged forward -> (o (n, H, v_dim) in q.dtype, lse (n, H) fp32); the same bits as the packed forward for
     the same rows."""
+    if _on_kernel(q, v_dim):
+        from .kernel import paged_sparse_attention_fwd_triton
+
+        return paged_sparse_attention_fwd_triton(q, kv_cache, sel, seq_idx, block_table, float(scale), v_dim)
     return paged_sparse_attention_fwd_cpu(q, kv_cache, sel, seq_idx, block_table, float(scale), v_dim,
                                           row_chunk=row_chunk)
 
