@@ -296,8 +296,8 @@ def test_bad_input():
     x, res, z, w = _inputs(4, 64, BF, torch.device("cpu"))
     with pytest.raises(TypeError, match="x has dtype float16"):
         rmsnorm(x.half(), w)
-    with pytest.raises(TypeError, match="w has dtype float32"):
-        rmsnorm(x, w.float())
+    with pytest.raises(TypeError, match="w has dtype float16"):
+        rmsnorm(x, w.half())  # x's dtype, or fp32 (DeepSeek-V4's norms)
     with pytest.raises(ValueError, match="w must have shape \\(64,\\)"):
         rmsnorm(x, w[:63])
     with pytest.raises(ValueError, match="w must have 1 dimensions"):
@@ -318,3 +318,66 @@ def test_bad_input():
         rmsnorm(torch.zeros(1, 40000, dtype=BF), torch.zeros(40000, dtype=BF))
     with pytest.raises(ValueError, match="H >= 1"):
         rmsnorm(torch.zeros(3, 0, dtype=BF), torch.zeros(0, dtype=BF))
+
+
+# ---------------------------------------------------------------- DeepSeek-V4's two norms
+
+
+@pytest.mark.parametrize("H", [100, 512, 4096], ids=lambda h: f"H{h}")
+def test_deepseek_v4_norms_match_transformers_bitwise_when_sum_is_exact(H):
+    """With the row sum exact, ours equals DeepseekV4RMSNorm (fp32 weight, bf16 rows: one rounding) and
+    DeepseekV4UnweightedRMSNorm (dtype(x * dtype(rstd))) bit for bit; the rows are batch-invariant."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm, DeepseekV4UnweightedRMSNorm
+
+    from alignzoo.common.rmsnorm import rmsnorm_unweighted
+
+    x = _exactly_summable(37, H)
+    w = torch.randn(H, generator=torch.Generator().manual_seed(H))
+    hf = DeepseekV4RMSNorm(H, EPS)
+    hf.weight.data.copy_(w)
+    with torch.no_grad():
+        y = rmsnorm(x, w, EPS)
+        assert y.dtype == BF and torch.equal(y, hf(x))
+        assert not torch.equal(y, rmsnorm(x, w.to(BF), EPS))  # the Qwen rounding points differ
+        u = rmsnorm_unweighted(x, EPS)
+        assert torch.equal(u, DeepseekV4UnweightedRMSNorm(EPS)(x))
+        assert torch.equal(u[5:6], rmsnorm_unweighted(x[5:6], EPS)) and torch.equal(y[5:6], rmsnorm(x[5:6], w, EPS))
+
+
+def test_deepseek_v4_norm_gradients_vs_float64():
+    """dx of both norms and the fp32 dw against float64 autograd of the same formulas."""
+    from alignzoo.common.rmsnorm import rmsnorm_unweighted
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(63, 100, generator=g)
+    w = torch.randn(100, generator=g)
+    dy = torch.randn(63, 100, generator=g)
+    for fn, ref, args in ((rmsnorm, lambda a, b: a * torch.rsqrt(a.square().mean(-1, keepdim=True) + EPS) * b, (w,)),
+                          (rmsnorm_unweighted, lambda a: a * torch.rsqrt(a.square().mean(-1, keepdim=True) + EPS), ())):
+        xs = [x.clone().requires_grad_()] + [a.clone().requires_grad_() for a in args]
+        fn(xs[0], *xs[1:], EPS).backward(dy)
+        x64 = [t.detach().double().requires_grad_() for t in xs]
+        ref(*x64).backward(dy.double())
+        for ours, theirs in zip(xs, x64):
+            assert ours.grad.dtype == torch.float32
+            assert ((ours.grad.double() - theirs.grad).norm() / theirs.grad.norm()).item() < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [512, 4096], ids=lambda h: f"H{h}")
+def test_deepseek_v4_norms_cuda_equal_cpu(H):
+    """The kernel's ROUND_N / HAS_W modes: the CPU bits on the GPU, forward and backward."""
+    from alignzoo.common.rmsnorm import rmsnorm_unweighted
+
+    x, _, _, _ = _inputs(300, H, BF, torch.device("cpu"))
+    w = torch.randn(H)
+    dy = torch.randn_like(x)
+    for fn, args in ((rmsnorm, (w,)), (rmsnorm_unweighted, ())):
+        xs = [x.clone().requires_grad_()] + [a.clone().requires_grad_() for a in args]
+        xg = [t.detach().cuda().requires_grad_() for t in xs]
+        yc, yg = fn(xs[0], *xs[1:], EPS), fn(xg[0], *xg[1:], EPS)
+        assert torch.equal(yc, yg.cpu())
+        yc.backward(dy)
+        yg.backward(dy.cuda())
+        for a, b in zip(xs, xg):
+            assert torch.equal(a.grad, b.grad.cpu())

@@ -114,11 +114,17 @@ def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(var + eps)  # (M,)
 
 
-def _normalize(xf: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype):
-    """Qwen3RMSNorm's rounding points: n = dtype(x * rstd); y = dtype(n * w).
-    Returns (y fp32 holding dtype values, rstd)."""
+def _normalize(xf: torch.Tensor, w: torch.Tensor | None, eps: float, dtype: torch.dtype):
+    """The rounding points, by the weight (returns (y fp32 holding dtype values, rstd)):
+    w of x's dtype (Qwen3RMSNorm):         n = dtype(x * rstd); y = dtype(n * w)
+    w fp32, x narrower (DeepseekV4RMSNorm): y = dtype(w * (x * rstd)), one rounding
+    w None (DeepseekV4UnweightedRMSNorm):   y = dtype(x * dtype(rstd))"""
     rstd = _rstd(xf, eps)
-    n = (xf * rstd[:, None]).to(dtype).float()
+    if w is None:
+        return (xf * rstd.to(dtype).float()[:, None]).to(dtype).float(), rstd
+    n = xf * rstd[:, None]
+    if w.dtype == dtype or w.dtype != torch.float32:
+        n = n.to(dtype).float()
     return (n * w.float()).to(dtype).float(), rstd
 
 

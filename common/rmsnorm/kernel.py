@@ -27,7 +27,9 @@ Rounding points (transformers' Qwen3RMSNorm / Qwen3_5MoeRMSNormGated):
 
     fused:  s = dtype(fp32(x) + fp32(res))            -> new residual; x := s
     rstd = div_rn(1, sqrt_rn(div_rn(tree_sum(x*x), H) + eps))    (fp32)
-    n = dtype(x * rstd);  y = dtype(n * w)                       (plain, fused)
+    n = dtype(x * rstd);  y = dtype(n * w)                       (plain, fused; w of x's dtype)
+    y = dtype(w * (x * rstd))             (w fp32, x narrower: DeepseekV4RMSNorm, ROUND_N off)
+    y = dtype(x * dtype(rstd))            (no w: DeepseekV4UnweightedRMSNorm, HAS_W off)
     gated:  out = dtype(y * z / (1 + exp(-z)))                   (fp32 gate)
 
 Every kernel is launched with ``enable_fp_fusion=False``: no mul+add is
@@ -79,16 +81,23 @@ def _rstd(b_ss, H, eps, BM: tl.constexpr):
 
 
 @triton.jit
-def _normalize(b_x, b_rstd, b_w, dtype):
-    """y = dtype(dtype(x * rstd) * w) of an fp32 (BM, lanes) tile; w: fp32 (lanes,)."""
-    b_n = (b_x * b_rstd[:, None]).to(dtype).to(tl.float32)
+def _normalize(b_x, b_rstd, b_w, dtype, ROUND_N: tl.constexpr = True):
+    """y = dtype(dtype(x * rstd) * w) of an fp32 (BM, lanes) tile; w: fp32 (lanes,).  ROUND_N off (an fp32 w
+    beside a narrower x): y = dtype(w * (x * rstd))."""
+    b_n = b_x * b_rstd[:, None]
+    if ROUND_N:
+        b_n = b_n.to(dtype).to(tl.float32)
     return (b_n * b_w[None, :]).to(dtype)
 
 
 @triton.jit
-def _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_h, m_h, o_x, m_x, dtype, HAS_Z: tl.constexpr):
-    b_w = tl.load(p_w + o_h, mask=m_h, other=0.0).to(tl.float32)
-    b_y = _normalize(b_x, b_rstd, b_w, dtype)
+def _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_h, m_h, o_x, m_x, dtype, HAS_Z: tl.constexpr,
+                     ROUND_N: tl.constexpr = True, HAS_W: tl.constexpr = True):
+    if HAS_W:
+        b_w = tl.load(p_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+        b_y = _normalize(b_x, b_rstd, b_w, dtype, ROUND_N)
+    else:
+        b_y = (b_x * b_rstd.to(dtype).to(tl.float32)[:, None]).to(dtype)
     if HAS_Z:
         b_z = tl.load(p_z + o_x, mask=m_x, other=0.0).to(tl.float32)
         b_y = (b_y.to(tl.float32) * (b_z / (1.0 + tl.exp(-b_z)))).to(dtype)
@@ -112,7 +121,7 @@ def _rmsnorm_fwd_kernel(
     NC: tl.constexpr,
     BM: tl.constexpr,
     HAS_RES: tl.constexpr,
-    HAS_Z: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_Z: tl.constexpr, PDL: tl.constexpr = False, ROUND_N: tl.constexpr = True, HAS_W: tl.constexpr = True,
 ):
     """The row's P = NC * CHUNK lanes: the chunks added element-wise in
     order, then one CHUNK-lane tree (the order of ``cpu.row_tree_sum``).
@@ -145,14 +154,14 @@ def _rmsnorm_fwd_kernel(
     b_rstd = _rstd(b_ss, H, eps, BM)
     tl.store(p_rstd + o_m, b_rstd, mask=m_m)
     if NC == 1:
-        _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_c, m_h, o_x, m_x, dtype, HAS_Z)
+        _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_c, m_h, o_x, m_x, dtype, HAS_Z, ROUND_N, HAS_W)
     else:
         o_h = tl.arange(0, NC * CHUNK)  # the whole row: element-wise from here on
         m_h = o_h < H
         m_x = m_m[:, None] & m_h[None, :]
         o_x = o_m[:, None].to(tl.int64) * H + o_h[None, :]
         b_x = _load_row_chunk(p_x, p_res, p_res_out, o_x, m_x, dtype, HAS_RES, True)
-        _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_h, m_h, o_x, m_x, dtype, HAS_Z)
+        _normalize_store(b_x, b_rstd, p_w, p_z, p_y, o_h, m_h, o_x, m_x, dtype, HAS_Z, ROUND_N, HAS_W)
 
 
 @triton.jit
@@ -327,7 +336,7 @@ def rmsnorm_fwd_triton(x, w, eps, residual=None, z=None, block_rows=None, num_wa
         x,
         residual if residual is not None else x,
         z if z is not None else x,
-        w,
+        w if w is not None else x,
         y,
         new_res if new_res is not None else y,
         rstd,
@@ -338,6 +347,8 @@ def rmsnorm_fwd_triton(x, w, eps, residual=None, z=None, block_rows=None, num_wa
         BM=bm,
         HAS_RES=residual is not None,
         HAS_Z=z is not None,
+        ROUND_N=w is None or w.dtype == x.dtype,
+        HAS_W=w is not None,
         num_warps=nw,
         enable_fp_fusion=FP_FUSION, **pdl_options(x.device, M),
     )

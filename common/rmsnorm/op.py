@@ -67,6 +67,9 @@ def rmsnorm_bwd(
     """
     shape = x.shape
     H = shape[-1]
+    unweighted = w is None
+    if unweighted:  # d(x * rstd): the weighted backward at w = 1, no dw
+        w = torch.ones(H, dtype=torch.float32, device=x.device)
     args = (
         dy.contiguous().reshape(-1, H),
         x.reshape(-1, H),
@@ -81,7 +84,7 @@ def rmsnorm_bwd(
         dx, dz, dw = rmsnorm_bwd_triton(*args)
     else:
         dx, dz, dw = rmsnorm_bwd_cpu(*args)
-    return dx.view(shape), None if dz is None else dz.view(shape), dw
+    return dx.view(shape), None if dz is None else dz.view(shape), None if unweighted else dw
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -135,14 +138,16 @@ def _check(x: torch.Tensor, w: torch.Tensor, eps: float, **others: torch.Tensor)
     H = x.shape[-1]
     if H > MAX_H:
         raise ValueError(f"x: row width H = {H} is above the supported maximum {MAX_H}")
-    check_tensor("w", w, dtypes=(x.dtype,), ndim=1)
-    if w.shape[0] != H:
-        raise ValueError(f"w must have shape ({H},) to match the last dim of x, got {tuple(w.shape)}")
+    if w is not None:
+        check_tensor("w", w, dtypes=(x.dtype, torch.float32), ndim=1)
+        if w.shape[0] != H:
+            raise ValueError(f"w must have shape ({H},) to match the last dim of x, got {tuple(w.shape)}")
+        check_same_device(x=x, w=w)
     for name, t in others.items():
         check_tensor(name, t, dtypes=(x.dtype,))
         if t.shape != x.shape:
             raise ValueError(f"{name} must have the shape of x {tuple(x.shape)}, got {tuple(t.shape)}")
-    check_same_device(x=x, w=w, **others)
+    check_same_device(x=x, **others)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite real number >= 0, got {eps!r}")
 
@@ -150,11 +155,34 @@ def _check(x: torch.Tensor, w: torch.Tensor, eps: float, **others: torch.Tensor)
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Qwen3 RMSNorm: y = dtype(dtype(x * rsqrt(mean(x^2) + eps)) * w).
 
-    x: (*, H) bf16 or fp32, contiguous; w: (H,) of x's dtype -> y: (*, H).
+    x: (*, H) bf16 or fp32, contiguous; w: (H,) of x's dtype -> y: (*, H).  An fp32 w beside a bf16 x is
+    DeepseekV4RMSNorm (its norms keep fp32 weights): y = dtype(w * (x * rsqrt(...))), one rounding; dw fp32.
     Each row's bits depend only on that row and w (batch-invariant).
     """
     _check(x, w, eps)
     return _RMSNormFn.apply(x, w, float(eps))
+
+
+class _RMSNormUnweightedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, eps):
+        y, _, rstd = rmsnorm_fwd(x, None, eps)
+        ctx.save_for_backward(x, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd = ctx.saved_tensors
+        return rmsnorm_bwd(dy, x, None, rstd)[0], None
+
+
+def rmsnorm_unweighted(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """DeepseekV4UnweightedRMSNorm (its per-head q norm): y = dtype(x * dtype(rsqrt(mean(x^2) + eps))).
+
+    x: (*, H) bf16 or fp32, contiguous -> y: (*, H); the same row sum and rstd as ``rmsnorm``.
+    """
+    _check(x, None, eps)
+    return _RMSNormUnweightedFn.apply(x, float(eps))
 
 
 def rmsnorm_residual(
