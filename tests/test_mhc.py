@@ -8,8 +8,8 @@ import torch
 from interpreted import TORCH_MATH, run_interpreted
 
 from alignzoo.common.ladder import rel_err
-from alignzoo.common.mhc import (hc_collapse_ref, hc_head_ref, hc_mix, hc_mix_ref, hc_weights_fwd, hc_weights_ref,
-                                 hyper_connection, hyper_head)
+from alignzoo.common.mhc import (hc_collapse_fwd, hc_collapse_ref, hc_head_ref, hc_mix, hc_mix_fwd, hc_mix_ref,
+                                 hc_weights_fwd, hc_weights_ref, hyper_connection, hyper_head)
 from alignzoo.common.mhc.cpu import rows_dot
 from alignzoo.common.rmsnorm.cpu import row_tree_sum
 
@@ -233,13 +233,14 @@ def test_backward_is_deterministic_run_to_run(device):
         assert torch.equal(a, b)
 
 
-_INTERPRETED_WEIGHTS = TORCH_MATH + """
+_INTERPRETED_KERNELS = TORCH_MATH + """
 import torch
-from alignzoo.common.mhc.cpu import hc_weights_cpu
-from alignzoo.common.mhc.kernel import hc_weights_triton
+from alignzoo.common.mhc.cpu import hc_collapse_cpu, hc_mix_cpu, hc_weights_cpu
+from alignzoo.common.mhc.kernel import hc_collapse_triton, hc_mix_triton, hc_weights_triton
 g = torch.Generator().manual_seed(0)
 for T, D, dtype in ((5, 60, torch.bfloat16), (3, 100, torch.float32), (2, 1000, torch.bfloat16)):
     x = torch.randn(T, 4, D, generator=g).to(dtype)
+    out = torch.randn(T, D, generator=g).to(dtype)
     for M in (24, 4):
         fn = torch.randn(M, 4 * D, generator=g) * 0.05
         base = torch.randn(M, generator=g) * 0.1
@@ -249,20 +250,28 @@ for T, D, dtype in ((5, 60, torch.bfloat16), (3, 100, torch.float32), (2, 1000, 
         for name, a, b in zip(("pre", "post", "comb", "rstd", "mix"), got, want):
             assert (a is None) == (b is None), name
             assert a is None or torch.equal(a, b), (T, D, M, name, (a - b).abs().max())
+        pre = want[0]
+        assert torch.equal(hc_collapse_triton(x, pre), hc_collapse_cpu(x, pre)), (T, D, M, "collapse")
+    post, comb = torch.rand(T, 4, generator=g) * 2, torch.rand(T, 4, 4, generator=g)
+    assert torch.equal(hc_mix_triton(out, x, post, comb), hc_mix_cpu(out, x, post, comb)), (T, D, "mix")
+x, out = torch.randn(2, 4, 1100, generator=g), torch.randn(2, 1100, generator=g)  # two 1,024-column programs
+assert torch.equal(hc_collapse_triton(x, pre[:2]), hc_collapse_cpu(x, pre[:2]))
+assert torch.equal(hc_mix_triton(out, x, post, comb), hc_mix_cpu(out, x, post, comb))
 print("ok")
 """
 
 
-def test_weights_kernel_has_the_cpu_bits_interpreted():
-    """The CUDA weights kernel under Triton's interpreter (torch's exp patched in) gives ``cpu.py``'s bits for
-    pre, post, comb, rstd and the raw mixes: K = 240 (one tree), 400 (two chunks), 4000 (sixteen chunks), bf16
-    and fp32 streams, the hyper-connection's 24 rows and the head's 4."""
-    run_interpreted(_INTERPRETED_WEIGHTS, expect="ok")
+def test_kernels_have_the_cpu_bits_interpreted():
+    """The CUDA kernels under Triton's interpreter (torch's exp and bf16 rounding patched in) give ``cpu.py``'s
+    bits: the weights (pre, post, comb, rstd, raw mixes) at K = 240 (one tree), 400 (two chunks) and 4000 (sixteen),
+    the hyper-connection's 24 rows and the head's 4; the collapse and the mix, bf16 and fp32 streams, and
+    D = 1100 over two 1,024-column programs."""
+    run_interpreted(_INTERPRETED_KERNELS, expect="ok")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,D", [(593, 60), (64, 4096)], ids=["T593_D60", "T64_D4096_flash"])
-def test_weights_kernel_on_cuda_is_close_to_the_cpu_path(T, D):
+def test_kernels_on_cuda_keep_the_cpu_bits_but_exp(T, D):
     """Compiled on CUDA: rstd and the mixes keep the CPU bits (no exp before them); pre, post and comb use
     libdevice's exp (torch's CUDA exp), within 1e-6 of the CPU path's.  D = 4096 is DeepSeek-V4 Flash (K = 16384)."""
     x, _ = _streams(T, D, torch.bfloat16)
@@ -272,6 +281,11 @@ def test_weights_kernel_on_cuda_is_close_to_the_cpu_path(T, D):
     assert torch.equal(got[3].cpu(), want[3]) and torch.equal(got[4].cpu(), want[4])
     for a, b in zip(got[:3], want[:3]):
         assert rel_err(a.cpu(), b) < 1e-6
+    # the collapse and the mix have no exp: the CPU bits from the same weights
+    pre, post, comb = want[:3]
+    out = torch.randn(T, D).bfloat16()
+    assert torch.equal(hc_collapse_fwd(x.cuda(), pre.cuda()).cpu(), hc_collapse_fwd(x, pre))
+    assert torch.equal(hc_mix_fwd(out.cuda(), x.cuda(), post.cuda(), comb.cuda()).cpu(), hc_mix_fwd(out, x, post, comb))
 
 
 def test_bad_input_is_named():

@@ -17,6 +17,11 @@ Compiled with ``enable_fp_fusion=False`` (no FMA) and every division rounded to 
 exp is libdevice's (torch's CUDA exp), which may differ from the CPU's MKL exp in the last bit: rstd and mix keep
 the CPU bits, pre / post / comb are close, not promised equal.  hc must be a power of two (4 in DeepSeek-V4).
 No tl.dot: its order is the hardware's.
+
+The collapse and the mix (``_hc_collapse_kernel``, ``_hc_mix_kernel``: one program per token and BLOCK_D columns)
+are ``cpu.py``'s element-wise formulas lane by lane: the streams left to right, the first term without a 0 +, fp32
+products and sums, the casts to the stream dtype where ``cpu.py`` casts (round to nearest even).  No exp and no
+division, so they are expected to give the CPU bits on CUDA too.
 """
 from __future__ import annotations
 
@@ -107,13 +112,80 @@ def _hc_weights_kernel(p_x, p_fn, p_base, p_scale, p_pre, p_post, p_comb, p_rstd
         tl.store(p_comb + i_t * HC * HC + tl.reshape(o_hh, (HC, HC)), b_c)
 
 
+@triton.jit
+def _hc_collapse_kernel(p_x, p_pre, p_y, D, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """y[d] = dtype(((pre_0 · x_0[d] + pre_1 · x_1[d]) + ...)."""
+    i_t = tl.program_id(0).to(tl.int64)
+    o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_acc = tl.load(p_pre + i_t * HC) * tl.load(p_x + i_t * HC * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    for i in tl.static_range(1, HC):
+        b_x = tl.load(p_x + (i_t * HC + i) * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_acc = b_acc + tl.load(p_pre + i_t * HC + i) * b_x
+    tl.store(p_y + i_t * D + o_d, b_acc.to(p_y.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _comb_term(p_comb, p_h, i_t, j, o_k, o_d, m_d, D, HC: tl.constexpr, dtype):
+    """(HC, BLOCK_D) fp32 tile dtype(comb[j, k]) · h_j[d] (exact for bf16: 8 + 8 significand bits)."""
+    b_c = tl.load(p_comb + (i_t * HC + j) * HC + o_k).to(dtype).to(tl.float32)
+    b_h = tl.load(p_h + (i_t * HC + j) * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    return b_c[:, None] * b_h[None, :]
+
+
+@triton.jit
+def _hc_mix_kernel(p_out, p_h, p_post, p_comb, p_y, D, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """y[k, d] = dtype(dtype(dtype(post_k) · out[d]) + dtype(Σ_j dtype(comb[j, k]) · h_j[d]))."""
+    i_t = tl.program_id(0).to(tl.int64)
+    o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    o_k = tl.arange(0, HC)
+    m_d = o_d < D
+    dtype = p_y.dtype.element_ty
+    b_out = tl.load(p_out + i_t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_post = tl.load(p_post + i_t * HC + o_k).to(dtype).to(tl.float32)
+    b_expand = (b_post[:, None] * b_out[None, :]).to(dtype).to(tl.float32)  # (HC, BLOCK_D)
+    b_res = _comb_term(p_comb, p_h, i_t, 0, o_k, o_d, m_d, D, HC, dtype)
+    for j in tl.static_range(1, HC):
+        b_res = b_res + _comb_term(p_comb, p_h, i_t, j, o_k, o_d, m_d, D, HC, dtype)
+    b_y = (b_expand + b_res.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(p_y + (i_t * HC + o_k[:, None]) * D + o_d[None, :], b_y, mask=m_d[None, :])
+
+
+BLOCK_D = 1024  # columns a program (a launch knob: columns never mix)
+
+
+def hc_collapse_triton(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """x (T, hc, D), pre (T, hc) fp32 -> (T, D) in x's dtype: ``cpu.hc_collapse_cpu``'s bits."""
+    T, hc, D = x.shape
+    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    if T:
+        block = min(BLOCK_D, tree_width(D))
+        _hc_collapse_kernel[(T, triton.cdiv(D, block))](x.contiguous(), pre.contiguous(), y, D, HC=hc,
+                                                        BLOCK_D=block, enable_fp_fusion=FP_FUSION, num_warps=4)
+    return y
+
+
+def hc_mix_triton(out: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out (T, D), h (T, hc, D); post (T, hc), comb (T, hc, hc) fp32 -> (T, hc, D): ``cpu.hc_mix_cpu``'s bits."""
+    T, hc, D = h.shape
+    if hc & (hc - 1):
+        raise ValueError(f"the Triton mHC kernels need hc a power of two, got hc = {hc}")
+    y = torch.empty_like(h)
+    if T:
+        block = min(BLOCK_D, tree_width(D))
+        _hc_mix_kernel[(T, triton.cdiv(D, block))](out.contiguous(), h.contiguous(), post.contiguous(),
+                                                   comb.contiguous(), y, D, HC=hc, BLOCK_D=block,
+                                                   enable_fp_fusion=FP_FUSION, num_warps=4)
+    return y
+
+
 def hc_weights_triton(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
                       hc_eps: float, norm_eps: float):
     """x (T, hc, D); fn (M, hc·D) fp32 with M = (2 + hc)·hc, or hc for the head -> pre (T, hc), post (T, hc) | None,
     comb (T, hc, hc) | None, rstd (T,), mix (T, M): ``cpu.hc_weights_cpu``'s outputs and order."""
     T, hc, D = x.shape
     if hc & (hc - 1):
-        raise ValueError(f"the Triton mHC kernel needs hc a power of two, got hc = {hc}")
+        raise ValueError(f"the Triton mHC kernels need hc a power of two, got hc = {hc}")
     K, M = hc * D, fn.shape[0]
     head = M == hc
     P = tree_width(K)

@@ -2,7 +2,8 @@
 
 The server calls the launchers (``hc_weights_fwd``, ``hc_collapse_fwd``, ``hc_mix_fwd``, ``hc_head_fwd``); the
 trainer calls ``hyper_connection``, ``hc_mix`` and ``hyper_head``, which run the same launchers, so both sides get
-the same bits.  Order and rounding points: ``cpu.py`` (CPU) and ``kernel.py`` (the CUDA weights kernel).
+the same bits.  Order and rounding points: ``cpu.py`` (CPU) and ``kernel.py`` (the CUDA kernels: weights, collapse,
+mix).
 
 Gradients: as in transformers, pre, post and comb are differentiable functions of the streams, fn, base and
 scale, so the backward reaches the streams four ways (the norm and fn, the collapse, the mix's comb term, and the
@@ -29,6 +30,14 @@ def _weights(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
     return hc_weights_cpu(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
 
 
+def _collapse(x, pre):
+    if x.is_cuda:
+        from .kernel import hc_collapse_triton
+
+        return hc_collapse_triton(x, pre)
+    return hc_collapse_cpu(x, pre)
+
+
 def hc_weights_fwd(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
                    hc_eps: float, norm_eps: float):
     """No validation (the server's hot path).  x (*, hc, D); fn ((2 + hc)·hc, hc·D), base ((2 + hc)·hc,), scale (3,)
@@ -42,15 +51,18 @@ def hc_weights_fwd(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
 def hc_collapse_fwd(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """x (*, hc, D), pre (*, hc) fp32 -> dtype(Σ_i pre_i · x_i) (*, D)."""
     hc, D = x.shape[-2:]
-    return hc_collapse_cpu(x.reshape(-1, hc, D), pre.reshape(-1, hc)).view(*x.shape[:-2], D)
+    return _collapse(x.reshape(-1, hc, D), pre.reshape(-1, hc)).view(*x.shape[:-2], D)
 
 
 def hc_mix_fwd(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """block_out (*, D), streams (*, hc, D), post (*, hc), comb (*, hc, hc) fp32 -> the next streams (*, hc, D)."""
     hc, D = streams.shape[-2:]
-    y = hc_mix_cpu(block_out.reshape(-1, D), streams.reshape(-1, hc, D), post.reshape(-1, hc),
-                   comb.reshape(-1, hc, hc))
-    return y.view(streams.shape)
+    args = (block_out.reshape(-1, D), streams.reshape(-1, hc, D), post.reshape(-1, hc), comb.reshape(-1, hc, hc))
+    if streams.is_cuda:
+        from .kernel import hc_mix_triton
+
+        return hc_mix_triton(*args).view(streams.shape)
+    return hc_mix_cpu(*args).view(streams.shape)
 
 
 def hc_head_fwd(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
@@ -60,7 +72,7 @@ def hc_head_fwd(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
     lead, (hc, D) = x.shape[:-2], x.shape[-2:]
     x2 = x.reshape(-1, hc, D)
     pre, _, _, rstd, mix = _weights(x2, fn, base, scale, 1, hc_eps, norm_eps)
-    return hc_collapse_cpu(x2, pre).view(*lead, D), pre.view(*lead, hc), rstd.view(lead), mix.view(*lead, hc)
+    return _collapse(x2, pre).view(*lead, D), pre.view(*lead, hc), rstd.view(lead), mix.view(*lead, hc)
 
 
 def hc_weights_bwd(x, fn, base, scale, rstd, mix, sinkhorn_iters, hc_eps, dpre, dpost=None, dcomb=None):
