@@ -43,7 +43,8 @@ def _serve(kv, gate, pb, cu, chunks, rate, overlap, *, every, seed=0):
     D = C // (2 if overlap else 1)
     fields = compress_state_fields(rate, C, overlap=overlap, dtype=kv.dtype)
     S = N + 2
-    state = StatePool(fields, layers=1).allocate(S, "cpu")[0]
+    dev = kv.device
+    state = StatePool(fields, layers=1).allocate(S, dev)[0]
     for t in state.values():
         t.fill_(float("nan"))
     slot_of = rng.sample(range(S), N)
@@ -62,13 +63,13 @@ def _serve(kv, gate, pb, cu, chunks, rate, overlap, *, every, seed=0):
             n_tok.append(take[i])
             starts.append(done[i])
             slots.append(slot_of[i])
-        pad_kv = torch.randn(1, C).to(kv.dtype)  # a padding sequence: slot -1 reads slot 0 as if at 0, writes nothing
+        pad_kv = torch.randn(1, C).to(device=dev, dtype=kv.dtype)  # a padding sequence: slot -1 reads slot 0 as if at 0, writes nothing
         parts_kv.append(pad_kv), parts_g.append(pad_kv), n_tok.append(1), starts.append(0), slots.append(-1)
         ck = torch.cat(parts_kv)
         cg = torch.cat(parts_g)
-        ccu = torch.tensor([0, *torch.tensor(n_tok).cumsum(0).tolist()], dtype=torch.int32)
-        st = torch.tensor(starts)
-        sl = torch.tensor(slots, dtype=torch.int32)
+        ccu = torch.tensor([0, *torch.tensor(n_tok).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        st = torch.tensor(starts, device=dev)
+        sl = torch.tensor(slots, dtype=torch.int32, device=dev)
         if every:
             out = compress_step(ck, cg, pb, ccu, st, sl, state, rate=rate, overlap=overlap)
             assert out.shape == (ck.shape[0], D)
@@ -295,3 +296,70 @@ def test_bad_input_is_named():
         compress_step(kv, gate, pb, cu, st, sl, {**state, "ring_kv": state["ring_kv"][:, :4]}, **kw)
     with pytest.raises(ValueError, match="slots"):
         compress_step(kv, gate, pb, cu, st, sl[:1], state, **kw)
+
+
+# ------------------------------------------------------------------ the Triton kernel
+
+_INTERPRETED_ROWS = r"""
+import torch
+from alignzoo.common.compress import compress_state_fields, compress_step, group_ends
+from alignzoo.common.compress.cpu import compress_rows_cpu
+from alignzoo.common.compress.kernel import compress_rows_triton
+
+for rate, overlap, D, dtype, block_d in [(4, True, 12, torch.bfloat16, 8), (8, False, 20, torch.float32, None)]:
+    g = torch.Generator().manual_seed(rate + D)
+    C = 2 * D if overlap else D
+    lens = [2 * rate + 1, rate - 1, 2 * rate]
+    T = sum(lens)
+    kv = torch.randn(T, C, generator=g).to(dtype)
+    gate = (2 * torch.randn(T, C, generator=g)).to(dtype)
+    pb = torch.randn(rate, C, generator=g)
+    cu = torch.tensor([0, 2 * rate + 1, 3 * rate, T])
+    kw = dict(rate=rate, overlap=overlap)
+    at = group_ends(cu, rate)[0]
+    want = compress_rows_cpu(kv, gate, pb, cu, at, **kw)
+    assert torch.equal(compress_rows_triton(kv, gate, pb, cu, at, block_d=block_d, **kw), want), "trainer rows"
+    # the server: the first part of each sequence fills shuffled NaN slots, the rest reads them
+    (B, _), = set(s for s, _ in compress_state_fields(rate, C, overlap=overlap, dtype=dtype).values())
+    state = {n: torch.full((5, B, C), float("nan"), dtype=dtype) for n in ("ring_kv", "ring_gate")}
+    slots = torch.tensor([3, 0, 4])
+    cut = [rate + 1, 1, rate - 1]
+    part = lambda x, a, b: torch.cat([x[int(cu[i]) + a[i] : int(cu[i]) + b[i]] for i in range(3)])
+    zero, ends = [0, 0, 0], [int(cu[i + 1] - cu[i]) for i in range(3)]
+    compress_step(part(kv, zero, cut), part(gate, zero, cut), pb, torch.tensor([0, *torch.tensor(cut).cumsum(0)]),
+                  torch.zeros(3, dtype=torch.long), slots, state, **kw)
+    rest = [e - c for e, c in zip(ends, cut)]
+    ck, cg = part(kv, cut, ends), part(gate, cut, ends)
+    ccu = torch.tensor([0, *torch.tensor(rest).cumsum(0)])
+    sk = dict(starts=torch.tensor(cut), slots=slots, ring_kv=state["ring_kv"], ring_gate=state["ring_gate"], **kw)
+    every = torch.arange(ck.shape[0]) if overlap else torch.arange(0)  # every token's window: once, interpreting is slow
+    for at in (every, group_ends(ccu, rate, torch.tensor(cut))[0]):
+        want = compress_rows_cpu(ck, cg, pb, ccu, at, **sk)
+        got = compress_rows_triton(ck, cg, pb, ccu, at, block_d=block_d, **sk)
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), "server rows"
+print("ok")
+"""
+
+
+def test_rows_kernel_has_the_cpu_bits_interpreted():
+    """The Triton kernel the server and trainer run on CUDA, interpreted on CPU tensors (torch's exp and bf16
+    rounding patched in): the CPU path's bits for the trainer's rows and for the server's rows read across a
+    shuffled ring, every token and closed groups, fp32 and bf16, one and several channel blocks."""
+    from interpreted import TORCH_MATH, run_interpreted
+
+    run_interpreted(TORCH_MATH + _INTERPRETED_ROWS, expect="ok")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rate,overlap,D", [(4, True, 512), (128, False, 512)], ids=["c4_D512", "c128_D512"])
+def test_rows_on_cuda_equal_trainer_server_and_torch_path(rate, overlap, D):
+    """On the GPU: the kernel's rows have the bits of the element-wise path run on CUDA tensors, and the server's
+    token-by-token rows those of the trainer's."""
+    from alignzoo.common.compress.cpu import compress_rows_cpu
+
+    lens = [3 * rate + 1, 2 * rate]
+    kv, gate, pb, cu = (t.cuda() for t in _inputs(lens, rate, overlap, D, torch.bfloat16))
+    rows, _, cu_rows = compress(kv, gate, pb, cu, rate=rate, overlap=overlap)
+    assert torch.equal(rows, compress_rows_cpu(kv, gate, pb, cu, group_ends(cu, rate)[0], rate=rate, overlap=overlap))
+    got = _serve(kv, gate, pb, cu, [[1] * n for n in lens], rate, overlap, every=True)
+    assert all(torch.equal(g, w) for g, w in zip(got, _split(rows, cu_rows)))

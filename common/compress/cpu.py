@@ -129,16 +129,12 @@ def ring_update(kv, gate, cu_seqlens, starts, slots, ring_kv, ring_gate):
         scatter_slots(ring, slots.long(), torch.where(new[..., None], own, old))
 
 
-def compress_cpu(kv, gate, position_bias, cu_seqlens, at, *, rate, overlap, starts=None, slots=None,
-                 ring_kv=None, ring_gate=None) -> torch.Tensor:
-    """Rows (G, D) of the groups closed by the tokens ``at``; with a ring, reads the slots' earlier
-    rows and then stores this call's last rows in the ring (in place)."""
+def compress_rows_cpu(kv, gate, position_bias, cu_seqlens, at, *, rate, overlap, starts=None, slots=None,
+                      ring_kv=None, ring_gate=None) -> torch.Tensor:
+    """Rows (G, D) of the groups closed by the tokens ``at``, reading the slots' rings (not writing them)."""
     kv_s, gate_s, pad = window_slots(kv, gate, at, cu_seqlens, rate=rate, overlap=overlap, starts=starts,
                                      slots=slots, ring_kv=ring_kv, ring_gate=ring_gate)
-    rows = group_rows(kv_s, gate_s, slot_bias(position_bias, rate, overlap), pad)
-    if ring_kv is not None:
-        ring_update(kv, gate, cu_seqlens, starts, slots, ring_kv, ring_gate)
-    return rows
+    return group_rows(kv_s, gate_s, slot_bias(position_bias, rate, overlap), pad)
 
 
 def compress_bwd_cpu(dy, kv, gate, position_bias, cu_seqlens, at, *, rate, overlap):

@@ -22,8 +22,9 @@ CUDA graphs: ``compress_step`` with ``at=None`` (decode) has fixed shapes given 
 reads: the window of every token is gathered (rows of tokens that close no group are zeroed, the
 model's RatePool slot mapping skips them), the ring update is a fixed-shape gather plus
 ``scatter_slots`` (a padding sequence's slot -1 writes nothing).  Eager prefill passes
-``at = group_ends(...)[0]`` (a host read) to build only the closed groups' rows.  No Triton
-kernel yet: the element-wise torch ops run on CUDA as they are.
+``at = group_ends(...)[0]`` (a host read) to build only the closed groups' rows.
+On CUDA the rows come from one Triton launch (``kernel.py``) that reads the slots in place, in
+``cpu.py``'s order; the ring update and the backward are the element-wise torch ops on any device.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from collections.abc import Mapping
 import torch
 
 from .._validate import FLOAT_DTYPES, check_int, check_same_device, check_tensor
-from .cpu import compress_bwd_cpu, compress_cpu, token_coords
+from .cpu import compress_bwd_cpu, compress_rows_cpu, ring_update, token_coords
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -86,8 +87,13 @@ def compress_fwd(kv, gate, position_bias, cu_seqlens, at=None, *, rate: int, ove
     every = at is None
     if every:
         at = torch.arange(kv.shape[0], device=kv.device)
-    rows = compress_cpu(kv, gate, position_bias, cu_seqlens, at.long(), rate=rate, overlap=overlap,
-                        starts=start_positions, slots=slots, ring_kv=ring_kv, ring_gate=ring_gate)
+    rows_fn = compress_rows_cpu
+    if kv.is_cuda:
+        from .kernel import compress_rows_triton as rows_fn
+    rows = rows_fn(kv, gate, position_bias, cu_seqlens, at.long(), rate=rate, overlap=overlap, starts=start_positions,
+                   slots=slots, ring_kv=ring_kv, ring_gate=ring_gate)
+    if ring_kv is not None:  # after the rows: they read the ring as it was before this call
+        ring_update(kv, gate, cu_seqlens, start_positions, slots, ring_kv, ring_gate)
     if every:
         _, _, pos = token_coords(at, cu_seqlens, start_positions)
         rows = torch.where(((pos + 1).remainder(rate) == 0)[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
