@@ -158,7 +158,8 @@ def hc_mix_bwd_cpu(dy: torch.Tensor, out: torch.Tensor, h: torch.Tensor, post: t
 
 
 def _sinkhorn_bwd(steps: list, dc: torch.Tensor, eps: float) -> torch.Tensor:
-    """Through c_{s+1} = c_s / (tree_a(c_s) + eps): dc_s = (dc_{s+1} - tree_a(dc_{s+1} · c_{s+1})) / (tree_a(c_s) + eps)."""
+    """Back through each step c_{s+1} = c_s / (tree_a(c_s) + eps):
+    dc_s = (dc_{s+1} - tree_a(dc_{s+1} · c_{s+1})) / (tree_a(c_s) + eps)."""
     axes = [-2] + [-1, -2] * ((len(steps) - 2) // 2)
     for s in range(len(steps) - 2, -1, -1):
         a = axes[s]
