@@ -25,6 +25,7 @@ PRIMITIVES: dict[str, str] = {
     "lora": "alignzoo.common.lora.checks",
     "moe": "alignzoo.common.moe.checks",
     "gdn": "alignzoo.common.gdn.checks",
+    "mhc": "alignzoo.common.mhc.checks",
 }
 
 
