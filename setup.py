@@ -6,7 +6,7 @@ sync, serve) so that a new op folder is picked up without editing a list.
 """
 from setuptools import find_packages, setup
 
-SHIPPED = ("common", "models", "weights", "sync", "serve")
+SHIPPED = ("common", "models", "weights", "sync", "serve", "parallel")
 subpackages = [
     f"alignzoo.{p}" for p in find_packages(where=".", include=[f"{s}*" for s in SHIPPED])
 ]
