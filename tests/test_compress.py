@@ -2,7 +2,12 @@
 server's rows built in one prefill, in chunks split at every offset of a group and token by token
 have the same bits, in any batch; accuracy against float64 and transformers' HCA, CSA and indexer
 compressors (stateless and across calls with their caches); gradients against float64 autograd;
-bad input named."""
+bad input named.
+
+transformers' rows are matched to a few fp32 ulps (rel. error ~8e-8), not bitwise: ATen's CPU softmax
+takes exp from its own vectorized exp, not torch.exp's MKL VML (a 2-slot softmax already differs in 140
+of 4000 values), and its window sum's order depends on the shape (a single (1, 8, 40) window differs from
+left to right in 6 of 40 channels).  Only the row positions and the -inf / zero padding are exact."""
 from __future__ import annotations
 
 import random
@@ -249,8 +254,7 @@ def test_matches_transformers_compressors_stateless_and_cached():
     want_idx = _ours(csa.indexer, hidden, 4, True, spec)
     # stateless: every complete window of the whole sequence
     for got, want in ((run(hca, None, 0, T), want_hca), (run(csa, None, 0, T), want_csa), (captured[-1], want_idx)):
-        assert got.shape == want.shape and rel_err(got, want) < 1e-6
-        assert (got - want).abs().max() < 1e-5
+        assert got.shape == want.shape and rel_err(got, want) < 4e-7
     # their caches across calls split inside groups: the same rows
     hc = types.SimpleNamespace(layers=[m.DeepseekV4HCACache(cfg)])
     cc = types.SimpleNamespace(layers=[m.DeepseekV4CSACache(cfg)])
@@ -258,7 +262,7 @@ def test_matches_transformers_compressors_stateless_and_cached():
     for s, e in zip(cuts[:-1], cuts[1:]):
         got_hca, got_csa = run(hca, hc, s, e), run(csa, cc, s, e)
     for got, want in ((got_hca, want_hca), (got_csa, want_csa), (captured[-1], want_idx)):
-        assert got.shape == want.shape and rel_err(got, want) < 1e-6
+        assert got.shape == want.shape and rel_err(got, want) < 4e-7
 
 
 @torch.no_grad()
@@ -268,7 +272,7 @@ def test_matches_transformers_hca_at_rate_128():
     hidden = torch.randn(1, 260, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     got = hca(hidden, None, torch.arange(260)[None], None, 0)[0][:, 0]
     want = _ours(hca, hidden[:, :256], 128, False, spec)
-    assert got.shape == want.shape and rel_err(got, want) < 1e-6
+    assert got.shape == want.shape and rel_err(got, want) < 4e-7
 
 
 # ------------------------------------------------------------------ bad input
