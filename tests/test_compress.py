@@ -68,7 +68,7 @@ def _serve(kv, gate, pb, cu, chunks, rate, overlap, *, every, seed=0):
             n_tok.append(take[i])
             starts.append(done[i])
             slots.append(slot_of[i])
-        pad_kv = torch.randn(1, C).to(device=dev, dtype=kv.dtype)  # a padding sequence: slot -1 reads slot 0 as if at 0, writes nothing
+        pad_kv = torch.randn(1, C).to(device=dev, dtype=kv.dtype)  # slot -1: reads slot 0 as if at 0, writes nothing
         parts_kv.append(pad_kv), parts_g.append(pad_kv), n_tok.append(1), starts.append(0), slots.append(-1)
         ck = torch.cat(parts_kv)
         cg = torch.cat(parts_g)
@@ -123,7 +123,8 @@ def test_server_rows_equal_trainer_rows(rate, overlap, D, dtype, every):
         random_chunks.append(c)
     schedules = {
         "one_prefill": [[n] for n in lens],
-        "split_at_every_offset": [[rate + o, n - rate - o] for o, n in enumerate(lens[: S + 1])] + [[n] for n in lens[S + 1 :]],
+        "split_at_every_offset": [[rate + o, n - rate - o] for o, n in enumerate(lens[: S + 1])]
+                                 + [[n] for n in lens[S + 1 :]],
         "token_by_token": [[1] * n for n in lens],
         "random_chunks": random_chunks,
     }
@@ -336,7 +337,7 @@ for rate, overlap, D, dtype, block_d in [(4, True, 12, torch.bfloat16, 8), (8, F
     ck, cg = part(kv, cut, ends), part(gate, cut, ends)
     ccu = torch.tensor([0, *torch.tensor(rest).cumsum(0)])
     sk = dict(starts=torch.tensor(cut), slots=slots, ring_kv=state["ring_kv"], ring_gate=state["ring_gate"], **kw)
-    every = torch.arange(ck.shape[0]) if overlap else torch.arange(0)  # every token's window: once, interpreting is slow
+    every = torch.arange(ck.shape[0]) if overlap else torch.arange(0)  # once: interpreting is slow
     for at in (every, group_ends(ccu, rate, torch.tensor(cut))[0]):
         want = compress_rows_cpu(ck, cg, pb, ccu, at, **sk)
         got = compress_rows_triton(ck, cg, pb, ccu, at, block_d=block_d, **sk)
@@ -367,3 +368,40 @@ def test_rows_on_cuda_equal_trainer_server_and_torch_path(rate, overlap, D):
     assert torch.equal(rows, compress_rows_cpu(kv, gate, pb, cu, group_ends(cu, rate)[0], rate=rate, overlap=overlap))
     got = _serve(kv, gate, pb, cu, [[1] * n for n in lens], rate, overlap, every=True)
     assert all(torch.equal(g, w) for g, w in zip(got, _split(rows, cu_rows)))
+
+
+@pytest.mark.gpu
+def test_decode_step_replays_in_a_cuda_graph():
+    """The server's decode step (at=None) captured once in a CUDA graph and replayed a token a step, finished
+    sequences kept as padding (slot -1), gives the trainer's rows: fixed shapes, no host reads."""
+    rate, overlap, D = 4, True, 512
+    lens = [3 * rate + 1, 2 * rate]
+    kv, gate, pb, cu = (t.cuda() for t in _inputs(lens, rate, overlap, D, torch.bfloat16))
+    rows, _, cu_rows = compress(kv, gate, pb, cu, rate=rate, overlap=overlap)
+    N, C = len(lens), kv.shape[1]
+    state = {n: torch.zeros(N, *s, dtype=d, device="cuda")
+             for n, (s, d) in compress_state_fields(rate, C, overlap=overlap, dtype=kv.dtype).items()}
+    x_kv, x_g = kv.new_zeros(N, C), gate.new_zeros(N, C)
+    pos, slots, ccu = (torch.zeros(N, dtype=torch.long, device="cuda"), torch.arange(N, device="cuda"),
+                       torch.arange(N + 1, device="cuda"))
+    step = lambda: compress_step(x_kv, x_g, pb, ccu, pos, slots, state, rate=rate, overlap=overlap)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles the kernel outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    got = [[] for _ in lens]
+    for p in range(max(lens)):
+        for i, n in enumerate(lens):
+            x_kv[i], x_g[i] = kv[int(cu[i]) + min(p, n - 1)], gate[int(cu[i]) + min(p, n - 1)]
+        pos.fill_(p)
+        slots.copy_(torch.tensor([i if p < n else -1 for i, n in enumerate(lens)]))
+        graph.replay()
+        for i, n in enumerate(lens):
+            if p < n and (p + 1) % rate == 0:
+                got[i].append(out[i].clone())
+    for g, w in zip(got, _split(rows, cu_rows)):
+        assert torch.equal(torch.stack(g), w)

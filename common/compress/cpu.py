@@ -131,10 +131,13 @@ def ring_update(kv, gate, cu_seqlens, starts, slots, ring_kv, ring_gate):
 
 def compress_rows_cpu(kv, gate, position_bias, cu_seqlens, at, *, rate, overlap, starts=None, slots=None,
                       ring_kv=None, ring_gate=None) -> torch.Tensor:
-    """Rows (G, D) of the groups closed by the tokens ``at``, reading the slots' rings (not writing them)."""
+    """Rows (G, D) of the groups closed by the tokens ``at`` (zeros for a token that closes none),
+    reading the slots' rings, not writing them."""
     kv_s, gate_s, pad = window_slots(kv, gate, at, cu_seqlens, rate=rate, overlap=overlap, starts=starts,
                                      slots=slots, ring_kv=ring_kv, ring_gate=ring_gate)
-    return group_rows(kv_s, gate_s, slot_bias(position_bias, rate, overlap), pad)
+    rows = group_rows(kv_s, gate_s, slot_bias(position_bias, rate, overlap), pad)
+    closes = (token_coords(at, cu_seqlens, starts)[2] + 1).remainder(rate) == 0
+    return torch.where(closes[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
 def compress_bwd_cpu(dy, kv, gate, position_bias, cu_seqlens, at, *, rate, overlap):

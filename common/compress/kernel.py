@@ -7,8 +7,9 @@ One program builds BLOCK_D channels of one row, in three passes over the window'
     pass 2  s   = ((0 + e_0) + e_1) + ...,  e_j = exp(l_j - m)
     pass 3  acc = ((0 + fp32(dt(kv_0 * dt(div_rn(e_0, s))))) + ...) ,  row = dt(acc)
 
-every op rounding where ``cpu.group_rows`` rounds (compiled with ``enable_fp_fusion=False``: no FMA;
-``div_rn``: an IEEE division).  No cross-lane reduction: a lane is one channel, so ``num_warps`` and
+A token that completes no group writes zeros and skips the passes.  Every op rounds where
+``cpu.group_rows`` rounds (compiled with ``enable_fp_fusion=False``: no FMA; ``div_rn``: an IEEE
+division).  No cross-lane reduction: a lane is one channel, so ``num_warps`` and
 BLOCK_D never change a bit.  exp is libdevice's on CUDA (torch's CUDA exp, so the kernel keeps the bits
 of the element-wise path run on CUDA tensors); under the interpreter the tests patch in torch's exp and
 the kernel gives the CPU path's bits.
@@ -62,28 +63,29 @@ def _rows_kernel(p_kv, p_gate, p_pb, p_at, p_local, p_pos, p_slot, p_rkv, p_rgat
     local = tl.load(p_local + i_g).to(tl.int64)
     pos = tl.load(p_pos + i_g).to(tl.int64)
     slot = tl.load(p_slot + i_g).to(tl.int64)
-    b_m = tl.full((BLOCK_D,), float("-inf"), tl.float32)
-    for j in range(S):
-        _, b_l = _slot(p_kv, p_gate, p_pb, p_rkv, p_rgate, j, t, local, pos, slot, o_d, m_d, C, B_RING,
-                       RATE, S, D, H2, RING)
-        b_m = tl.maximum(b_m, b_l)
-    b_s = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for j in range(S):
-        _, b_l = _slot(p_kv, p_gate, p_pb, p_rkv, p_rgate, j, t, local, pos, slot, o_d, m_d, C, B_RING,
-                       RATE, S, D, H2, RING)
-        b_s = b_s + _exp(b_l - b_m, LIB)
     b_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for j in range(S):
-        b_kv, b_l = _slot(p_kv, p_gate, p_pb, p_rkv, p_rgate, j, t, local, pos, slot, o_d, m_d, C, B_RING,
-                          RATE, S, D, H2, RING)
-        b_w = tl.math.div_rn(_exp(b_l - b_m, LIB), b_s).to(p_kv.dtype.element_ty)
-        b_acc = b_acc + (b_kv.to(tl.float32) * b_w.to(tl.float32)).to(p_kv.dtype.element_ty).to(tl.float32)
+    if (pos + 1) % RATE == 0:  # decode builds every token's window: 1 in RATE completes one
+        b_m = tl.full((BLOCK_D,), float("-inf"), tl.float32)
+        for j in range(S):
+            _, b_l = _slot(p_kv, p_gate, p_pb, p_rkv, p_rgate, j, t, local, pos, slot, o_d, m_d, C, B_RING,
+                           RATE, S, D, H2, RING)
+            b_m = tl.maximum(b_m, b_l)
+        b_s = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for j in range(S):
+            _, b_l = _slot(p_kv, p_gate, p_pb, p_rkv, p_rgate, j, t, local, pos, slot, o_d, m_d, C, B_RING,
+                           RATE, S, D, H2, RING)
+            b_s = b_s + _exp(b_l - b_m, LIB)
+        for j in range(S):
+            b_kv, b_l = _slot(p_kv, p_gate, p_pb, p_rkv, p_rgate, j, t, local, pos, slot, o_d, m_d, C, B_RING,
+                              RATE, S, D, H2, RING)
+            b_w = tl.math.div_rn(_exp(b_l - b_m, LIB), b_s).to(p_kv.dtype.element_ty)
+            b_acc = b_acc + (b_kv.to(tl.float32) * b_w.to(tl.float32)).to(p_kv.dtype.element_ty).to(tl.float32)
     tl.store(p_out + i_g * D + o_d, b_acc.to(p_out.dtype.element_ty), mask=m_d)
 
 
 def compress_rows_triton(kv, gate, position_bias, cu_seqlens, at, *, rate, overlap, starts=None, slots=None,
                          ring_kv=None, ring_gate=None, block_d: int | None = None) -> torch.Tensor:
-    """``cpu.window_slots`` + ``cpu.group_rows`` in one launch -> rows (G, D); reads the ring, never
+    """``cpu.compress_rows_cpu`` in one launch -> rows (G, D); reads the ring, never
     writes it (``cpu.ring_update`` does).  No host reads.  ``block_d`` never changes a bit."""
     T, C = kv.shape
     H2 = 2 if overlap else 1

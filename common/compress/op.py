@@ -33,7 +33,7 @@ from collections.abc import Mapping
 import torch
 
 from .._validate import FLOAT_DTYPES, check_int, check_same_device, check_tensor
-from .cpu import compress_bwd_cpu, compress_rows_cpu, ring_update, token_coords
+from .cpu import compress_bwd_cpu, compress_rows_cpu, ring_update
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -84,8 +84,7 @@ def compress_fwd(kv, gate, position_bias, cu_seqlens, at=None, *, rate: int, ove
     closes no group.  With ``ring_kv``/``ring_gate`` (S, B, C), ``slots`` (N,) and
     ``start_positions`` (N,): a sequence reads its rows before its start from its slot's ring, then
     the ring (in place) keeps its last B rows; slot -1 is read as slot 0 and written nowhere."""
-    every = at is None
-    if every:
+    if at is None:
         at = torch.arange(kv.shape[0], device=kv.device)
     rows_fn = compress_rows_cpu
     if kv.is_cuda:
@@ -94,9 +93,6 @@ def compress_fwd(kv, gate, position_bias, cu_seqlens, at=None, *, rate: int, ove
                    slots=slots, ring_kv=ring_kv, ring_gate=ring_gate)
     if ring_kv is not None:  # after the rows: they read the ring as it was before this call
         ring_update(kv, gate, cu_seqlens, start_positions, slots, ring_kv, ring_gate)
-    if every:
-        _, _, pos = token_coords(at, cu_seqlens, start_positions)
-        rows = torch.where(((pos + 1).remainder(rate) == 0)[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
     return rows
 
 
@@ -176,10 +172,10 @@ def compress_step(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Ten
     state: {"ring_kv", "ring_gate"} (S, ring_len, C) in kv's dtype (``compress_state_fields``),
     updated in place.
     at=None: returns (T, D), row t the group token t completes (its position p has
-    (p + 1) % rate == 0, row index (p + 1) // rate - 1), zeros elsewhere; fixed shapes, no host
-    reads (CUDA-graph decode).  at (G,) from ``group_ends(cu_seqlens, rate, start_positions)[0]``:
-    returns those groups' rows (G, D) only (prefill).  Rows come before kv_norm and RoPE and have
-    the bits ``compress`` gives the same group.
+    (p + 1) % rate == 0: row index (p + 1) // rate - 1, RoPE position p + 1 - rate), zeros
+    elsewhere; fixed shapes, no host reads (CUDA-graph decode).  at (G,) from
+    ``group_ends(cu_seqlens, rate, start_positions)[0]``: those groups' rows (G, D) only
+    (prefill).  Rows come before kv_norm and RoPE and have the bits ``compress`` gives the same group.
     """
     _check(kv, gate, position_bias, cu_seqlens, rate, overlap)
     N = cu_seqlens.shape[0] - 1
