@@ -154,7 +154,7 @@ def test_row_without_entries():
     assert not o[50].any() and bool((lse[50] == float("-inf")).all())
     rest = torch.arange(100) != 50
     assert _equal((o[rest], lse[rest]), (want[0][rest], want[1][rest]))
-    dq, dkv = sparse_attention_bwd(q, kv, sel, cu, o, lse, torch.ones_like(o), scale=SCALE, v_dim=16)
+    dq, dkv, _ = sparse_attention_bwd(q, kv, sel, cu, o, lse, torch.ones_like(o), scale=SCALE, v_dim=16)
     assert not dq[50].any() and bool(torch.isfinite(dkv).all())
 
 
@@ -255,12 +255,12 @@ def test_backward_is_deterministic_and_per_sequence():
     o, lse = sparse_attention_fwd(q, kv, sel, cu, scale=SCALE, v_dim=32)
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(22)).to(o.dtype)
     a = sparse_attention_bwd(q, kv, sel, cu, o, lse, do, scale=SCALE, v_dim=32)
-    assert _equal(a, sparse_attention_bwd(q, kv, sel, cu, o, lse, do, scale=SCALE, v_dim=32))
+    assert _equal(a[:2], sparse_attention_bwd(q, kv, sel, cu, o, lse, do, scale=SCALE, v_dim=32)[:2])
     for b in range(3):
         s0, s1 = int(cu[b]), int(cu[b + 1])
         one = sparse_attention_bwd(q[s0:s1], kv[s0:s1], sel[s0:s1], torch.tensor([0, s1 - s0]), o[s0:s1], lse[s0:s1],
                                    do[s0:s1], scale=SCALE, v_dim=32)
-        assert _equal(one, (a[0][s0:s1], a[1][s0:s1])), b
+        assert _equal(one[:2], (a[0][s0:s1], a[1][s0:s1])) and one[2] is None, b
 
 
 # ------------------------------------------------------------------ bad input
@@ -475,3 +475,60 @@ def test_kernel_on_cuda_has_the_cpu_bits_at_glm5_shapes():
     q = torch.randn(sum(lens), H, D, generator=g).bfloat16()
     dev = [t.cuda() for t in (q, kv, sel, torch.tensor([0, 130, 300]))]
     assert _equal(sparse_attention_fwd(*dev, scale=scale, v_dim=V), cpu.sparse_attention_fwd_cpu(*dev, scale, V))
+
+
+# ------------------------------------------------------------------ DeepSeek-V4's layout: sinks, extra kv rows
+def _v4_case(lens, extra, H, D, top_k, seed, dtype=torch.float32):
+    """Sequences whose kv holds ``extra[b]`` rows before its tokens ([compressed | tokens]); each row selects
+    from all of its sequence's rows."""
+    g = torch.Generator().manual_seed(seed)
+    T, R = sum(lens), sum(lens) + sum(extra)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    kv = torch.randn(R, D, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    cu_kv = torch.tensor([0, *torch.tensor([n + e for n, e in zip(lens, extra)]).cumsum(0).tolist()])
+    sel = []
+    for n, e in zip(lens, extra):
+        for _ in range(n):
+            k = min(top_k, n + e)
+            pick = torch.sort(torch.randperm(n + e, generator=g)[: int(torch.randint(0, k + 1, (), generator=g))])[0]
+            sel.append(torch.cat([pick, torch.full((top_k - pick.numel(),), -1)]))
+    sinks = torch.randn(H, generator=g) * 2
+    return q, kv, cu, cu_kv, torch.stack(sel).int(), sinks
+
+
+def test_sinks_and_kv_layout_match_float64_and_stay_batch_invariant():
+    """Extra kv rows per sequence and a per-head sink: float64 accuracy (rows with no entry give 0), a row's bits
+    alone == in the batch, and gradients of q, kv and the sinks against float64 autograd."""
+    q, kv, cu, cu_kv, sel, sinks = _v4_case([300, 90, 5], [75, 22, 1], 3, 40, 48, seed=31)
+    o = sparse_attention(q, kv, sel, cu, scale=SCALE, v_dim=40, cu_seqlens_kv=cu_kv, sinks=sinks)
+    ref = sparse_attention_ref(q, kv, sel, cu, scale=SCALE, v_dim=40, cu_seqlens_kv=cu_kv, sinks=sinks)
+    assert ((o.double() - ref).norm() / ref.norm()).item() < 1e-6
+    assert bool((o[(sel < 0).all(1)] == 0).all())
+    for b, t in ((0, 0), (0, 299), (1, 50), (2, 4)):
+        i = int(cu[b]) + t
+        one = sparse_attention(q[i:i + 1], kv[int(cu_kv[b]):int(cu_kv[b + 1])], sel[i:i + 1], torch.tensor([0, 1]),
+                               scale=SCALE, v_dim=40, cu_seqlens_kv=torch.tensor([0, int(cu_kv[b + 1] - cu_kv[b])]),
+                               sinks=sinks)
+        assert torch.equal(one, o[i:i + 1]), (b, t)
+    xs = [t.clone().requires_grad_() for t in (q, kv, sinks)]
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(32))
+    sparse_attention(xs[0], xs[1], sel, cu, scale=SCALE, v_dim=40, cu_seqlens_kv=cu_kv, sinks=xs[2]).backward(do)
+    x64 = [t.detach().double().requires_grad_() for t in (q, kv, sinks)]
+    sparse_attention_ref(x64[0], x64[1], sel, cu, scale=SCALE, v_dim=40, cu_seqlens_kv=cu_kv, sinks=x64[2]).backward(
+        do.double())
+    for name, a, b in zip(("dq", "dkv", "dsinks"), xs, x64):
+        assert ((a.grad.double() - b.grad).norm() / b.grad.norm()).item() < 1e-5, name
+
+
+def test_kv_layout_input_is_checked():
+    q, kv, cu, cu_kv, sel, sinks = _v4_case([30, 9], [7, 2], 2, 24, 8, seed=33)
+    kw = {"scale": SCALE, "v_dim": 24}
+    with pytest.raises(ValueError, match="sinks has 3 entries for q's 2 heads"):
+        sparse_attention(q, kv, sel, cu, cu_seqlens_kv=cu_kv, sinks=torch.zeros(3), **kw)
+    with pytest.raises(ValueError, match="one row per token"):
+        sparse_attention(q, kv, sel, cu, **kw)
+    bad = sel.clone()
+    bad[35, 0] = 11  # sequence 1 has 9 + 2 rows: 0..10
+    with pytest.raises(ValueError, match=r"sel\[35, 0\] = 11 is past"):
+        sparse_attention(q, kv, bad, cu, cu_seqlens_kv=cu_kv, **kw)

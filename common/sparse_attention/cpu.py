@@ -79,10 +79,22 @@ def compact(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ent, (sel >= 0).sum(1)
 
 
-def contiguous_rows(cu_seqlens: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
-    """Row of each entry in the packed (T, Dqk) kv: the row's sequence start + position; pads -> 0."""
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), torch.diff(cu_seqlens).long())  # (n,)
+def contiguous_rows(cu_seqlens: torch.Tensor, ent: torch.Tensor, cu_seqlens_kv: torch.Tensor | None = None) -> torch.Tensor:
+    """Row of each entry in the packed kv: the start of the row's sequence in kv (``cu_seqlens_kv``, default
+    ``cu_seqlens``: one kv row per token) + the entry; pads -> 0."""
+    kv_starts = (cu_seqlens if cu_seqlens_kv is None else cu_seqlens_kv)[:-1].long()
+    starts = torch.repeat_interleave(kv_starts, torch.diff(cu_seqlens).long())  # (n,)
     return torch.where(ent >= 0, starts[:, None] + ent, 0)
+
+
+def with_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-head sink logit joined to a row's softmax (DeepSeek-V4; gpt-oss): o (n, H, Dv), lse (n, H) fp32,
+    sinks (H,) fp32 -> (o / (1 + exp(sink - lse)), log(exp(lse) + exp(sink))), element-wise in fp32; a row with
+    no entry keeps o = 0 and gets lse = sink."""
+    sk = sinks.float()[None, :]
+    m = torch.maximum(lse, sk)
+    lse_s = m + torch.log(torch.exp(lse - m) + torch.exp(sk - m))
+    return o * (1.0 / (1.0 + torch.exp(sk - lse)))[..., None], lse_s
 
 
 def paged_rows(block_table: torch.Tensor, seq_idx: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
@@ -105,13 +117,14 @@ def _width(n_valid: torch.Tensor) -> int:
 
 def sparse_attend(
     q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, n_valid: torch.Tensor, scale: float, v_dim: int,
-    *, row_chunk: int | None = None, static: bool | None = None,
+    *, row_chunk: int | None = None, static: bool | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (n, H, Dqk); table (R, Dqk) the KV rows; rows (n, K) the table row of each compacted entry; n_valid (n,)
     -> out (n, H, Dv) in q.dtype, lse (n, H) fp32 (the order of the module docstring).  ``row_chunk`` (query
     rows per ``attend_rows`` call) only bounds memory: it cannot change bits.  ``static`` (default: on CUDA)
     reads nothing on the host, so a CUDA graph captures it: all K entries of every row run, the blocks past a
-    row's entries masked, which adds exactly nothing (the same bits as gathering only the longest row's)."""
+    row's entries masked, which adds exactly nothing (the same bits as gathering only the longest row's).
+    ``sinks`` (H,) fp32: each head's sink logit joins the softmax (``with_sinks``) before the one rounding."""
     n, H, D = q.shape
     out = q.new_zeros(n, H, v_dim)
     lse = torch.full((n, H), float("-inf"), device=q.device)
@@ -122,20 +135,26 @@ def sparse_attend(
         nv = n_valid[r0:r1]
         w = rows.shape[1] if static else _width(nv)
         if w == 0:
+            if sinks is not None:
+                lse[r0:r1] = sinks.float()[None, :]
             continue
         kv = _gather(table, rows[r0:r1], nv, w)
         pos = (nv - 1)[:, None].expand(-1, H).contiguous()  # -1: a row with no entry is a padding row
         o, ls = attend_rows(q[r0:r1], kv, kv[..., :v_dim], pos, torch.zeros_like(pos), nv, scale, static=static)
+        if sinks is not None:
+            o, ls = with_sinks(o, ls, sinks)
         out[r0:r1] = o.to(q.dtype)
         lse[r0:r1] = ls
     return out, lse
 
 
-def sparse_attention_fwd_cpu(q, kv, sel, cu_seqlens, scale, v_dim, *, row_chunk=None):
-    """Packed: q (T, H, Dqk), kv (T, Dqk), sel (T, top_k) relative to each row's sequence start."""
+def sparse_attention_fwd_cpu(q, kv, sel, cu_seqlens, scale, v_dim, *, row_chunk=None, cu_seqlens_kv=None, sinks=None):
+    """Packed: q (T, H, Dqk), kv (T, Dqk) (or ``cu_seqlens_kv``'s rows), sel (T, top_k) relative to each row's
+    sequence start in kv."""
     ent, n_valid = compact(sel)
-    return sparse_attend(q, kv, contiguous_rows(cu_seqlens.to(q.device), ent), n_valid, scale, v_dim,
-                         row_chunk=row_chunk)
+    cu_kv = None if cu_seqlens_kv is None else cu_seqlens_kv.to(q.device)
+    return sparse_attend(q, kv, contiguous_rows(cu_seqlens.to(q.device), ent, cu_kv), n_valid, scale, v_dim,
+                         row_chunk=row_chunk, sinks=sinks)
 
 
 def paged_sparse_attention_fwd_cpu(q, kv_cache, sel, seq_idx, block_table, scale, v_dim, *, row_chunk=None):
@@ -145,12 +164,20 @@ def paged_sparse_attention_fwd_cpu(q, kv_cache, sel, seq_idx, block_table, scale
     return sparse_attend(q, table, paged_rows(block_table, seq_idx, ent), n_valid, scale, v_dim, row_chunk=row_chunk)
 
 
-def sparse_attention_bwd_cpu(q, kv, sel, cu_seqlens, o, lse, do, scale, v_dim, *, row_chunk=None):
-    """(dq (T, H, Dqk) in q.dtype, dkv (T, Dqk) in kv.dtype) of the packed forward (module docstring)."""
+def sparse_attention_bwd_cpu(q, kv, sel, cu_seqlens, o, lse, do, scale, v_dim, *, row_chunk=None, cu_seqlens_kv=None,
+                             sinks=None):
+    """(dq (T, H, Dqk) in q.dtype, dkv (R, Dqk) in kv.dtype, dsinks (H,) fp32 or None) of the packed forward
+    (module docstring).  With sinks, ``lse`` is the forward's (sink included) and dsink_h = -Σ_rows
+    exp(sink_h - lse) · delta, summed over the rows by the pairwise tree."""
     n, H, D = q.shape
     Dv = v_dim
     ent, n_valid = compact(sel)
-    rows = contiguous_rows(cu_seqlens.to(q.device), ent)
+    rows = contiguous_rows(cu_seqlens.to(q.device), ent, None if cu_seqlens_kv is None else cu_seqlens_kv.to(q.device))
+    dsinks = None
+    if sinks is not None:
+        delta_all = _tree_sum0((o.float() * do.float()).permute(2, 0, 1))  # (n, H)
+        dsinks = torch.zeros(H, device=q.device)
+        dsinks = _tree_sum0(-(torch.exp(sinks.float()[None, :] - lse) * delta_all)) if n else dsinks
     dq = torch.zeros(n, H, D, device=q.device)
     dk = torch.zeros(kv.shape[0], D, device=q.device)
     dv = torch.zeros(kv.shape[0], Dv, device=q.device)
@@ -196,4 +223,4 @@ def sparse_attention_bwd_cpu(q, kv, sel, cu_seqlens, o, lse, do, scale, v_dim, *
             dv.index_add_(0, idx, cv[r, :k])
     dkv = dk * scale
     dkv[:, :Dv] += dv
-    return dq.to(q.dtype), dkv.to(kv.dtype)
+    return dq.to(q.dtype), dkv.to(kv.dtype), dsinks

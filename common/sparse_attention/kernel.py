@@ -7,7 +7,7 @@ entries (``cpu.compact``, done on the device by the launcher) in 1024-entry segm
     s_e   = tree_D(q_d * k_ed) * scale       the pairwise tree of ``_tree_sum0``: halves added, an odd one carried
     s_e   = -inf at entries >= n_valid
     m_new = max(m, max_e s_e)                max is exact in any order
-    alpha = exp(m - m_new) if m_new > m else 1     (exp(m_prev - 0) when m_new is -inf, as ``m_safe``)
+    alpha = exp(m - m_new) if m_new > m else 1
     p_e   = exp(s_e - m_new)
     l     = l * alpha + tree_64(p)
     acc   = acc * alpha + tree_64(p_e * v_ed)          v_e = k_e[:Dv]
@@ -23,7 +23,8 @@ How the trees are laid out (no ``tl.dot``: a dot's order is the hardware's)
   nothing), column h takes the carried 2h when n is odd; n -> ceil(n / 2) until one is left.
 - tree_64 over a block's entries e = 0..63: its first three levels add e to e + 32, e + 16, e + 8, so the
   eight entries k, k + 8, .., k + 56 ("class" k) are summed by a halving tree of their own, and the classes
-  then as ((P0 + P4) + (P2 + P6)) + ((P1 + P5) + (P3 + P7)): a (8, Dv) tile a class, never (64, Dv).
+  then as ((P0 + P4) + (P2 + P6)) + ((P1 + P5) + (P3 + P7)) (visited in bit-reversed order, a binary counter):
+  a (8, Dv) tile a class, never (64, Dv).
 Every product and sum rounds on its own (``enable_fp_fusion=False``); exp and log are libdevice's expf / logf
 (torch's CUDA ops) with subnormals kept, division is ``div_rn`` (torch's ``/``).  So on CUDA tensors the kernel
 gives the bits of ``cpu.py`` run on those tensors; under Triton's interpreter, with torch's exp and log patched
@@ -33,6 +34,10 @@ Addressing: an entry's KV row is ``kv[start + ent]`` (packed, the trainer) or sl
 ``block_table[seq, ent // 64] * 64 + ent % 64`` of the pool (paged, the server); a pad is never loaded.  The
 launch reads nothing on the host (the compaction is device ops, the loops run to each row's n_valid), so a CUDA
 graph captures it.  Supported: D with odd part c <= ``MAX_ODD`` (GLM-5's 576 = 64 * 9), Dv <= D.
+
+A correct path before a fast one: every head re-reads its row's KV rows (from L2), and nothing is shared
+between the heads of a row.  Compiled for sm_90 (triton 3.9) at GLM-5's shape: no local memory, no fma.f32
+outside libdevice's expf / logf, one div.rn.
 """
 from __future__ import annotations
 
@@ -44,9 +49,9 @@ from triton.language.extra import libdevice
 from .._host import next_power_of_2
 from .._launch import FP_FUSION
 from ..gdn.kernel import _exp, _launch_opts
+from ..attention.cpu import SEG_BLOCKS
 from .cpu import BLOCK_N, compact
 
-SEG_BLOCKS = 16  # blocks a segment: attention.op.SEGMENT // 64, part of the order
 MAX_ODD = 31  # largest odd part of D the one-hot odd tree takes ((8, 32, 32) tile a level)
 
 
@@ -71,16 +76,16 @@ def _slot(p_e, p_b, row, e, ok, PAGED: tl.constexpr, PAGE: tl.constexpr):
 
 
 @triton.jit
-def _class_scores(p_qh, p_kv, p_e, p_b, row, e, nv, stride_kv, scale, ODD: tl.constexpr, J: tl.constexpr,
+def _class_scores(b_q, p_kv, p_e, p_b, row, e, nv, stride_kv, scale, ODD: tl.constexpr, J: tl.constexpr,
                   C: tl.constexpr, LOG_J: tl.constexpr, LOG_C: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
-    """Entries ``e`` (8,) of the row -> (kv rows, valid, fp32 scores tree_D(q_d * k_d) * scale, -inf at pads)."""
+    """Entries ``e`` (8,) of the row -> their fp32 scores tree_D(q_d * k_d) * scale, -inf at pads; b_q (J, C)
+    holds q_d at [j, i], d = i + c * j."""
     ok = e < nv
     slot = _slot(p_e, p_b, row, e, ok, PAGED, PAGE)
     o_j = tl.arange(0, J)
     o_c = tl.arange(0, C)
     o_d = o_c[None, :] + ODD * o_j[:, None]  # (J, C): leaf d = i + c * j
     m_d = (o_c < ODD)[None, :] & (o_j >= 0)[:, None]
-    b_q = tl.load(p_qh + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_k = tl.load(p_kv + slot[:, None, None] * stride_kv + o_d[None, :, :], mask=ok[:, None, None] & m_d[None, :, :],
                   other=0.0).to(tl.float32)
     x = b_q[None, :, :] * b_k  # (8, J, C)
@@ -91,7 +96,7 @@ def _class_scores(p_qh, p_kv, p_e, p_b, row, e, nv, stride_kv, scale, ODD: tl.co
         h = ((ODD + (1 << lv) - 1) >> lv) // 2  # half of this level's n = ceil(c / 2^lv)
         g = tl.sum(tl.where(o_c[None, None, :] == (o_c + h)[None, :, None], x[:, None, :], -0.0), axis=2)  # x[:, i+h]
         x = tl.where(o_c[None, :] < h, x + g, tl.where(o_c[None, :] == h, g, -0.0))
-    return slot, ok, tl.where(ok, tl.sum(tl.where(o_c[None, :] == 0, x, -0.0), axis=1) * scale, float("-inf"))
+    return tl.where(ok, tl.sum(tl.where(o_c[None, :] == 0, x, -0.0), axis=1) * scale, float("-inf"))
 
 
 @triton.jit
@@ -111,8 +116,11 @@ def _halve8_rows(x, DV: tl.constexpr):
 
 
 @triton.jit
-def _class_pv(p_kv, stride_kv, slot, ok, s, m_safe, o_v, m_v, LIB: tl.constexpr, DV: tl.constexpr):
-    """A class's (tree(p), tree(p * v) (DV,)) with p = exp(s - m_safe)."""
+def _class_pv(p_kv, p_e, p_b, row, e, nv, stride_kv, s, m_safe, o_v, m_v, PAGED: tl.constexpr, PAGE: tl.constexpr,
+              LIB: tl.constexpr, DV: tl.constexpr):
+    """A class's (tree(p), tree(p * v) (DV,)) with p = exp(s - m_safe), entries ``e``."""
+    ok = e < nv
+    slot = _slot(p_e, p_b, row, e, ok, PAGED, PAGE)
     p = _exp(s - m_safe, LIB)
     b_v = tl.load(p_kv + slot[:, None] * stride_kv + o_v[None, :], mask=ok[:, None] & m_v[None, :],
                   other=0.0).to(tl.float32)
@@ -120,42 +128,41 @@ def _class_pv(p_kv, stride_kv, slot, ok, s, m_safe, o_v, m_v, LIB: tl.constexpr,
 
 
 @triton.jit
-def _block(p_qh, p_kv, p_e, p_b, row, e0, nv, m, stride_kv, scale, o_v, m_v, ODD: tl.constexpr, J: tl.constexpr,
+def _block(b_q, p_kv, p_e, p_b, row, e0, nv, m, stride_kv, scale, o_v, m_v, ODD: tl.constexpr, J: tl.constexpr,
            C: tl.constexpr, LOG_J: tl.constexpr, LOG_C: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
            DV: tl.constexpr, LIB: tl.constexpr):
     """One 64-entry block (class k: entries e0 + k, e0 = block start + 0, 8, .., 56) against the running max m
     -> (m_new, alpha, tree_64(p), tree_64(p * v) (DV,))."""
-    sl0, ok0, s0 = _class_scores(p_qh, p_kv, p_e, p_b, row, e0, nv, stride_kv, scale, ODD, J, C,
-                                   LOG_J, LOG_C, PAGED, PAGE)
-    sl1, ok1, s1 = _class_scores(p_qh, p_kv, p_e, p_b, row, e0 + 1, nv, stride_kv, scale, ODD, J, C,
-                                   LOG_J, LOG_C, PAGED, PAGE)
-    sl2, ok2, s2 = _class_scores(p_qh, p_kv, p_e, p_b, row, e0 + 2, nv, stride_kv, scale, ODD, J, C,
-                                   LOG_J, LOG_C, PAGED, PAGE)
-    sl3, ok3, s3 = _class_scores(p_qh, p_kv, p_e, p_b, row, e0 + 3, nv, stride_kv, scale, ODD, J, C,
-                                   LOG_J, LOG_C, PAGED, PAGE)
-    sl4, ok4, s4 = _class_scores(p_qh, p_kv, p_e, p_b, row, e0 + 4, nv, stride_kv, scale, ODD, J, C,
-                                   LOG_J, LOG_C, PAGED, PAGE)
-    sl5, ok5, s5 = _class_scores(p_qh, p_kv, p_e, p_b, row, e0 + 5, nv, stride_kv, scale, ODD, J, C,
-                                   LOG_J, LOG_C, PAGED, PAGE)
-    sl6, ok6, s6 = _class_scores(p_qh, p_kv, p_e, p_b, row, e0 + 6, nv, stride_kv, scale, ODD, J, C,
-                                   LOG_J, LOG_C, PAGED, PAGE)
-    sl7, ok7, s7 = _class_scores(p_qh, p_kv, p_e, p_b, row, e0 + 7, nv, stride_kv, scale, ODD, J, C,
-                                   LOG_J, LOG_C, PAGED, PAGE)
-    mb = tl.maximum(tl.maximum(tl.maximum(tl.max(s0, 0), tl.max(s1, 0)), tl.maximum(tl.max(s2, 0), tl.max(s3, 0))),
-                    tl.maximum(tl.maximum(tl.max(s4, 0), tl.max(s5, 0)), tl.maximum(tl.max(s6, 0), tl.max(s7, 0))))
-    m_new = tl.maximum(m, mb)
+    o_k = tl.arange(0, 8)
+    b_s = tl.full((8, 8), float("-inf"), tl.float32)  # (class, member)
+    for k in range(8):
+        s_k = _class_scores(b_q, p_kv, p_e, p_b, row, e0 + k, nv, stride_kv, scale, ODD, J, C, LOG_J, LOG_C,
+                            PAGED, PAGE)
+        b_s = tl.where(o_k[:, None] == k, s_k[None, :], b_s)
+    m_new = tl.maximum(m, tl.max(tl.max(b_s, 1), 0))
     m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
     alpha = tl.where(m_new > m, _exp(m - m_safe, LIB), 1.0)
-    r0, v0 = _class_pv(p_kv, stride_kv, sl0, ok0, s0, m_safe, o_v, m_v, LIB, DV)
-    r4, v4 = _class_pv(p_kv, stride_kv, sl4, ok4, s4, m_safe, o_v, m_v, LIB, DV)
-    r2, v2 = _class_pv(p_kv, stride_kv, sl2, ok2, s2, m_safe, o_v, m_v, LIB, DV)
-    r6, v6 = _class_pv(p_kv, stride_kv, sl6, ok6, s6, m_safe, o_v, m_v, LIB, DV)
-    r1, v1 = _class_pv(p_kv, stride_kv, sl1, ok1, s1, m_safe, o_v, m_v, LIB, DV)
-    r5, v5 = _class_pv(p_kv, stride_kv, sl5, ok5, s5, m_safe, o_v, m_v, LIB, DV)
-    r3, v3 = _class_pv(p_kv, stride_kv, sl3, ok3, s3, m_safe, o_v, m_v, LIB, DV)
-    r7, v7 = _class_pv(p_kv, stride_kv, sl7, ok7, s7, m_safe, o_v, m_v, LIB, DV)
-    rs = ((r0 + r4) + (r2 + r6)) + ((r1 + r5) + (r3 + r7))
-    pv = ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7))
+    # the classes in bit-reversed order 0, 4, 2, 6, 1, 5, 3, 7, summed as a binary counter:
+    # ((P0 + P4) + (P2 + P6)) + ((P1 + P5) + (P3 + P7))
+    rs = tl.full((), 0.0, tl.float32)
+    pv = tl.zeros((DV,), dtype=tl.float32)
+    r1, r2, r4, v1, v2, v4 = rs, rs, rs, pv, pv, pv
+    for t in range(8):
+        k = ((t & 1) << 2) | (t & 2) | (t >> 2)
+        s_k = tl.sum(tl.where(o_k[:, None] == k, b_s, -0.0), 0)  # row k of b_s, exactly
+        r, v = _class_pv(p_kv, p_e, p_b, row, e0 + k, nv, stride_kv, s_k, m_safe, o_v, m_v, PAGED, PAGE, LIB, DV)
+        if t % 2 == 0:
+            r1, v1 = r, v
+        else:
+            r, v = r1 + r, v1 + v
+            if t % 4 == 1:
+                r2, v2 = r, v
+            else:
+                r, v = r2 + r, v2 + v
+                if t == 3:
+                    r4, v4 = r, v
+                else:
+                    rs, pv = r4 + r, v4 + v
     return m_new, alpha, rs, pv
 
 
@@ -171,7 +178,10 @@ def _sparse_attn_fwd_kernel(
     h = tl.program_id(1)
     nv = tl.load(p_nv + i).to(tl.int32)
     row = tl.load(p_row + i).to(tl.int64)  # paged: the row's sequence; packed: its sequence's first kv row
-    p_qh = p_q + i * stride_qm + h * stride_qh
+    o_c = tl.arange(0, C)
+    o_d = o_c[None, :] + ODD * tl.arange(0, J)[:, None]  # (J, C): leaf d = i + c * j of the tree over D
+    b_q = tl.load(p_q + i * stride_qm + h * stride_qh + o_d, mask=(o_c < ODD)[None, :] & (o_d >= 0), other=0.0)
+    b_q = b_q.to(tl.float32)
     p_e = p_ent + i * K_ENT
     p_b = p_bt + row * stride_bt  # paged only
     o_e = tl.arange(0, 8) * 8  # a class's entries within a block: k, k + 8, .., k + 56
@@ -186,7 +196,7 @@ def _sparse_attn_fwd_kernel(
         l = tl.full((), 0.0, tl.float32)
         acc = tl.zeros((DV,), dtype=tl.float32)
         for b in range(g * SEG, tl.minimum(n_blk, g * SEG + SEG)):
-            m_new, alpha, rs, pv = _block(p_qh, p_kv, p_e, p_b, row, b * 64 + o_e, nv, m, stride_kv, scale, o_v, m_v,
+            m_new, alpha, rs, pv = _block(b_q, p_kv, p_e, p_b, row, b * 64 + o_e, nv, m, stride_kv, scale, o_v, m_v,
                                           ODD, J, C, LOG_J, LOG_C, PAGED, PAGE, DV, LIB)
             l = l * alpha + rs
             acc = acc * alpha + pv
@@ -204,7 +214,7 @@ def _sparse_attn_fwd_kernel(
         m_t = m_n
     has = nv > 0
     l_safe = tl.where(has, l_t, 1.0)
-    out = tl.where(has, tl.div_rn(acc_t, tl.full((DV,), 1.0, tl.float32) * l_safe), 0.0)
+    out = tl.where(has, tl.div_rn(acc_t, tl.full((DV,), 1.0, tl.float32) * l_safe), 0.0)  # div_rn: one shape
     lse = tl.where(has, m_t + _log(l_safe, LIB), -float("inf"))
     tl.store(p_o + i * stride_om + h * stride_oh + o_v, out.to(p_o.dtype.element_ty), mask=m_v)
     tl.store(p_lse + i * H + h, lse)

@@ -45,15 +45,17 @@ def _on_kernel(q: torch.Tensor, v_dim: int) -> bool:
 
 def sparse_attention_fwd(
     q: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float, v_dim: int,
-    row_chunk: int | None = None,
+    row_chunk: int | None = None, cu_seqlens_kv: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed forward -> (o (T, H, v_dim) in q.dtype, lse (T, H) fp32).  ``row_chunk`` bounds the CPU path's
-    memory only."""
-    if _on_kernel(q, v_dim):
+    """Packed forward -> (o (T, H, v_dim) in q.dtype, lse (T, H) fp32, the sinks' included).  ``row_chunk`` bounds
+    the CPU path's memory only.  The Triton kernel has no sinks and one kv row per token yet: with either, the
+    element-wise path runs on CUDA too."""
+    if cu_seqlens_kv is None and sinks is None and _on_kernel(q, v_dim):
         from .kernel import sparse_attention_fwd_triton
 
         return sparse_attention_fwd_triton(q, kv, sel, cu_seqlens, float(scale), v_dim)
-    return sparse_attention_fwd_cpu(q, kv, sel, cu_seqlens, float(scale), v_dim, row_chunk=row_chunk)
+    return sparse_attention_fwd_cpu(q, kv, sel, cu_seqlens, float(scale), v_dim, row_chunk=row_chunk,
+                                    cu_seqlens_kv=cu_seqlens_kv, sinks=sinks)
 
 
 def paged_sparse_attention_fwd(
@@ -72,25 +74,30 @@ def paged_sparse_attention_fwd(
 
 def sparse_attention_bwd(
     q: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor, cu_seqlens: torch.Tensor, o: torch.Tensor,
-    lse: torch.Tensor, do: torch.Tensor, *, scale: float, v_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dq (T, H, Dqk), dkv (T, Dqk)) of the packed forward; deterministic, and per sequence."""
-    return sparse_attention_bwd_cpu(q, kv, sel, cu_seqlens, o, lse, do.to(o.dtype), float(scale), v_dim)
+    lse: torch.Tensor, do: torch.Tensor, *, scale: float, v_dim: int, cu_seqlens_kv: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dq (T, H, Dqk), dkv (R, Dqk), dsinks (H,) fp32 or None) of the packed forward; deterministic, and the
+    kv rows' per sequence."""
+    return sparse_attention_bwd_cpu(q, kv, sel, cu_seqlens, o, lse, do.to(o.dtype), float(scale), v_dim,
+                                    cu_seqlens_kv=cu_seqlens_kv, sinks=sinks)
 
 
 class SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, sel, cu_seqlens, scale, v_dim):
-        o, lse = sparse_attention_fwd(q, kv, sel, cu_seqlens, scale=scale, v_dim=v_dim)
-        ctx.save_for_backward(q, kv, sel, cu_seqlens, o, lse)
+    def forward(ctx, q, kv, sel, cu_seqlens, scale, v_dim, cu_seqlens_kv=None, sinks=None):
+        o, lse = sparse_attention_fwd(q, kv, sel, cu_seqlens, scale=scale, v_dim=v_dim, cu_seqlens_kv=cu_seqlens_kv,
+                                      sinks=sinks)
+        ctx.save_for_backward(q, kv, sel, cu_seqlens, o, lse, cu_seqlens_kv, sinks)
         ctx.scale, ctx.v_dim = scale, v_dim
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, kv, sel, cu_seqlens, o, lse = ctx.saved_tensors
-        dq, dkv = sparse_attention_bwd(q, kv, sel, cu_seqlens, o, lse, do, scale=ctx.scale, v_dim=ctx.v_dim)
-        return dq, dkv, None, None, None, None
+        q, kv, sel, cu_seqlens, o, lse, cu_kv, sinks = ctx.saved_tensors
+        dq, dkv, dsinks = sparse_attention_bwd(q, kv, sel, cu_seqlens, o, lse, do, scale=ctx.scale, v_dim=ctx.v_dim,
+                                               cu_seqlens_kv=cu_kv, sinks=sinks)
+        return dq, dkv, None, None, None, None, None, dsinks
 
 
 # ---------------------------------------------------------------- checks
@@ -131,17 +138,34 @@ def _check_selection(sel: torch.Tensor, positions: torch.Tensor) -> None:
                          "each row's positions ascending and distinct")
 
 
-def check_sparse_inputs(q, kv, sel, cu_seqlens, *, scale, v_dim) -> None:
+def check_sparse_inputs(q, kv, sel, cu_seqlens, *, scale, v_dim, cu_seqlens_kv=None, sinks=None) -> None:
     """The checks of ``sparse_attention``."""
     check_tensor("kv", kv, dtypes=FLOAT_DTYPES, ndim=2)
     check_same_device(q=q, kv=kv, sel=sel, cu_seqlens=cu_seqlens)
     _check_common(q, kv.shape[1], kv.dtype, sel, scale, v_dim)
-    if kv.shape[0] != q.shape[0]:
-        raise ValueError(f"kv has {kv.shape[0]} rows but q has {q.shape[0]} tokens (packed: one row per token)")
     check_tensor("cu_seqlens", cu_seqlens, dtypes=_INT_DTYPES, ndim=1)
     _check_cu("cu_seqlens", cu_seqlens, q.shape[0], "q")
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), torch.diff(cu_seqlens).long())
-    _check_selection(sel, torch.arange(q.shape[0], device=q.device) - starts)
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtypes=(torch.float32,), ndim=1)
+        check_same_device(q=q, sinks=sinks)
+        if sinks.shape[0] != q.shape[1]:
+            raise ValueError(f"sinks has {sinks.shape[0]} entries for q's {q.shape[1]} heads")
+    if cu_seqlens_kv is None:
+        if kv.shape[0] != q.shape[0]:
+            raise ValueError(f"kv has {kv.shape[0]} rows but q has {q.shape[0]} tokens (packed: one row per token; "
+                             f"pass cu_seqlens_kv for another layout)")
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), torch.diff(cu_seqlens).long())
+        _check_selection(sel, torch.arange(q.shape[0], device=q.device) - starts)
+        return
+    check_tensor("cu_seqlens_kv", cu_seqlens_kv, dtypes=_INT_DTYPES, ndim=1)
+    check_same_device(q=q, cu_seqlens_kv=cu_seqlens_kv)
+    if cu_seqlens_kv.shape != cu_seqlens.shape:
+        raise ValueError(f"cu_seqlens_kv has {cu_seqlens_kv.shape[0] - 1} sequences, cu_seqlens "
+                         f"{cu_seqlens.shape[0] - 1}")
+    _check_cu("cu_seqlens_kv", cu_seqlens_kv, kv.shape[0], "kv")
+    # a row's entries index its sequence's kv rows; which of them it may see is the caller's layout
+    last = torch.repeat_interleave(torch.diff(cu_seqlens_kv).long(), torch.diff(cu_seqlens).long()) - 1
+    _check_selection(sel, last)
 
 
 def check_paged_sparse_inputs(q, kv_cache, sel, seq_idx, positions, block_table, *, scale, v_dim) -> None:
@@ -183,6 +207,7 @@ def check_paged_sparse_inputs(q, kv_cache, sel, seq_idx, positions, block_table,
 # ---------------------------------------------------------------- public
 def sparse_attention(
     q: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float, v_dim: int,
+    cu_seqlens_kv: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sparse MLA attention over packed sequences, absorbed form (training / scoring).
 
@@ -193,10 +218,14 @@ def sparse_attention(
     cu_seqlens: (B + 1,)      int, 0 = cu[0] <= ... <= cu[B] = T
     scale:      softmax scale (no default: see the module docstring)
     v_dim:      Dv, the value = kv[:, :v_dim] (GLM-5: kv_lora_rank = 512)
-    returns     (T, H, v_dim) in q.dtype; differentiable in q and kv
+    cu_seqlens_kv: (B + 1,) int or None: sequence b's kv rows are kv[cu_kv[b]:cu_kv[b + 1]], any number, and
+                a row's entries index them (DeepSeek-V4: [compressed rows | token rows]); causality is then the
+                caller's (entries are only checked to lie in the sequence's rows)
+    sinks:      (H,) fp32 or None: a per-head logit that joins each row's softmax with no value (DeepSeek-V4)
+    returns     (T, H, v_dim) in q.dtype; differentiable in q, kv and sinks
     """
-    check_sparse_inputs(q, kv, sel, cu_seqlens, scale=scale, v_dim=v_dim)
-    return SparseAttentionFunction.apply(q, kv, sel, cu_seqlens, float(scale), v_dim)
+    check_sparse_inputs(q, kv, sel, cu_seqlens, scale=scale, v_dim=v_dim, cu_seqlens_kv=cu_seqlens_kv, sinks=sinks)
+    return SparseAttentionFunction.apply(q, kv, sel, cu_seqlens, float(scale), v_dim, cu_seqlens_kv, sinks)
 
 
 def paged_sparse_attention(
