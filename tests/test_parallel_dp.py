@@ -162,3 +162,35 @@ def test_adam_step_is_layout_invariant(tiny, tmp_path):
         for r, w in enumerate(ranks):
             bad = [n for n in ref if not torch.equal(w[n], ref[n])]
             assert not bad, f"DP {R} rank {r}: {bad[:4]}"
+
+
+def _fsdp_step(rank, world, trainer, leaves, state):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    from alignzoo.parallel.fsdp import shard_ordered
+
+    with torch.no_grad():
+        for n, p in trainer.named_parameters():
+            p.copy_(state[n])
+    d = (rank + 1) % world
+    fully_shard(trainer, mesh=init_device_mesh("cpu", (world,)))
+    register_fsdp_forward_method(trainer, "logprobs")  # the trainer's entry point is logprobs, not forward
+    shard_ordered(trainer, len(leaves), position=d)
+    tokens = sum(len(s) - 1 for leaf in leaves for s in leaf)
+    for j in range(d, len(leaves), world):
+        leaf = leaves[j]
+        (-sum(lp.sum() for lp in trainer.logprobs(leaf, [1] * len(leaf))) / tokens).backward()
+    torch.optim.Adam(trainer.parameters(), lr=3e-3).step()
+    return {n: p.full_tensor().detach().clone() for n, p in trainer.named_parameters()}
+
+
+def test_fsdp2_adam_step_is_layout_invariant(tiny, tmp_path):
+    """fully_shard with the ordered reduce-scatter: FSDP 2 and FSDP 4 give the one-device weights."""
+    trainer, leaves, state = tiny
+    outs = {R: run_ranks(R, tmp_path / f"R{R}", _fsdp_step, trainer, leaves, state) for R in (2, 4)}
+    ref = adam_step(trainer, leaves, state)
+    for R, ranks in outs.items():
+        for r, w in enumerate(ranks):
+            bad = [n for n in ref if not torch.equal(w[n], ref[n])]
+            assert not bad, f"FSDP {R} rank {r}: {bad[:4]}"
