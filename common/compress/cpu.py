@@ -31,7 +31,7 @@ import torch
 from ..gdn.cpu import scatter_slots
 
 
-def slot_order(rate: int, overlap: bool, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_order(rate: int, overlap: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per window slot j: (back (S,), half (S,)): the slot's source is ``back`` positions before
     the closing token, on channel half ``half`` (0: [:D], 1: [D:]; always 0 without overlap)."""
     S = 2 * rate if overlap else rate
@@ -63,11 +63,11 @@ def window_slots(kv, gate, at, cu_seqlens, *, rate, overlap, starts=None, slots=
 
     A slot at position q (= pos - back) comes from this call's rows when q >= the sequence's start,
     from the slot's ring (``ring_*[slot, q % B]``) when 0 <= q < start, and is padding when q < 0.
-    Copies only.  A token that closes no group gathers a window too (its row is discarded)."""
+    Copies only.  A token that closes no group gathers a window too (its row is zeroed later)."""
     T, C = kv.shape
     H2 = 2 if overlap else 1
     D = C // H2
-    back, half = slot_order(rate, overlap, D, kv.device)
+    back, half = slot_order(rate, overlap, kv.device)
     seq, local, pos = token_coords(at, cu_seqlens, starts)
     d = local[:, None] - back[None, :]  # (G, S): this call's local index of the slot's row
     src = ((at[:, None] - back[None, :]).clamp(min=0) * H2 + half) if T else torch.zeros_like(d)
@@ -161,7 +161,7 @@ def compress_bwd_cpu(dy, kv, gate, position_bias, cu_seqlens, at, *, rate, overl
         dot = dot + p[:, j] * dw[:, j]
     dl = p * (dw - dot[:, None])
     dl = torch.where(pad[..., None], 0.0, dl)
-    back, half = slot_order(rate, overlap, D, kv.device)
+    back, half = slot_order(rate, overlap, kv.device)
     src = (at[:, None] - back[None, :]).clamp(min=0) * H2 + half
     keep = ~pad
     dkv = torch.zeros(T * H2, D, dtype=torch.float32, device=kv.device)
