@@ -26,6 +26,7 @@ PRIMITIVES: dict[str, str] = {
     "moe": "alignzoo.common.moe.checks",
     "gdn": "alignzoo.common.gdn.checks",
     "mhc": "alignzoo.common.mhc.checks",
+    "compress": "alignzoo.common.compress.checks",
 }
 
 
