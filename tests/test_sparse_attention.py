@@ -428,6 +428,14 @@ q = torch.randn(sum(lens), H, D, generator=g).bfloat16()
 cu = torch.tensor([0, 3, 11])
 same(sparse_attention_fwd_triton(q, kv, sel, cu, 0.17, V), cpu.sparse_attention_fwd_cpu(q, kv, sel, cu, 0.17, V),
      "packed")
+# packed, DeepSeek-V4's layout: per-head sinks, and each sequence's kv rows elsewhere (cu_seqlens_kv), the row
+# with no entry (index 1) getting lse = its sink
+sinks = torch.randn(H, generator=g) * 2
+cu_kv = torch.tensor([5, 12, 20])
+kv2 = torch.cat([torch.randn(5, D, generator=g).bfloat16(), kv[:3], torch.randn(4, D, generator=g).bfloat16(), kv[3:]])
+got = sparse_attention_fwd_triton(q, kv2, sel, cu, 0.17, V, cu_kv, sinks)
+same(got, cpu.sparse_attention_fwd_cpu(q, kv2, sel, cu, 0.17, V, cu_seqlens_kv=cu_kv, sinks=sinks), "sinks")
+assert torch.equal(got[1][1], sinks)
 # one row of 1,090 entries: two 1024-entry segments merged; D = 8 * 3, the value the whole row
 q, cache, sel, seq_idx, table, _ = _kernel_inputs(g, torch.float32, 1, 24, [1200], [(0, 1199)], 1100)
 same(paged_sparse_attention_fwd_triton(q, cache, sel, seq_idx, table, 0.3, 24),
@@ -440,7 +448,8 @@ def test_kernel_gives_the_cpu_bits_interpreted():
     """The Triton kernel CUDA runs (``kernel.py``), run by Triton's interpreter on CPU tensors with torch's exp and
     log: the CPU path's bits (out and lse) for paged rows of two sequences in shuffled pages with given-back
     entries, -1 pads anywhere and a row with none (bf16, 3 heads, D = 40, v_dim = 32, top-k 5), packed rows of
-    two sequences, and a row whose 1,090 entries span two merged segments."""
+    two sequences (also with sinks and kv rows placed by ``cu_seqlens_kv``), and a row whose 1,090 entries span
+    two merged segments."""
     from interpreted import TORCH_MATH, run_interpreted
 
     run_interpreted("import sys\nsys.path.insert(0, %r)\n" % str(_TESTS) + TORCH_MATH + _INTERPRETED_SPARSE_FWD,
@@ -454,7 +463,8 @@ _TESTS = __import__("pathlib").Path(__file__).resolve().parent
 def test_kernel_on_cuda_has_the_cpu_bits_at_glm5_shapes():
     """GLM-5's absorbed rows (Dqk = 512 + 64, v_dim 512, 64 heads), top-k 2048 over a 4,096-token context in
     shuffled pages: the compiled kernel (what the launchers run on CUDA) gives the bits of ``cpu.py`` run on the
-    same CUDA tensors, and agrees with the CPU's run to within the last bits of exp/log; packed rows alike."""
+    same CUDA tensors, and agrees with the CPU's run to within the last bits of exp/log; packed rows alike, with
+    sinks and ``cu_seqlens_kv`` too."""
     from alignzoo.common.sparse_attention import cpu
 
     g = torch.Generator().manual_seed(0)
@@ -475,6 +485,11 @@ def test_kernel_on_cuda_has_the_cpu_bits_at_glm5_shapes():
     q = torch.randn(sum(lens), H, D, generator=g).bfloat16()
     dev = [t.cuda() for t in (q, kv, sel, torch.tensor([0, 130, 300]))]
     assert _equal(sparse_attention_fwd(*dev, scale=scale, v_dim=V), cpu.sparse_attention_fwd_cpu(*dev, scale, V))
+    # DeepSeek-V4's layout: sinks, and 20 other rows between the sequences' kv rows (cu_seqlens_kv)
+    dev[1] = torch.cat([kv[:130], torch.randn(20, D, generator=g).bfloat16(), kv[130:]]).cuda()
+    extra = dict(cu_seqlens_kv=torch.tensor([0, 150, 320], device="cuda"), sinks=torch.randn(H, device="cuda"))
+    assert _equal(sparse_attention_fwd(*dev, scale=scale, v_dim=V, **extra),
+                  cpu.sparse_attention_fwd_cpu(*dev, scale, V, **extra))
 
 
 # ------------------------------------------------------------------ DeepSeek-V4's layout: sinks, extra kv rows

@@ -30,7 +30,9 @@ Every product and sum rounds on its own (``enable_fp_fusion=False``); exp and lo
 gives the bits of ``cpu.py`` run on those tensors; under Triton's interpreter, with torch's exp and log patched
 in, the bits of ``cpu.py`` on the CPU (``tests/test_sparse_attention.py``).
 
-Addressing: an entry's KV row is ``kv[start + ent]`` (packed, the trainer) or slot
+Sinks (DeepSeek-V4, packed): ``cpu.with_sinks``' element-wise fp32 arithmetic on (out, lse) before the rounding.
+
+Addressing: an entry's KV row is ``kv[start + ent]`` (packed, the trainer; start = ``cu_seqlens_kv[seq]``) or slot
 ``block_table[seq, ent // 64] * 64 + ent % 64`` of the pool (paged, the server); a pad is never loaded.  The
 launch reads nothing on the host (the compaction is device ops, the loops run to each row's n_valid), so a CUDA
 graph captures it.  Supported: D with odd part c <= ``MAX_ODD`` (GLM-5's 576 = 64 * 9), Dv <= D.
@@ -168,11 +170,11 @@ def _block(b_q, p_kv, p_e, p_b, row, e0, nv, m, stride_kv, scale, o_v, m_v, ODD:
 
 @triton.jit
 def _sparse_attn_fwd_kernel(
-    p_q, p_kv, p_ent, p_nv, p_row, p_bt, p_o, p_lse,
+    p_q, p_kv, p_ent, p_nv, p_row, p_bt, p_sink, p_o, p_lse,
     H, K_ENT, stride_qm, stride_qh, stride_kv, stride_bt, stride_om, stride_oh, scale,
     V_DIM: tl.constexpr, ODD: tl.constexpr, J: tl.constexpr, C: tl.constexpr, LOG_J: tl.constexpr,
     LOG_C: tl.constexpr, DV: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, SEG: tl.constexpr,
-    LIB: tl.constexpr,
+    SINKS: tl.constexpr, LIB: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -216,6 +218,11 @@ def _sparse_attn_fwd_kernel(
     l_safe = tl.where(has, l_t, 1.0)
     out = tl.where(has, tl.div_rn(acc_t, tl.full((DV,), 1.0, tl.float32) * l_safe), 0.0)  # div_rn: one shape
     lse = tl.where(has, m_t + _log(l_safe, LIB), -float("inf"))
+    if SINKS:  # cpu.with_sinks: o * (1 / (1 + exp(sink - lse))), lse = m + log(exp(lse - m) + exp(sink - m))
+        sk = tl.load(p_sink + h)
+        out = out * tl.div_rn(tl.full((), 1.0, tl.float32), 1.0 + _exp(sk - lse, LIB))
+        mx = tl.maximum(lse, sk)
+        lse = mx + _log(_exp(lse - mx, LIB) + _exp(sk - mx, LIB), LIB)
     tl.store(p_o + i * stride_om + h * stride_oh + o_v, out.to(p_o.dtype.element_ty), mask=m_v)
     tl.store(p_lse + i * H + h, lse)
 
@@ -232,7 +239,7 @@ def supported(D: int, v_dim: int) -> bool:
     return D >= 1 and _tree_shape(D)[0] <= MAX_ODD and 1 <= v_dim <= D
 
 
-def _launch(q, table, ent, n_valid, row, block_table, scale, v_dim, paged):
+def _launch(q, table, ent, n_valid, row, block_table, scale, v_dim, paged, sinks=None):
     n, H, D = q.shape
     out = torch.empty(n, H, v_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(n, H, dtype=torch.float32, device=q.device)
@@ -243,10 +250,11 @@ def _launch(q, table, ent, n_valid, row, block_table, scale, v_dim, paged):
     q = q if q.stride(2) == 1 else q.contiguous()
     bt = block_table.contiguous()
     _sparse_attn_fwd_kernel[(n, H)](
-        q, table, ent.contiguous(), n_valid.contiguous(), row.contiguous(), bt, out, lse,
+        q, table, ent.contiguous(), n_valid.contiguous(), row.contiguous(), bt,
+        lse if sinks is None else sinks.contiguous(), out, lse,
         H, ent.shape[1], q.stride(0), q.stride(1), table.stride(0), bt.stride(0), out.stride(0), out.stride(1),
         float(scale), V_DIM=v_dim, ODD=odd, J=J, C=C, LOG_J=log_j, LOG_C=log_c, DV=next_power_of_2(v_dim),
-        PAGED=paged, PAGE=BLOCK_N, SEG=SEG_BLOCKS, LIB=lib,
+        PAGED=paged, PAGE=BLOCK_N, SEG=SEG_BLOCKS, SINKS=sinks is not None, LIB=lib,
         enable_fp_fusion=FP_FUSION, num_warps=8 if D > 256 else 4, **opts,
     )
     return out, lse
@@ -260,11 +268,13 @@ def paged_sparse_attention_fwd_triton(q, kv_cache, sel, seq_idx, block_table, sc
     return _launch(q, table, ent, n_valid, seq_idx, block_table, scale, v_dim, True)
 
 
-def sparse_attention_fwd_triton(q, kv, sel, cu_seqlens, scale, v_dim):
-    """``cpu.sparse_attention_fwd_cpu``'s contract and bits: q (T, H, Dqk), kv (T, Dqk), sel (T, top_k),
-    cu_seqlens (B + 1,) -> (o (T, H, v_dim) in q.dtype, lse (T, H) fp32)."""
+def sparse_attention_fwd_triton(q, kv, sel, cu_seqlens, scale, v_dim, cu_seqlens_kv=None, sinks=None):
+    """``cpu.sparse_attention_fwd_cpu``'s contract and bits: q (T, H, Dqk), kv (T, Dqk) (or ``cu_seqlens_kv``'s
+    rows), sel (T, top_k), cu_seqlens (B + 1,), sinks (H,) fp32 or None -> (o (T, H, v_dim) in q.dtype, lse
+    (T, H) fp32)."""
     ent, n_valid = compact(sel)
     cu = cu_seqlens.to(q.device).long()
+    cu_kv = cu if cu_seqlens_kv is None else cu_seqlens_kv.to(q.device).long()
     seq = torch.searchsorted(cu, torch.arange(q.shape[0], device=q.device), right=True) - 1
     kv = kv if kv.stride(1) == 1 else kv.contiguous()
-    return _launch(q, kv, ent, n_valid, cu[seq], cu, scale, v_dim, False)
+    return _launch(q, kv, ent, n_valid, cu_kv[seq], cu, scale, v_dim, False, sinks)

@@ -48,12 +48,11 @@ def sparse_attention_fwd(
     row_chunk: int | None = None, cu_seqlens_kv: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward -> (o (T, H, v_dim) in q.dtype, lse (T, H) fp32, the sinks' included).  ``row_chunk`` bounds
-    the CPU path's memory only.  The Triton kernel has no sinks and one kv row per token yet: with either, the
-    element-wise path runs on CUDA too."""
-    if cu_seqlens_kv is None and sinks is None and _on_kernel(q, v_dim):
+    the CPU path's memory only."""
+    if _on_kernel(q, v_dim):
         from .kernel import sparse_attention_fwd_triton
 
-        return sparse_attention_fwd_triton(q, kv, sel, cu_seqlens, float(scale), v_dim)
+        return sparse_attention_fwd_triton(q, kv, sel, cu_seqlens, float(scale), v_dim, cu_seqlens_kv, sinks)
     return sparse_attention_fwd_cpu(q, kv, sel, cu_seqlens, float(scale), v_dim, row_chunk=row_chunk,
                                     cu_seqlens_kv=cu_seqlens_kv, sinks=sinks)
 
