@@ -423,7 +423,8 @@ same(got, cpu.paged_sparse_attention_fwd_cpu(q, cache, sel, seq_idx, table, 0.17
 assert torch.equal(got[0][1], torch.zeros(H, V, dtype=q.dtype)) and bool((got[1][1] == float("-inf")).all())
 # packed: every token of two short sequences
 lens = [3, 8]
-_, _, sel, _, _, kv = _kernel_inputs(g, torch.bfloat16, H, D, lens, [(0, p) for p in range(3)] + [(1, p) for p in range(8)], top)
+tokens = [(0, p) for p in range(3)] + [(1, p) for p in range(8)]
+_, _, sel, _, _, kv = _kernel_inputs(g, torch.bfloat16, H, D, lens, tokens, top)
 q = torch.randn(sum(lens), H, D, generator=g).bfloat16()
 cu = torch.tensor([0, 3, 11])
 same(sparse_attention_fwd_triton(q, kv, sel, cu, 0.17, V), cpu.sparse_attention_fwd_cpu(q, kv, sel, cu, 0.17, V),
@@ -432,7 +433,8 @@ same(sparse_attention_fwd_triton(q, kv, sel, cu, 0.17, V), cpu.sparse_attention_
 # with no entry (index 1) getting lse = its sink
 sinks = torch.randn(H, generator=g) * 2
 cu_kv = torch.tensor([5, 12, 20])
-kv2 = torch.cat([torch.randn(5, D, generator=g).bfloat16(), kv[:3], torch.randn(4, D, generator=g).bfloat16(), kv[3:]])
+other = torch.randn(9, D, generator=g).bfloat16()
+kv2 = torch.cat([other[:5], kv[:3], other[5:], kv[3:]])
 got = sparse_attention_fwd_triton(q, kv2, sel, cu, 0.17, V, cu_kv, sinks)
 same(got, cpu.sparse_attention_fwd_cpu(q, kv2, sel, cu, 0.17, V, cu_seqlens_kv=cu_kv, sinks=sinks), "sinks")
 assert torch.equal(got[1][1], sinks)
@@ -490,6 +492,31 @@ def test_kernel_on_cuda_has_the_cpu_bits_at_glm5_shapes():
     extra = dict(cu_seqlens_kv=torch.tensor([0, 150, 320], device="cuda"), sinks=torch.randn(H, device="cuda"))
     assert _equal(sparse_attention_fwd(*dev, scale=scale, v_dim=V, **extra),
                   cpu.sparse_attention_fwd_cpu(*dev, scale, V, **extra))
+
+
+@pytest.mark.gpu
+def test_kernel_decode_step_replays_in_a_cuda_graph():
+    """The server's decode launch reads nothing on the host: captured once, replayed on new rows, selections and
+    cache, it gives the eager bits (the compaction and the row loops run on the device)."""
+    g = torch.Generator().manual_seed(1)
+    H, D, V, top = 8, 576, 512, 300
+    rows = [(0, 700), (1, 64), (0, 3)]
+    q, cache, sel, seq_idx, table, _ = _kernel_inputs(g, torch.bfloat16, H, D, [800, 800], rows, top)
+    static = [t.cuda() for t in (q, cache, sel, seq_idx, table)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        paged_sparse_attention_fwd(*static, scale=0.1, v_dim=V)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_sparse_attention_fwd(*static, scale=0.1, v_dim=V)
+    q2, cache2, sel2, _, _, _ = _kernel_inputs(g, torch.bfloat16, H, D, [800, 800], [(0, 799), (1, 10), (0, 300)], top)
+    for dst, src in zip(static, (q2, cache2, sel2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _equal(out, paged_sparse_attention_fwd(*static, scale=0.1, v_dim=V))
 
 
 # ------------------------------------------------------------------ DeepSeek-V4's layout: sinks, extra kv rows
