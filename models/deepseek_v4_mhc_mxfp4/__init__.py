@@ -1,5 +1,62 @@
 """DeepSeek-V4 (``deepseek_v4_mhc_mxfp4``, transformers' ``deepseek_v4``): four mHC residual streams, shared-KV
-MQA over a sliding window plus compressed history (C4 rows picked by an indexer, C128 rows read whole), hash- and
-learned-routed MXFP4 experts.  Being built: the config (``config.py``) is here; the trainer, the server and the
-weights follow on the shared ops ``common/mhc`` and ``common/compress``.  Not yet in the registry.
+MQA over a sliding window plus compressed history (C4 rows picked by an indexer, C128 rows read whole) with
+per-head sinks, hash- and learned-routed experts (MXFP4 when the checkpoint's are) with a shared expert.
+Config (``config.py``), trainer (``train.py``) and server (``serve.py``) calling the same kernels, the Hugging
+Face and release name maps (``weights.py``); loading and saving are the zoo's (``models/loading.py``).
+
+Not yet in the registry (``alignzoo.models``): ``SPEC`` builds a pair through ``models/loading.py``, and
+``tests/test_deepseek_v4.py`` holds its contract; LoRA, the vendor server, FP8 dense linears and CUDA graphs
+are still to come (issue 48).
 """
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import loading
+from ..spec import ModelSpec
+from .config import PRESETS, DeepseekV4Config
+from .serve import DeepseekV4Server
+from .train import NAME, DeepseekV4Trainer
+from .weights import FP32_NAMES, from_hf, to_hf
+
+
+def init_weights(trainer: DeepseekV4Trainer, seed: int = 0) -> None:
+    """A seeded random model (``loading.init_weights``) with transformers' init where it differs: sinks and
+    position biases zero, mHC bases zero and scales one, the correction bias zero; each hash table routes
+    token v to experts (v k + j) mod E, distinct in a row (transformers' zeros would send every token to one)."""
+    c = trainer.cfg
+    E, k = c.n_routed_experts, c.num_experts_per_tok
+
+    def table(p):
+        return ((torch.arange(p.shape[0], device=p.device)[:, None] * k + torch.arange(k, device=p.device)) % E)
+
+    loading.init_weights(trainer, seed, fill={"attn.sinks": 0.0, "position_bias": 0.0, ".base": 0.0, ".scale": 1.0,
+                                              "moe.correction_bias.weight": 0.0, "moe.tid2eid.weight": table})
+
+
+def _no_lora(name: str):
+    return None
+
+
+def _lora_to_hf(name: str) -> str:
+    raise NotImplementedError("deepseek_v4_mhc_mxfp4 has no LoRA targets yet (issue 48)")
+
+
+def _vendor_server():
+    raise NotImplementedError("deepseek_v4_mhc_mxfp4 has no vendor server yet (issue 48)")
+
+
+SPEC = ModelSpec(
+    name=NAME, config_cls=DeepseekV4Config, presets=PRESETS, trainer_cls=DeepseekV4Trainer,
+    server_cls=DeepseekV4Server, vendor_server_cls=_vendor_server, from_hf=from_hf, to_hf=to_hf,
+    lora_from_hf=_no_lora, lora_to_hf=_lora_to_hf, init_weights=init_weights, fp32_names=FP32_NAMES,
+)
+
+load = functools.partial(loading.load, SPEC)
+build_trainer = functools.partial(loading.build_trainer, SPEC)
+save_pretrained = functools.partial(loading.save_pretrained, SPEC)
+
+__all__ = ["NAME", "PRESETS", "SPEC", "DeepseekV4Config", "DeepseekV4Server", "DeepseekV4Trainer", "build_trainer",
+           "load", "save_pretrained"]

@@ -37,10 +37,10 @@ from .config import CSA, HCA
 MODEL_TYPE = "deepseek_v4"
 ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 # FP32 in any dtype: transformers' _keep_in_fp32_modules_strict (mHC, sinks, position biases, norms, the correction
-# bias); the router weight too, which DeepSeek's own Gate reads in FP32
+# bias); the router's weight stays in the model dtype, as transformers keeps it
 FP32_NAMES = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.fn", "hc_head.base", "hc_head.scale", "attn.sinks",
               "position_bias", "q_a_norm.weight", "kv_norm.weight", "attn_norm.weight", "mlp_norm.weight",
-              "moe.correction_bias.weight", "moe.gate.weight", "norm.weight")
+              "moe.correction_bias.weight", "norm.weight")
 INT_NAMES = ("moe.tid2eid.weight",)
 MTP_IGNORE = r"^(model\.)?mtp\."
 log = logging.getLogger("alignzoo.models")
