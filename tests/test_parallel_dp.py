@@ -209,3 +209,39 @@ def test_fsdp2_adam_step_is_layout_invariant(tiny, reference, tmp_path):
         for r, w in enumerate(ranks):
             bad = [n for n in ref if not torch.equal(w[n], ref[n])]
             assert not bad, f"FSDP {R} rank {r}: {bad[:4]}"
+
+
+def toy_leaves(n: int):
+    """A (5, 7) fp32 parameter W and n leaves c_j with loss (c_j * W).sum(): leaf j's gradient is c_j.
+    Leaves 4m and 4m + 1 are +B and -B (~2^40), the rest ~2^-20: the tree cancels B before adding the
+    small ones, another order loses them (a 60-bit spread), so the order shows in the bits."""
+    g = torch.Generator().manual_seed(n)
+    c = torch.randn(n, 5, 7, generator=g) * 2.0 ** -20
+    for j in range(0, n - 1, 4):
+        c[j] = torch.randn(5, 7, generator=g) * 2.0 ** 40
+        c[j + 1] = -c[j]
+    return torch.nn.Parameter(torch.randn(5, 7, generator=g)), list(c)
+
+
+def toy_grads(w, leaves, group=None, position=None):
+    step_gradients(lambda c: (c * w).sum(), [w], leaves, group=group, position=position)
+    return w.grad.clone()
+
+
+def _toy(rank, world, n):
+    w, leaves = toy_leaves(n)
+    return toy_grads(w, leaves, dist.group.WORLD, (rank + 1) % world)  # reversal would be a symmetry of the tree
+
+
+@pytest.mark.parametrize("n", [5, 8], ids=lambda n: f"N{n}")
+def test_dp_gradients_any_leaf_count(n, tmp_path):
+    """N = 5 leaves (R = 2, 4: the last slot partly padding) and N = 8, positions rotated against
+    rank ids: the DP gradients equal one device's, whose order is visible in the bits."""
+    w, leaves = toy_leaves(n)
+    ref = toy_grads(w, leaves)
+    assert torch.equal(ref, tree_reduce_fwd(torch.stack(leaves), torch.float32))
+    rank_by_rank = [leaves[j] for j in sorted(range(n), key=lambda j: (j % 2, j))]  # DP 2, rank 0's leaves first
+    assert not torch.equal(ref, tree_reduce_fwd(torch.stack(rank_by_rank), torch.float32))
+    for R in (1, 2, 4):
+        for r, grad in enumerate(run_ranks(R, tmp_path / f"R{R}", _toy, n)):
+            assert torch.equal(grad, ref), f"R{R} rank {r}"
