@@ -1,6 +1,7 @@
 """Parallel layouts on torch.distributed whose results do not depend on the layout: collectives
 that exchange without reducing and then run ``common/tree``'s tree in logical order
-(``collectives``), and data-parallel gradients equal to one device's (``dp``)."""
+(``collectives``), data-parallel gradients equal to one device's (``dp``), and FSDP2's reduce-scatter
+replaced by the ordered one (``fsdp.shard_ordered``, imported on use: it reads FSDP2's private ABC)."""
 from .collectives import (
     TreeAccumulator,
     ordered_all_gather,

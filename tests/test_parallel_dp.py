@@ -189,7 +189,10 @@ def _fsdp_step(rank, world, trainer, leaves, state):
         for n, p in trainer.named_parameters():
             p.copy_(state[n])
     d = (rank + 1) % world
-    fully_shard(trainer, mesh=init_device_mesh("cpu", (world,)))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in trainer.layers:  # one parameter group a block, as torchtitan shards, then the rest
+        fully_shard(layer, mesh=mesh)
+    fully_shard(trainer, mesh=mesh)
     register_fsdp_forward_method(trainer, "logprobs")  # the trainer's entry point is logprobs, not forward
     shard_ordered(trainer, len(leaves), position=d)
     tokens = sum(len(s) - 1 for leaf in leaves for s in leaf)
