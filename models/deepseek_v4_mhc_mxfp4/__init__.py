@@ -14,7 +14,9 @@ import functools
 
 import torch
 
+from ...common.moe import quantize_experts_mxfp4
 from .. import loading
+from ..moe_block import MXFP4
 from ..spec import ModelSpec
 from .config import PRESETS, DeepseekV4Config
 from .serve import DeepseekV4Server
@@ -34,6 +36,17 @@ def init_weights(trainer: DeepseekV4Trainer, seed: int = 0) -> None:
 
     loading.init_weights(trainer, seed, fill={"attn.sinks": 0.0, "position_bias": 0.0, ".base": 0.0, ".scale": 1.0,
                                               "moe.correction_bias.weight": 0.0, "moe.tid2eid.weight": table})
+    g = torch.Generator(device=trainer.device).manual_seed(seed + 1)
+    for layer in trainer.layers:  # MXFP4 experts are frozen codes, not parameters: random masters, quantized
+        moe = layer.moe
+        if moe.spec.experts is not MXFP4:
+            continue
+        gu, d = (torch.empty(s.weight.shape[:2] + (s.weight.shape[2] * 2,), device=trainer.device).normal_(
+            0.0, 0.02, generator=g) for s in (moe.gate_up, moe.down))
+        codes = quantize_experts_mxfp4(gu, d)
+        for stack, (c, sc) in zip((moe.gate_up, moe.down), (codes[:2], codes[2:])):
+            stack.weight.copy_(c)
+            stack.weight_scale.copy_(sc)
 
 
 def _no_lora(name: str):

@@ -343,6 +343,8 @@ PRESETS: dict[str, DeepseekV4Config] = {
         mlp_layer_types=("hash_moe", "moe", "moe", "moe"), moe_intermediate_size=32, n_routed_experts=9,
         num_experts_per_tok=3, compress_yarn=Yarn(factor=4.0, original_max_position_embeddings=2048,
                                                   attention_factor=1.0), max_position=8192),
+    # The same with the experts as frozen MXFP4 codes (the release's format), computed packed.
+    "tiny-mxfp4": None,
     # DeepSeek-V4-Flash's shapes (DeepseekV4Config's defaults; a release config.json brings its own layer list).
     "deepseek-v4-flash": DeepseekV4Config(compress_yarn=_FLASH_YARN),
     # Real per-layer shapes (hidden 4096, 64 heads x 512, q_lora 1024, o 8 x 1024, window 128, C4 + C128,
@@ -356,3 +358,4 @@ PRESETS: dict[str, DeepseekV4Config] = {
                                          mlp_layer_types=("hash_moe", "moe", "moe", "moe"), n_routed_experts=16,
                                          compress_yarn=_FLASH_YARN),
 }
+PRESETS["tiny-mxfp4"] = PRESETS["tiny"].replace(quantization=V4Quant(scale_fmt=None, expert_dtype="fp4"))

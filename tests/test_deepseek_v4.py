@@ -1,0 +1,98 @@
+"""deepseek_v4_mhc_mxfp4's contract on the CPU: trainer == sampled == prefill == chunked prefill, bitwise, on a
+mixed batch whose longest prompt leaves the 40-token window ~27 times, crosses ~275 C4 and ~68 C16 groups and
+picks 24 of up to ~280 C4 rows; decode creates compressed rows mid-batch at every offset of a group; the MXFP4
+experts keep it too.  Parity with transformers' DeepseekV4ForCausalLM in fp32 is in test_deepseek_v4_parity.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from alignzoo import SamplingParams
+from alignzoo.models import deepseek_v4_mhc_mxfp4 as V4
+
+TABLE = [(0.9, 40, 0.9, 0.05), (1.3, 0, 0.8, 0.0), (0.6, 7, 1.0, 0.1), (0.0, 0, 1.0, 0.0)]
+
+
+def sharpen(trainer, seed: int) -> None:
+    """Norms in [0.5, 1.5], matrices x3, sinks / mHC bases / position biases drawn, so every part shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in trainer.named_parameters():
+            if not p.dtype.is_floating_point:
+                continue
+            if n.endswith(("sinks", ".base", "position_bias")):
+                p.normal_(0.0, 0.5, generator=g)
+            elif p.dim() == 1:
+                p.uniform_(0.5, 1.5, generator=g)
+            else:
+                p.mul_(3.0)
+
+
+def make_pair(config="tiny", seed=1, **kw):
+    pair = V4.load(config=config, device="cpu", dtype=torch.bfloat16, seed=seed, **kw)
+    sharpen(pair.trainer, seed + 1)
+    pair.sync()
+    return pair
+
+
+def _run(pair, lens, new, seed):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, pair.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+    sps = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, max_new_tokens=new, seed=i, ignore_eos=True)
+           for i, (t, k, p, m) in enumerate(TABLE[i % len(TABLE)] for i in range(len(lens)))]
+    outs = pair.server.generate(prompts, sps)
+    assert not [o.error for o in outs if o.error]
+    seqs = [p + o.tokens for p, o in zip(prompts, outs)]
+    return prompts, sps, outs, seqs
+
+
+def _same(got, outs, what):
+    for i, (a, o) in enumerate(zip(got, outs)):
+        assert torch.equal(a.cpu(), o.logprobs), f"{what}, request {i}: max |diff| {(a.cpu() - o.logprobs).abs().max()}"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_pair()
+
+
+def test_trainer_prefill_chunked_and_sampled_bits_are_one(pair):
+    """1,100 / 333 / 65 / 1-token prompts, 24 new tokens each under the four sampling transforms: the trainer's
+    FP32 log-probs, a fresh prefill and prefills in 37- and 17-token chunks (every offset of a C4 and of a C16
+    group) equal the sampled ones bit for bit."""
+    prompts, sps, outs, seqs = _run(pair, [1100, 333, 65, 1], 24, seed=3)
+    plens = [len(p) for p in prompts]
+    with torch.no_grad():
+        _same(pair.trainer.logprobs(seqs, plens, sps), outs, "trainer")
+    _same(pair.server.score(seqs, plens, sps), outs, "prefill")
+    for chunk in (37, 17):
+        _same(pair.server.score(seqs, plens, sps, chunk_tokens=chunk), outs, f"{chunk}-token chunks")
+
+
+def test_a_request_alone_has_the_batch_bits(pair):
+    """A sequence's bits do not depend on what shares its steps (continuous batching)."""
+    prompts, sps, outs, seqs = _run(pair, [150, 40, 97], 12, seed=5)
+    alone = pair.server.score(seqs[1:2], [len(prompts[1])], sps[1:2])
+    _same(alone, outs[1:2], "alone")
+
+
+def test_mxfp4_experts_keep_the_contract():
+    """The experts as frozen MXFP4 codes on both sides (computed packed): trainer == sampled."""
+    p = make_pair("tiny-mxfp4", seed=7)
+    assert p.trainer.layers[1].moe.gate_up.weight.dtype == torch.uint8
+    prompts, sps, outs, seqs = _run(p, [260, 33], 10, seed=9)
+    with torch.no_grad():
+        _same(p.trainer.logprobs(seqs, [len(x) for x in prompts], sps), outs, "trainer")
+
+
+def test_a_broken_server_is_caught(pair, monkeypatch):
+    """The test's teeth: the server attending without its sinks no longer gives the trainer's bits."""
+    from alignzoo.models.deepseek_v4_mhc_mxfp4 import serve
+
+    real = serve.sparse_attend
+    monkeypatch.setattr(serve, "sparse_attend", lambda *a, sinks=None, **k: real(*a, **k))
+    prompts, sps, outs, seqs = _run(pair, [90], 4, seed=11)
+    monkeypatch.undo()
+    with torch.no_grad():
+        got = pair.trainer.logprobs(seqs, [90], sps)
+    assert not torch.equal(got[0], outs[0].logprobs)
