@@ -11,7 +11,8 @@ position d) whose rows are pushed, in logical order, into a ``TreeAccumulator`` 
 after the last slot each rank rounds its chunk once and an all-gather rebuilds the whole gradient.
 Leaves past N (when R does not divide N) are padding: their rows are marked invalid and skipped.  On
 one device (no group, or R = 1) the same code pushes leaves 0..N-1 in order: the same tree, the same
-bits, whatever R.
+bits, whatever R.  (With bf16 leaves the float64 tree is exact while an element's leaves span < 45
+bits of exponent, so there order rarely shows; a sum in bf16, as DDP and FSDP do, changes the bits.)
 
 Cost per rank and step, for P gradient elements of b bytes and ceil(N/R) slots: ceil(N/R)·(R-1)/R·P·b
 received by all-to-all plus (R-1)/R·P·b by the all-gather, against 2·(R-1)/R·P·b for a ring all-reduce
