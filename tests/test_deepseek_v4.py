@@ -89,8 +89,8 @@ def test_a_broken_server_is_caught(pair, monkeypatch):
     """The test's teeth: the server attending without its sinks no longer gives the trainer's bits."""
     from alignzoo.models.deepseek_v4_mhc_mxfp4 import serve
 
-    real = serve.sparse_attend
-    monkeypatch.setattr(serve, "sparse_attend", lambda *a, sinks=None, **k: real(*a, **k))
+    real = serve.sparse_attention_fwd
+    monkeypatch.setattr(serve, "sparse_attention_fwd", lambda *a, sinks=None, **k: real(*a, **k))
     prompts, sps, outs, seqs = _run(pair, [90], 4, seed=11)
     monkeypatch.undo()
     with torch.no_grad():

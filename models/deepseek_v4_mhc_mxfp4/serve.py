@@ -12,7 +12,7 @@ Op for op the trainer's computation (``train.py``) through the same kernels' ``_
 
 A query row attends to [its compressed rows | its window's token rows] plus the sinks, gathered from the two
 pools in that order (``_entries``), the order the trainer's packed layout gives: the same entries in the same
-order, so ``sparse_attend`` gives the same bits.
+order through the same launcher (``sparse_attention_fwd``), so the same bits.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from ...common.matmul import matmul_fwd
 from ...common.mhc import hc_collapse_fwd, hc_head_fwd, hc_mix_fwd, hc_weights_fwd
 from ...common.rmsnorm import rmsnorm_fwd
 from ...common.rope import rope_fwd, rope_table
-from ...common.sparse_attention.cpu import sparse_attend
+from ...common.sparse_attention import sparse_attention_fwd
 from ..base import ServerBase
 from ..moe_block import moe_block_fwd, routed_extras, server_experts_lora
 from .config import CSA, HCA, DeepseekV4Config
@@ -117,16 +117,16 @@ class DeepseekV4Server(ServerBase):
         return sel
 
     def _entries(self, L, batch, seq_idx, caches, picked):
-        """(table (n (K + W), D), rows (n, K + W), n_valid (n,)): each query row's compressed rows (the picked
-        ones, or every visible one) then its window's token rows, valid entries first in that order."""
+        """(rows (n E, D), sel (n, E)): each query row's compressed rows (the picked ones, or every visible one)
+        then its window's token rows, gathered from their pools into a block of E rows per query row; ``sel``
+        marks the valid ones (-1 the rest), ascending, as the trainer's [compressed | token] layout has them."""
         c, n = self.cfg, batch.positions.shape[0]
         pos, dev, W, D = batch.positions, self.device, c.sliding_window, c.head_dim
         win = batch.pools["win"].block_table.long()
         j = pos[:, None] - W + 1 + torch.arange(W, device=dev)  # (n, W)
-        ok_w = j >= 0
         jc = j.clamp(min=0)
-        slot_w = win[seq_idx[:, None], jc // PAGE_SIZE] * PAGE_SIZE + jc % PAGE_SIZE
-        parts = [(caches["win"][L]["row"].view(-1, D), slot_w, ok_w)]
+        parts = [(caches["win"][L]["row"].view(-1, D),
+                  win[seq_idx[:, None], jc // PAGE_SIZE] * PAGE_SIZE + jc % PAGE_SIZE, j >= 0)]
         pool = _pool_of(c, L)
         if pool is not None:
             rate = c.rate(L)
@@ -140,16 +140,11 @@ class DeepseekV4Server(ServerBase):
             table_c = batch.pools[pool].block_table.long()
             slot_c = table_c[seq_idx[:, None], w // PAGE_SIZE] * PAGE_SIZE + w % PAGE_SIZE
             parts.insert(0, (caches[pool][self._slot[L]]["row"].view(-1, D), slot_c, ok_c))
-        rows = torch.cat([src[torch.where(ok, s, 0)] for src, s, ok in parts], 1)  # (n, K + W, D)
+        rows = torch.cat([src[torch.where(ok, s, 0)] for src, s, ok in parts], 1)  # (n, E, D)
         ok = torch.cat([ok for _, _, ok in parts], 1)
         E = ok.shape[1]
-        order = torch.argsort((~ok).to(torch.uint8), dim=1, stable=True)
-        idx = torch.arange(n, device=dev)[:, None] * E + order
-        n_valid = ok.sum(1)
-        idx = torch.where(torch.arange(E, device=dev)[None, :] < n_valid[:, None], idx, 0)
-        pad = -E % PAGE_SIZE  # sparse_attend reads whole 64-entry blocks of the entry list
-        idx = torch.cat([idx, idx.new_zeros(n, pad)], 1)
-        return rows.reshape(n * E, D), idx, n_valid
+        sel = torch.where(ok, torch.arange(E, device=dev), -1).to(torch.int32)
+        return rows.reshape(n * E, D), sel
 
     def _attention(self, h, L, batch, seq_idx, caches, starts, at):
         c, T, p = self.cfg, h.shape[0], f"layers.{L}.attn."
@@ -169,8 +164,11 @@ class DeepseekV4Server(ServerBase):
             self._write_rows(rows, pool, caches[pool][self._slot[L]]["row"], batch, at)
         if c.layer_types[L] == CSA:
             picked = self._select(h, q_resid, L, batch, seq_idx, caches, starts, at)
-        table, idx, n_valid = self._entries(L, batch, seq_idx, caches, picked)
-        o, _ = sparse_attend(q, table, idx, n_valid, c.softmax_scale, c.head_dim, sinks=self.w(p + "sinks"))
+        rows, sel = self._entries(L, batch, seq_idx, caches, picked)
+        n, E = sel.shape
+        cu = torch.arange(n + 1, device=self.device, dtype=torch.int32)  # each query row its own block of rows
+        o, _ = sparse_attention_fwd(q, rows, sel, cu, scale=c.softmax_scale, v_dim=c.head_dim, cu_seqlens_kv=cu * E,
+                                    sinks=self.w(p + "sinks"))
         o = rope_fwd(o, batch.positions, spec, conjugate=True, check=False)
         self.tap("attn.out", o, L)
         y = self.linear(grouped_o(o.reshape(T, -1), self.w(p + "o_a.weight"), c.o_groups, matmul_fwd), p + "o_b.", ids)
