@@ -175,9 +175,13 @@ class TrainerBase(nn.Module):
                     continue
                 experts = getattr(owner, attr)
                 seeds = {k: seed * 1_000_003 + 500_009 + 2 * i + ExpertsAdapter.KEYS.index(k) for k in keys}
-                setattr(experts, ExpertsAdapter.ATTR, ExpertsAdapter(experts.gate_up.weight, experts.down.weight,
-                                                                     keys, cfg.r, cfg.scale, mode, seeds,
+                setattr(experts, ExpertsAdapter.ATTR, ExpertsAdapter(*self.experts_base(experts), keys, cfg.r,
+                                                                     cfg.scale, mode, seeds,
                                                                      dtype=self.embed.weight.dtype))
+
+    def experts_base(self, experts) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacks (E, 2I, H), (E, H, I) an experts adapter takes its shapes from (and merges into)."""
+        return experts.gate_up.weight, experts.down.weight
 
     @property
     def adapter_names(self) -> tuple[str, ...]:

@@ -5,8 +5,9 @@ Config (``config.py``), trainer (``train.py``) and server (``serve.py``) calling
 Face and release name maps (``weights.py``); loading and saving are the zoo's (``models/loading.py``).
 
 Not yet in the registry (``alignzoo.models``): ``SPEC`` builds a pair through ``models/loading.py``, and
-``tests/test_deepseek_v4.py`` holds its contract; LoRA, the vendor server, FP8 dense linears and CUDA graphs
-are still to come (issue 48).
+``tests/test_deepseek_v4.py`` holds its contract, ``tests/test_deepseek_v4_lora.py`` its LoRA (the attention's
+q_a / q_b / kv / o_b and the routed experts; on MXFP4 experts separate only); the vendor server, FP8 dense linears
+and CUDA graphs are still to come (issue 48).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..spec import ModelSpec
 from .config import PRESETS, DeepseekV4Config
 from .serve import DeepseekV4Server
 from .train import NAME, DeepseekV4Trainer
-from .weights import FP32_NAMES, from_hf, to_hf
+from .weights import FP32_NAMES, LORA_PARAM_ORDER, from_hf, lora_from_hf, lora_to_hf, to_hf
 
 
 def init_weights(trainer: DeepseekV4Trainer, seed: int = 0) -> None:
@@ -49,27 +50,23 @@ def init_weights(trainer: DeepseekV4Trainer, seed: int = 0) -> None:
             stack.weight_scale.copy_(sc)
 
 
-def _no_lora(name: str):
-    return None
-
-
-def _lora_to_hf(name: str) -> str:
-    raise NotImplementedError("deepseek_v4_mhc_mxfp4 has no LoRA targets yet (issue 48)")
-
-
 def _vendor_server():
-    raise NotImplementedError("deepseek_v4_mhc_mxfp4 has no vendor server yet (issue 48)")
+    from .serve_vendor import DeepseekV4VendorServer
+
+    return DeepseekV4VendorServer
 
 
 SPEC = ModelSpec(
     name=NAME, config_cls=DeepseekV4Config, presets=PRESETS, trainer_cls=DeepseekV4Trainer,
     server_cls=DeepseekV4Server, vendor_server_cls=_vendor_server, from_hf=from_hf, to_hf=to_hf,
-    lora_from_hf=_no_lora, lora_to_hf=_lora_to_hf, init_weights=init_weights, fp32_names=FP32_NAMES,
+    lora_from_hf=lora_from_hf, lora_to_hf=lora_to_hf, init_weights=init_weights, fp32_names=FP32_NAMES,
+    lora_param_order=LORA_PARAM_ORDER,
 )
 
 load = functools.partial(loading.load, SPEC)
 build_trainer = functools.partial(loading.build_trainer, SPEC)
 save_pretrained = functools.partial(loading.save_pretrained, SPEC)
+load_adapter = functools.partial(loading.load_adapter, SPEC)
 
 __all__ = ["NAME", "PRESETS", "SPEC", "DeepseekV4Config", "DeepseekV4Server", "DeepseekV4Trainer", "build_trainer",
-           "load", "save_pretrained"]
+           "load", "load_adapter", "save_pretrained"]

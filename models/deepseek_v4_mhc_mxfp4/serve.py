@@ -32,6 +32,7 @@ from ..base import ServerBase
 from ..moe_block import moe_block_fwd, routed_extras, server_experts_lora
 from .config import CSA, HCA, DeepseekV4Config
 from .train import grouped_o, moe_spec
+from .weights import lora_slices
 
 
 def _pool_of(cfg: DeepseekV4Config, layer: int) -> str | None:
@@ -42,7 +43,7 @@ class DeepseekV4Server(ServerBase):
     """``ServerBase``: the weight dict, LoRA branches, ``linear``; the mHC head, the final norm and the LM head
     are this model's own (``_logits``)."""
 
-    lora_slices_of = staticmethod(lambda cfg: {})  # no LoRA targets yet
+    lora_slices_of = staticmethod(lora_slices)
 
     def __init__(self, cfg: DeepseekV4Config, weights: dict[str, torch.Tensor], lora_scale: float | None = None,
                  lora_adapters: tuple[tuple[str, float], ...] = ()):

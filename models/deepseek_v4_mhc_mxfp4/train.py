@@ -35,6 +35,7 @@ from ..base import TrainerBase
 from ..capture import no_tap
 from ..moe_block import BF16, MXFP4, HashRouter, MoEBlock, MoESpec, SharedExpert, SqrtSoftplusRouter
 from .config import CSA, HCA, DeepseekV4Config
+from .weights import LORA_PARAM_SLOTS, LORA_TARGETS, lora_slices
 
 NAME = "deepseek_v4_mhc_mxfp4"
 
@@ -267,11 +268,14 @@ class Block(nn.Module):
 
 
 class DeepseekV4Trainer(TrainerBase):
-    """Parameters are named as in ``weights.py``.  ``logprobs`` and ``forward_weights``: ``models/base.py``;
-    router replay: ``logprobs(..., replay=completion extras)``."""
+    """Parameters are named as in ``weights.py``.  LoRA, ``logprobs`` and ``forward_weights``: ``models/base.py``
+    (on MXFP4 experts the adapters run separate, inside the packed kernel); router replay: ``logprobs(...,
+    replay=completion extras)``."""
 
     model_name = NAME
-    lora_slices_of = staticmethod(lambda cfg: {})  # no LoRA targets yet
+    lora_targets = tuple(LORA_TARGETS)
+    lora_slices_of = staticmethod(lora_slices)
+    lora_param_slots = LORA_PARAM_SLOTS
 
     def __init__(self, cfg: DeepseekV4Config, *, device=None, dtype=torch.bfloat16, activation_checkpointing=False,
                  fp8: bool = False):
@@ -286,6 +290,28 @@ class DeepseekV4Trainer(TrainerBase):
         self.hc_head = HyperParams(N, N * H, 1, device=device)
         self.norm = Weight(H, device=device, dtype=torch.float32)
         self.lm_head = None if cfg.tie_word_embeddings else Weight(cfg.vocab_size, H, **kw)
+
+    def add_lora(self, lora, mode: str = "merged", seed: int = 0) -> None:
+        """``TrainerBase.add_lora``; MXFP4 experts take their adapters in separate mode only: merged, W' would be
+        requantized every step and the codes would no longer be the checkpoint's."""
+        if mode == "merged" and self._mxfp4 and self.check_lora(lora).target_parameters:
+            raise NotImplementedError("LoRA on MXFP4 experts (target_parameters) runs in lora_mode='separate' (the "
+                                      "adapter inside the packed kernel, the codes frozen); merged would requantize "
+                                      "W' every step")
+        super().add_lora(lora, mode, seed)
+
+    @property
+    def _mxfp4(self) -> bool:
+        return any(layer.moe.spec.experts is MXFP4 for layer in self.layers)
+
+    def experts_base(self, experts) -> tuple[torch.Tensor, torch.Tensor]:
+        """MXFP4 stacks are packed codes: the adapters take the unpacked (E, 2I, H), (E, H, I) in the activations'
+        dtype (``TrainerBase.experts_base``)."""
+        if experts.spec.experts is not MXFP4:
+            return super().experts_base(experts)
+        s, like = experts.spec, torch.zeros((), dtype=self.embed.weight.dtype, device=self.device)
+        E, I, H = s.num_experts, s.intermediate_size, s.hidden_size
+        return like.expand(E, 2 * I, H), like.expand(E, H, I)
 
     def hidden(self, tokens, positions, cu_seqlens, rows, max_seqlen=None, adapters: AdapterRows | None = None,
                replay=None, index_replay=None):

@@ -32,6 +32,7 @@ import torch
 
 from ...weights import CheckpointError, NameMap, OneOf, Fuse, Stack, HFCheckpoint, check_model_type, open_source, \
     read_hf_config
+from ...weights.lora_names import LoraNames
 from .config import CSA, HCA
 
 MODEL_TYPE = "deepseek_v4"
@@ -44,6 +45,30 @@ FP32_NAMES = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.fn", "hc_head.base", "
 INT_NAMES = ("moe.tid2eid.weight",)
 MTP_IGNORE = r"^(model\.)?mtp\."
 log = logging.getLogger("alignzoo.models")
+
+# LoRA targets {HF projection: its module under model.layers.{i}}: the attention's projections.  o_a_proj is a
+# grouped linear (each head group through its own row block), which one adapter pair over the whole matrix cannot
+# follow; the compressors and the indexer are left frozen (the indexer takes no gradient).  In PEFT, "q_b_proj" and
+# "kv_proj" also name the compressor's and indexer's modules: there they get B = 0 adapters, which change nothing.
+LORA_TARGETS = {"q_a_proj": "self_attn.q_a_proj", "q_b_proj": "self_attn.q_b_proj", "kv_proj": "self_attn.kv_proj",
+                "o_b_proj": "self_attn.o_b_proj"}
+# LoRA on the routed experts (PEFT's target_parameters): HF parameter -> (our experts module, which)
+LORA_PARAM_SLOTS = {"mlp.experts.gate_up_proj": ("moe", "gate_up"), "mlp.experts.down_proj": ("moe", "down")}
+# transformers' DeepseekV4Experts registers gate_up_proj before down_proj: PEFT nests their adapters in that order
+LORA_PARAM_ORDER = ("gate_up_proj", "down_proj")
+
+
+def lora_slices(cfg) -> dict[str, tuple[tuple[str, int, int], ...]]:
+    """{our layer: ((HF projection, first row, end row),)}: one projection each (none is fused)."""
+    return {"attn.q_a": (("q_a_proj", 0, cfg.q_lora_rank),),
+            "attn.q_b": (("q_b_proj", 0, cfg.num_heads * cfg.head_dim),),
+            "attn.kv": (("kv_proj", 0, cfg.head_dim),),
+            "attn.o_b": (("o_b_proj", 0, cfg.hidden_size),)}
+
+
+_LORA_NAMES = LoraNames(LORA_TARGETS, LORA_PARAM_SLOTS)
+lora_to_hf = _LORA_NAMES.to_hf  # layers.{i}.<projection> -> model.layers.{i}.self_attn.<module>; experts: <module>:<param>
+lora_from_hf = _LORA_NAMES.from_hf
 
 # DeepSeek's release names -> transformers' (after the ``layers.{i}.`` prefix; longest first, as the
 # nested indexer compressor must win over the outer compressor)

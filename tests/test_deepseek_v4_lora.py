@@ -1,0 +1,118 @@
+"""deepseek_v4_mhc_mxfp4's LoRA on the CPU: adapters on the attention's q_a / q_b / kv / o_b and inside the routed
+experts (MXFP4 codes too, separate only): sampled bits == the trainer's == a fresh prefill's before and after an
+Adam step on the adapters; the sync ships the adapters alone; a PEFT directory written and read back gives the same
+bits; a bad target is refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+from model_cases import assert_trainer_matches, prompts_of, rich
+
+from alignzoo.models import deepseek_v4_mhc_mxfp4 as V4
+from alignzoo.models.deepseek_v4_mhc_mxfp4.weights import lora_from_hf, lora_to_hf
+from test_deepseek_v4 import sharpen
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+ATTN = ["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_pair(config="tiny", seed=2, **kw):
+    pair = V4.load(config=config, device="cpu", dtype=torch.bfloat16, seed=seed, **kw)
+    sharpen(pair.trainer, seed + 1)
+    pair.sync()
+    return pair
+
+
+def base_weights(pair) -> dict:
+    return {n: w.clone() for n, w in pair.server.model.weights.items() if ".lora_" not in n and "adapters." not in n}
+
+
+CASES = [
+    ("tiny", "separate", {"r": 4, "lora_alpha": 8, "target_modules": ATTN, "target_parameters": EXPERTS}),
+    ("tiny", "merged", {"r": 3, "lora_alpha": 6, "target_modules": ["q_b_proj", "o_b_proj"],
+                        "target_parameters": EXPERTS[1:]}),
+    ("tiny-mxfp4", "separate", {"r": 4, "lora_alpha": 8, "target_modules": ["kv_proj", "q_a_proj"],
+                                "target_parameters": EXPERTS}),
+]
+
+
+@pytest.mark.parametrize("config,mode,lora", CASES, ids=["attn-and-experts-separate", "merged", "mxfp4-separate"])
+def test_lora_keeps_k3_zero_across_an_adam_step(config, mode, lora, tmp_path):
+    """Random B so every adapter shows, then an Adam step on the adapters alone: trainer == prefill == sampled
+    bitwise before and after; only adapters (merged: the W' they fold into) move on the server; the adapter saved
+    as a PEFT directory and loaded into a fresh pair of the same base samples the same bits."""
+    pair = make_pair(config, lora=lora, lora_mode=mode)
+    t = pair.trainer
+    with torch.no_grad():
+        for p in t.adapter_parameters():
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    pair.sync()
+    prompts = prompts_of([97, 41], pair.config.vocab_size, seed=3)
+    sps = rich(2, 5, seed=1)
+    outs = pair.server.generate(prompts, sps)
+    assert_trainer_matches(pair, prompts, sps, outs)
+    before = base_weights(pair)
+    lps = t.logprobs([p + o.tokens for p, o in zip(prompts, outs)], [len(p) for p in prompts], sps)
+    sum(lp.sum() for lp in lps).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in t.adapter_parameters())
+    torch.optim.Adam(t.adapter_parameters(), lr=1e-2).step()
+    pair.sync()
+    folded = (".q_b.", ".o_b.", ".moe.down.") if mode == "merged" else ()
+    for n, w in pair.server.model.weights.items():
+        if n in before and not any(f in n for f in folded):
+            assert torch.equal(w, before[n]), n
+    if config == "tiny-mxfp4":
+        assert t.layers[1].moe.gate_up.weight.dtype == torch.uint8  # the codes stay packed and frozen
+    outs = pair.server.generate(prompts, sps)
+    assert_trainer_matches(pair, prompts, sps, outs)
+    pair.save_pretrained(tmp_path, adapter_only=True)
+    again = make_pair(config, lora=lora, lora_mode=mode)  # the same sharpened base
+    V4.load_adapter(again, tmp_path)
+    for a, b in zip(again.server.generate(prompts, sps), outs):
+        assert torch.equal(a.logprobs, b.logprobs)
+
+
+def test_multi_mode_adapters_on_the_attention():
+    """Two named adapters on one base, each request its own: trainer == sampled."""
+    lora = {"a": {"r": 2, "lora_alpha": 4, "target_modules": ["q_a_proj", "o_b_proj"]},
+            "b": {"r": 3, "lora_alpha": 3, "target_modules": ["kv_proj"]}}
+    pair = make_pair(lora_adapters=lora, seed=4)
+    with torch.no_grad():
+        for name in lora:
+            for p in pair.trainer.adapter_parameters(name):
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    pair.sync()
+    prompts = prompts_of([60, 33], pair.config.vocab_size, seed=5)
+    sps = rich(2, 4, seed=2)
+    outs = pair.server.generate(prompts, sps, adapters=["a", "b"])
+    seqs = [p + o.tokens for p, o in zip(prompts, outs)]
+    with torch.no_grad():
+        got = pair.trainer.logprobs(seqs, [len(p) for p in prompts], sps, adapters=["a", "b"])
+    for g, o in zip(got, outs):
+        assert torch.equal(g, o.logprobs)
+
+
+def test_peft_names_round_trip():
+    assert lora_to_hf("layers.3.kv_proj") == "model.layers.3.self_attn.kv_proj"
+    assert lora_to_hf("layers.0.moe.gate_up") == "model.layers.0.mlp.experts:gate_up_proj"
+    for n in ("layers.2.q_a_proj", "layers.2.q_b_proj", "layers.2.o_b_proj", "layers.1.moe.down"):
+        assert lora_from_hf(lora_to_hf(n)) == n
+    assert lora_from_hf("model.layers.0.self_attn.compressor.kv_proj") is None  # the compressor takes none
+
+
+def test_bad_targets_are_named():
+    with pytest.raises(ValueError, match="unknown LoRA target module 'o_a_proj'"):
+        V4.DeepseekV4Trainer.check_lora({"r": 2, "lora_alpha": 4, "target_modules": ["o_a_proj"]})
+    with pytest.raises(ValueError, match="unknown LoRA target parameter 'mlp.experts.up_proj'"):
+        V4.DeepseekV4Trainer.check_lora({"r": 2, "lora_alpha": 4, "target_parameters": ["mlp.experts.up_proj"]})
+    with pytest.raises(NotImplementedError, match="MXFP4 experts.*separate"):
+        V4.load(config="tiny-mxfp4", device="cpu", lora={"r": 2, "lora_alpha": 4, "target_parameters": EXPERTS},
+                lora_mode="merged")
