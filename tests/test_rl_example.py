@@ -8,6 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import deepseek_v4_mhc_mxfp4_rl  # noqa: E402
 import glm5_sparse_fp8_rl  # noqa: E402
 import qwen3_rl  # noqa: E402
 from rl_common import OrderedGradSum, group_advantages, reward_summary, token_objective  # noqa: E402
@@ -161,3 +162,20 @@ def test_glm5_sparse_fp8_steps_are_exact(tmp_path, capsys, mode):
         assert f"({r['sync_blocks']} blocks, {r['sync_bytes'] / 1024:.1f} of " in text
     if "--lora" in mode:
         assert all(r["sync_bytes"] < r["sync_bytes_full"] / 10 for r in log)
+
+
+def test_deepseek_v4_mhc_mxfp4_lora_steps_are_exact(tmp_path, capsys):
+    """Rung 5 on DeepSeek-V4 with MXFP4 experts: prompts of 42 tokens, past the tiny preset's 40-token window, so
+    every sampled token reads compressed rows; LoRA on the attention and inside the packed experts (separate);
+    K3 == 0 on every token of every step and each sync ships the adapters alone (the codes never change)."""
+    out = str(tmp_path / "v4")
+    argv = ["--steps", "2", "--prompts", "2", "--group-size", "2", "--mxfp4", "--out", out, "--no-plot"]
+    assert deepseek_v4_mhc_mxfp4_rl.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "prompts of 42 tokens, a 40-token window" in text and "MXFP4 experts" in text
+    assert "served weights == the trainer's" in text
+    log = read_log(out)
+    assert len(log) == 2
+    assert all(r["differing_tokens"] == 0 and r["k3_max"] == 0.0 and r["tokens"] > 0 for r in log)
+    assert all(r["sampled_under_version"] == [r["weight_version"] - 1] for r in log)
+    assert all(0 < r["sync_bytes"] < r["sync_bytes_full"] / 4 for r in log)
