@@ -72,6 +72,14 @@ def segment_partials(x, w, seg):
     return torch.stack([fixed_order_dot(a, b) for a, b in zip(x.split(seg, 1), w.split(seg, 1))])
 
 
+def segmented_sum(x, w, seg):
+    """The contract spelled out: one running fp32 total, segment 0 first."""
+    total = torch.zeros(x.shape[0], w.shape[0])
+    for k in range(0, x.shape[1], seg):
+        total = total + fixed_order_dot(x[:, k: k + seg], w[:, k: k + seg])
+    return total
+
+
 def k_split_case():
     g = torch.Generator().manual_seed(7)
     x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-12, 12, (M, K), generator=g).float())
@@ -99,7 +107,7 @@ def test_tp_server_equals_one_device(pair, positions, tmp_path):
     cfg, weights = pair.server.model.cfg, pair.server.model.weights
     outs = run_ranks(len(positions), tmp_path, _tp_rank, cfg, weights, prompts, positions)
     x, w = k_split_case()
-    one_device = merge_segment_partials(segment_partials(x, w, SEG), torch.float32)
+    one_device = segmented_sum(x, w, SEG)
     for r, o in enumerate(outs):
         assert len(o["logits"]) == len(ref["logits"]), r
         assert all(torch.equal(a, b) for a, b in zip(o["logits"], ref["logits"])), r
@@ -115,6 +123,7 @@ def test_k_split_needs_whole_segments_in_order():
     x, w = k_split_case()
     parts = segment_partials(x, w, SEG)
     merged = merge_segment_partials(parts, torch.float32)
+    assert torch.equal(merged, segmented_sum(x, w, SEG))
     assert not torch.equal(merge_segment_partials(parts.flip(0), torch.float32), merged)
     assert not torch.equal(merged, matmul_fwd(x, w))
     check_k_split(4096, 4, 1024)
