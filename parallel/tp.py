@@ -28,8 +28,8 @@ all-gather in logical order.  Exact on both paths.  Cost per row-parallel layer 
 (o: about the same; down: K = I ≈ 3·N, so ~2x).  ``k_split_linear`` moves R·S fp32 partials of N instead
 and becomes the row path on CUDA once ``common/matmul`` exports its split kernel's segment partials.
 
-Logical positions: rank r holds shard ``position`` (default r), a permutation of 0..R-1; every gather
-concatenates by position (``ordered_all_gather``), never by rank id.
+Logical positions: rank r holds shard ``position`` (default r), a permutation of 0..R-1 settled once
+(``rank_of_positions``); every gather concatenates by position, never by rank id.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .collectives import _size_rank, ordered_all_gather
+from .collectives import _all_gather, _size_rank, ordered_all_gather
 
 Blocks = tuple[tuple[int, int, str], ...]  # fused blocks in order: (units, elements per unit, what the units are)
 
@@ -136,26 +136,59 @@ def shard_weights(weights: dict[str, torch.Tensor], plan: TPPlan, tp: int, posit
 
 class TensorParallel:
     """Mixed in before a model's server class: ``linear`` gathers around row-parallel layers and
-    ``_logits`` gathers the vocabulary shards, both in logical order; the rest is the model's."""
+    ``_logits`` gathers the vocabulary shards, both in logical order; the rest is the model's.
+
+    Who holds which position and every shard's width are settled once by ``tp_server``, so a gather
+    is one ``all_gather`` and static slicing: no label exchange and no host read per call (what a
+    CUDA-graph capture needs)."""
 
     tp_group = None
-    tp_position = 0
-    tp_rows: frozenset[str] = frozenset()
+    tp_rank_of: tuple[int, ...] = (0,)  # the rank holding each position, by position
+    tp_rows: dict[str, tuple[int, ...]] = {}  # row-parallel layer prefix -> its output widths by position
+    tp_vocab: tuple[int, ...] = ()  # the LM head's vocabulary widths by position
+
+    def tp_gather(self, x: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
+        """(T, widths[p]) at each position p -> (T, sum(widths)), shards concatenated by position."""
+        R = len(self.tp_rank_of)
+        if R == 1:
+            return x
+        w = max(widths)
+        padded = torch.nn.functional.pad(x, (0, w - x.shape[-1])).contiguous()
+        out = padded.new_empty(R, *padded.shape)
+        _all_gather(out, padded, self.tp_group)
+        return torch.cat([out[r, :, : widths[p]] for p, r in enumerate(self.tp_rank_of)], -1)
 
     def linear(self, x, prefix, adapter_ids):
-        if prefix not in self.tp_rows:
+        widths = self.tp_rows.get(prefix)
+        if widths is None:
             return super().linear(x, prefix, adapter_ids)
-        x = ordered_all_gather(x, self.tp_position, self.tp_group)  # (T, K): the one-device K layout
+        x = self.tp_gather(x, (x.shape[-1],) * len(widths))  # (T, K): the one-device K layout
         y = super().linear(x, prefix, adapter_ids)  # (T, N_p): whole K-chains of this rank's columns
-        return ordered_all_gather(y, self.tp_position, self.tp_group)
+        return self.tp_gather(y, widths)
 
     def _logits(self, x, residual, batch):
-        return ordered_all_gather(super()._logits(x, residual, batch), self.tp_position, self.tp_group)
+        return self.tp_gather(super()._logits(x, residual, batch), self.tp_vocab)
 
 
 @functools.cache
 def _tp_class(server_cls: type) -> type:
     return type(f"TP{server_cls.__name__}", (TensorParallel, server_cls), {})
+
+
+def rank_of_positions(position: int, group=None, device=None) -> tuple[int, ...]:
+    """The rank holding each TP position (one all-gather at setup); positions must be a permutation."""
+    R, _ = _size_rank(group)
+    if R == 1:
+        if position != 0:
+            raise ValueError(f"one rank holds TP position {position}: positions must be 0..R-1")
+        return (0,)
+    mine = torch.tensor([position], dtype=torch.int64, device=device)
+    table = mine.new_empty(R)
+    _all_gather(table, mine, group=group)
+    by_rank = table.tolist()
+    if sorted(by_rank) != list(range(R)):
+        raise ValueError(f"TP positions {by_rank} (by rank) are not a permutation of 0..{R - 1}")
+    return tuple(by_rank.index(p) for p in range(R))
 
 
 def tp_server(server_cls: type, cfg, weights: dict[str, torch.Tensor], plan: TPPlan, group=None,
@@ -167,9 +200,14 @@ def tp_server(server_cls: type, cfg, weights: dict[str, torch.Tensor], plan: TPP
     check_layout(plan, cfg, R)
     p = rank if position is None else position
     model = _tp_class(server_cls)(plan.local_config(cfg, R), shard_weights(weights, plan, R, p), **server_kw)
-    model.tp_group, model.tp_position = group, p
-    model.tp_rows = frozenset(n.replace("{}", str(i)).removesuffix("weight")
-                              for n, k in plan.weights.items() if isinstance(k, Row) for i in range(plan.num_layers))
+    model.tp_group = group
+    model.tp_rank_of = rank_of_positions(p, group, model.device)
+    rows = {n.replace("{}", str(i)): k for n, k in plan.weights.items() if isinstance(k, Row)
+            for i in range(plan.num_layers)}
+    model.tp_rows = {n.removesuffix("weight"): tuple(hi - lo for lo, hi in (even_range(weights[n].shape[0], R, q)
+                                                                             for q in range(R))) for n in rows}
+    V = weights.get("lm_head.weight", weights["embed.weight"]).shape[0]
+    model.tp_vocab = tuple(hi - lo for lo, hi in (even_range(V, R, q) for q in range(R)))
     return model
 
 
