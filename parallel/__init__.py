@@ -1,7 +1,8 @@
 """Parallel layouts on torch.distributed whose results do not depend on the layout: collectives
 that exchange without reducing and then run ``common/tree``'s tree in logical order
 (``collectives``), data-parallel gradients equal to one device's (``dp``), and FSDP2's reduce-scatter
-replaced by the ordered one (``fsdp.shard_ordered``, imported on use: it reads FSDP2's private ABC)."""
+replaced by the ordered one (``fsdp.shard_ordered``, imported on use: it reads FSDP2's private ABC), and
+tensor-parallel serving with one device's bits from a model's declared plan (``tp``)."""
 from .collectives import (
     TreeAccumulator,
     ordered_all_gather,
@@ -9,6 +10,7 @@ from .collectives import (
     ordered_reduce_scatter,
 )
 from .dp import step_gradients
+from .tp import Column, Row, TPPlan, Vocab, check_layout, tp_server
 
 __all__ = ["TreeAccumulator", "ordered_all_gather", "ordered_all_reduce", "ordered_reduce_scatter",
-           "step_gradients"]
+           "step_gradients", "Column", "Row", "TPPlan", "Vocab", "check_layout", "tp_server"]
