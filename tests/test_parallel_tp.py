@@ -96,7 +96,7 @@ def _tp_rank(rank, world, cfg, weights, prompts, positions):
     return out
 
 
-@pytest.mark.parametrize("positions", [(0, 1), (2, 0, 3, 1)], ids=lambda p: f"TP{len(p)}")
+@pytest.mark.parametrize("positions", [(0,), (0, 1), (2, 0, 3, 1)], ids=lambda p: f"TP{len(p)}")
 def test_tp_server_equals_one_device(pair, positions, tmp_path):
     prompts = prompts_of(LENS, pair.config.vocab_size, seed=2)
     ref = run_engine(pair.server.model, prompts)
