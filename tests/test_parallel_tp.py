@@ -146,3 +146,12 @@ def test_layouts_refused(pair):
         shard_weights({**weights, "layers.0.qkv.lora_A.q_proj": torch.zeros(2, 72)}, tp_plan(cfg), 2, 0)
     with pytest.raises(ValueError, match="TP position 2 outside 0..1"):
         shard_weights(weights, tp_plan(cfg), 2, 2)
+
+
+def _positions_rank(rank, world, cfg, weights):
+    tp_server(Qwen3Server, cfg, weights, tp_plan(cfg), position=0)
+
+
+def test_positions_must_be_a_permutation(pair, tmp_path):
+    with pytest.raises(Exception, match=r"TP positions \[0, 0\] \(by rank\) are not a permutation of 0..1"):
+        run_ranks(2, tmp_path, _positions_rank, pair.server.model.cfg, pair.server.model.weights)
