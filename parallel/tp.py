@@ -23,10 +23,12 @@ Which split of ``y = x · Wᵀ`` is exact (``common/matmul``'s contract):
 The server's row-parallel layers (o, down) therefore run **gathered**: the K-sharded input (a rank's
 heads, or its MLP columns) is all-gathered in logical order, which restores the one-device K layout,
 and the weight is held N-sharded, so each rank computes whole K-chains of its output columns, then an
-all-gather in logical order.  Exact on both paths.  Cost per row-parallel layer and token: the input's
-(R-1)/R·K plus the output's (R-1)/R·N elements received, against 2·(R-1)/R·N for a ring all-reduce
-(o: about the same; down: K = I ≈ 3·N, so ~2x).  ``k_split_linear`` moves R·S fp32 partials of N instead
-and becomes the row path on CUDA once ``common/matmul`` exports its split kernel's segment partials.
+all-gather in logical order.  Exact on both paths, and fewer bytes than shipping segment partials.
+Received per token row of a row-parallel layer: gathered, (R-1)/R·(K + N) values in the model's
+dtype; a K split, (R-1)/R·(K/1024)·N fp32 partials; a ring all-reduce (not exact), 2·(R-1)/R·N.
+qwen3-8B's down (K = 12288, N = 4096) at TP 2 in bf16: 16 KB, 96 KB, 8 KB.  So ``k_split_linear``
+(tested on a CPU stand-in for the CUDA segment arithmetic) is not the server's path; it is the
+recipe where a K split is wanted, once ``common/matmul`` exports its split kernel's fp32 partials.
 
 Logical positions: rank r holds shard ``position`` (default r), a permutation of 0..R-1 settled once
 (``rank_of_positions``); every gather concatenates by position, never by rank id.
