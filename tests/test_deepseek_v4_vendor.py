@@ -39,8 +39,8 @@ def max_delta(a, b) -> float:
 
 
 def test_bf16_vendor_serves_a_mixed_batch_but_not_the_trainer_bits():
-    """Prefill of 300 / 17 / 5 tokens and 6 decode steps on torch's kernels: every request served with its
-    extras; the trainer's log-probs of what it sampled are finite, near, and not the same bits."""
+    """Prompts of 300 / 17 / 5 tokens in one prefill, then 6 new tokens each on torch's kernels: every request
+    served with its extras; the trainer's log-probs of what it sampled are finite, near, and not the same bits."""
     pair = vendor_pair()
     assert type(pair.server.model) is DeepseekV4VendorServer
     seqs, plens, sp, outs = generate(pair, LENS, 6)
