@@ -23,16 +23,14 @@ OUT/rl.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qwen3_rl  # noqa: E402
-from rl_common import add_rl_arguments, add_run_arguments, finish, print_step  # noqa: E402
+from rl_common import add_rl_arguments, add_run_arguments, finish, run_steps, seeded  # noqa: E402
 
 from alignzoo.models import deepseek_v4_mhc_mxfp4 as V4  # noqa: E402
 
@@ -83,36 +81,13 @@ def mode_of(args) -> str:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    if args.device == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(1)  # the tiny model gains nothing from more; spinning threads cost a busy machine
-    torch.manual_seed(args.seed)
-    g = torch.Generator().manual_seed(args.seed)
+    g = seeded(args)
     pair = build_pair(args)
-    opt = torch.optim.Adam([p for p in pair.trainer.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.99))
-    # linear decay to 10%, as in qwen3_rl.py: late large steps undo what the policy learned
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.9 * min(i, args.steps) / max(args.steps, 1))
-    os.makedirs(args.out, exist_ok=True)
-    log_path = os.path.join(args.out, "log.jsonl")
     task = "/".join(qwen3_rl.TASKS) if qwen3_rl.multi_lora(args) else "reverse"
-    c = pair.config
-    print(f"{MODEL} {'tiny-mxfp4' if args.mxfp4 else 'tiny'} RL: {task} {args.digits} digits (prompts of "
-          f"{args.digits + 2} tokens, a {c.sliding_window}-token window); {args.prompts} prompts x {args.group_size} "
-          f"samples per step; {args.objective}; {mode_of(args)}; {'streaming' if args.stream else 'one batch'} -> "
-          f"{log_path}", flush=True)
-    log = []
-    with open(log_path, "w") as f:
-        for step in range(args.steps):
-            t0 = time.perf_counter()
-            row = qwen3_rl.train_step(pair, opt, step, args, g)
-            s = pair.last_sync
-            row = {"step": step, **row, "sync_blocks": f"{s.blocks_changed}/{s.blocks_total}",
-                   "sync_bytes": s.bytes_shipped, "sync_bytes_full": s.bytes_full,
-                   "seconds": time.perf_counter() - t0}
-            sched.step()
-            log.append(row)
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            print_step(step, row)
+    log = run_steps(pair, args, g, f"{MODEL} {'tiny-mxfp4' if args.mxfp4 else 'tiny'} RL: {task} {args.digits} digits "
+                    f"(prompts of {args.digits + 2} tokens, a {pair.config.sliding_window}-token window); "
+                    f"{args.prompts} prompts x {args.group_size} samples per step; {args.objective}; {mode_of(args)}; "
+                    f"{'streaming' if args.stream else 'one batch'}", qwen3_rl.train_step)
     if not args.no_plot:
         path = os.path.join(args.out, "rl.png")
         qwen3_rl.plot(log, path, f"{MODEL}, {task} {args.digits} digits, {args.objective}, {mode_of(args)}")

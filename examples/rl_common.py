@@ -7,6 +7,9 @@ streaming mode can run its backward right away.
 """
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Sequence
 
 import torch
@@ -132,6 +135,41 @@ def print_step(step: int, row: dict) -> None:
           f"{row['differing_tokens']}/{row['tokens']} tokens differ  sampled under "
           f"v{row['sampled_under_version']}  -> v{row['weight_version']} ({row['sync_blocks']} blocks{shipped})  "
           f"{row['seconds']:.2f}s", flush=True)
+
+
+def seeded(args) -> torch.Generator:
+    """torch's seed and the rollouts' generator from --seed; a CPU run on one thread unless OMP_NUM_THREADS says
+    otherwise (the tiny models gain nothing from more; spinning threads cost a busy machine)."""
+    if args.device == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    return torch.Generator().manual_seed(args.seed)
+
+
+def run_steps(pair, args, g: torch.Generator, header: str, train_step) -> list[dict]:
+    """``args.steps`` steps of ``train_step(pair, opt, step, args, g) -> row`` with Adam on the trainer's trainable
+    parameters, the rate decaying linearly to 10% (late large steps undo what the policy learned); each row gets
+    the in-process sync's blocks and bytes and its seconds, goes to OUT/log.jsonl and is printed after ``header``."""
+    opt = torch.optim.Adam([p for p in pair.trainer.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.9 * min(i, args.steps) / max(args.steps, 1))
+    os.makedirs(args.out, exist_ok=True)
+    log_path = os.path.join(args.out, "log.jsonl")
+    print(f"{header} -> {log_path}", flush=True)
+    log = []
+    with open(log_path, "w") as f:
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            row = train_step(pair, opt, step, args, g)
+            s = pair.last_sync
+            row = {"step": step, **row, "sync_blocks": f"{s.blocks_changed}/{s.blocks_total}",
+                   "sync_bytes": s.bytes_shipped, "sync_bytes_full": s.bytes_full,
+                   "seconds": time.perf_counter() - t0}
+            sched.step()
+            log.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            print_step(step, row)
+    return log
 
 
 def finish(log: list[dict], same: bool, code: int | None) -> int:

@@ -113,3 +113,27 @@ def assert_trainer_matches(pair, prompts, sps, outs):
         t = t.cpu()
         assert torch.equal(t, o.logprobs), (i, "trainer", mismatch(t, o.logprobs))
         assert torch.equal(s.cpu(), o.logprobs), (i, "server prefill", mismatch(s.cpu(), o.logprobs))
+
+
+def assert_lora_step_keeps_k3_zero(pair, prompts, sps, folded=()):
+    """Random adapters (B too, so every adapter shows), then an Adam step on them alone: sampled == trainer ==
+    prefill bitwise before and after, and the sync moves no served tensor but the adapters' (merged mode: and
+    those whose names hold one of ``folded``, the W' they are folded into).  -> the completions after the step."""
+    t = pair.trainer
+    with torch.no_grad():
+        for p in t.adapter_parameters():
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    pair.sync()
+    outs = pair.server.generate(prompts, sps)
+    assert_trainer_matches(pair, prompts, sps, outs)
+    before = {n: w.clone() for n, w in pair.server.model.weights.items() if ".lora_" not in n and "adapters." not in n}
+    lps = t.logprobs([p + o.tokens for p, o in zip(prompts, outs)], [len(p) for p in prompts], sps)
+    sum(lp.sum() for lp in lps).backward()
+    torch.optim.Adam(t.adapter_parameters(), lr=1e-2).step()
+    pair.sync()
+    for n, w in pair.server.model.weights.items():
+        if n in before and not any(f in n for f in folded):
+            assert torch.equal(w, before[n]), n
+    outs = pair.server.generate(prompts, sps)
+    assert_trainer_matches(pair, prompts, sps, outs)
+    return outs

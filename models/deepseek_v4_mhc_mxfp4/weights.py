@@ -67,7 +67,7 @@ def lora_slices(cfg) -> dict[str, tuple[tuple[str, int, int], ...]]:
 
 
 _LORA_NAMES = LoraNames(LORA_TARGETS, LORA_PARAM_SLOTS)
-lora_to_hf = _LORA_NAMES.to_hf  # layers.{i}.<projection> -> model.layers.{i}.self_attn.<module>; experts: <module>:<param>
+lora_to_hf = _LORA_NAMES.to_hf  # layers.{i}.kv_proj -> model.layers.{i}.self_attn.kv_proj; experts: <module>:<param>
 lora_from_hf = _LORA_NAMES.from_hf
 
 # DeepSeek's release names -> transformers' (after the ``layers.{i}.`` prefix; longest first, as the
