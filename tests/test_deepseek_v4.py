@@ -76,6 +76,14 @@ def test_a_request_alone_has_the_batch_bits(pair):
     _same(alone, outs[1:2], "alone")
 
 
+def test_a_lone_one_token_request_decodes_through_its_first_groups(pair):
+    """A step where no sequence has a compressed row yet (the rate pools' block tables 0 pages wide), then decode
+    that completes the first C4 and C16 rows: the trainer's bits."""
+    prompts, sps, outs, seqs = _run(pair, [1], 40, seed=13)
+    with torch.no_grad():
+        _same(pair.trainer.logprobs(seqs, [1], sps), outs, "trainer")
+
+
 def test_mxfp4_experts_keep_the_contract():
     """The experts as frozen MXFP4 codes on both sides (computed packed): trainer == sampled."""
     p = make_pair("tiny-mxfp4", seed=7)

@@ -93,9 +93,6 @@ def test_bisect_names_the_first_op_where_the_vendor_parts(monkeypatch):
     assert f"first difference: {first.name}" in rep.lines()[1]
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="serve.py's _entries indexes column 0 of an empty C16 block "
-                   "table when no sequence of a step has a compressed row yet (every decode path starts so; a lone "
-                   "1-token request fails the same way on the aligned server)")
 def test_bisect_runs_both_paths_against_the_vendor(monkeypatch):
     monkeypatch.setitem(models._REGISTRY, V4.NAME, V4.__name__)
     pair = V4.load(config="tiny", device="cpu", dtype=torch.bfloat16, seed=1, cuda_graphs=False, freeze_gc=False)
