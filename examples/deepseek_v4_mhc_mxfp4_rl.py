@@ -14,7 +14,7 @@ The adapters (rank --lora, lora_alpha 2R):
   --mxfp4             the tiny-mxfp4 preset: the experts are frozen MXFP4 codes, computed packed; their adapters
                       run inside the packed kernel, the codes never unpacked in the forward
 
-    python examples/deepseek_v4_mhc_mxfp4_rl.py                # ~2 min on 2 CPU cores
+    python examples/deepseek_v4_mhc_mxfp4_rl.py                # ~40 s on 2 CPU cores, 0 of ~4,800 tokens differ
     python examples/deepseek_v4_mhc_mxfp4_rl.py --mxfp4
     python examples/deepseek_v4_mhc_mxfp4_rl.py --lora-mode merged
 Prints one line per step (reward, K3, the blocks and bytes the sync shipped) and writes OUT/log.jsonl and
