@@ -65,7 +65,16 @@ SPEC = ModelSpec(
 
 load = functools.partial(loading.load, SPEC)
 build_trainer = functools.partial(loading.build_trainer, SPEC)
-save_pretrained = functools.partial(loading.save_pretrained, SPEC)
+
+
+def save_pretrained(trainer: DeepseekV4Trainer, directory, **kw) -> None:
+    """``loading.save_pretrained``; adapters inside MXFP4 experts save as a PEFT adapter only (``adapter_only=True``):
+    a merged W' would have to be requantized, and the codes are the checkpoint's."""
+    if not kw.get("adapter_only") and any(layer.moe.spec.experts is MXFP4 and layer.moe.experts_lora is not None
+                                          for layer in trainer.layers):
+        raise NotImplementedError("LoRA inside MXFP4 experts saves with adapter_only=True (a PEFT adapter over the "
+                                  "frozen codes); a merged checkpoint would requantize W'")
+    loading.save_pretrained(SPEC, trainer, directory, **kw)
 load_adapter = functools.partial(loading.load_adapter, SPEC)
 
 __all__ = ["NAME", "PRESETS", "SPEC", "DeepseekV4Config", "DeepseekV4Server", "DeepseekV4Trainer", "build_trainer",
