@@ -258,8 +258,10 @@ def save_pretrained(spec: ModelSpec, trainer, directory, *, max_shard_bytes: int
         elif isinstance(m, ExpertsAdapter):  # W' = W + s·B·A per expert, as merged mode serves it
             parent = name.rsplit(".", 1)[0]
             tensors |= {f"{parent}.{p}.weight": w for p, w in m.merge().items()}
-    # FP8 masters (fp32) go in the checkpoint's dtype; what the model keeps FP32 in any dtype stays FP32
-    tensors = {n: t.to(torch.float32 if n.endswith(spec.fp32_names) else wdtype) for n, t in tensors.items()}
+    # FP8 masters (fp32) go in the checkpoint's dtype; what the model keeps FP32 in any dtype stays FP32, and an
+    # integer table (DeepSeek-V4's tid2eid) stays integer
+    tensors = {n: t if not t.dtype.is_floating_point else t.to(torch.float32 if n.endswith(spec.fp32_names) else wdtype)
+               for n, t in tensors.items()}
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     save_hf_checkpoint(directory, cfg.to_hf(dtype), spec.to_hf(tensors, cfg), **kw)
 

@@ -70,10 +70,12 @@ build_trainer = functools.partial(loading.build_trainer, SPEC)
 def save_pretrained(trainer: DeepseekV4Trainer, directory, **kw) -> None:
     """``loading.save_pretrained``; adapters inside MXFP4 experts save as a PEFT adapter only (``adapter_only=True``):
     a merged W' would have to be requantized, and the codes are the checkpoint's."""
-    if not kw.get("adapter_only") and any(layer.moe.spec.experts is MXFP4 and layer.moe.experts_lora is not None
-                                          for layer in trainer.layers):
-        raise NotImplementedError("LoRA inside MXFP4 experts saves with adapter_only=True (a PEFT adapter over the "
-                                  "frozen codes); a merged checkpoint would requantize W'")
+    if not kw.get("adapter_only") and any(layer.moe.spec.experts is MXFP4 for layer in trainer.layers):
+        if any(layer.moe.experts_lora is not None for layer in trainer.layers):
+            raise NotImplementedError("LoRA inside MXFP4 experts saves with adapter_only=True (a PEFT adapter over "
+                                      "the frozen codes); a merged checkpoint would requantize W'")
+        raise NotImplementedError("saving a checkpoint with MXFP4 experts (the release's codes and E8M0 scales) is "
+                                  "not built yet; save the adapters (adapter_only=True) or use bf16 experts")
     loading.save_pretrained(SPEC, trainer, directory, **kw)
 load_adapter = functools.partial(loading.load_adapter, SPEC)
 
