@@ -177,6 +177,16 @@ class DeepseekV4Server(ServerBase):
         self.tap("attn.o_proj", y, L)
         return y
 
+    def _norm_row(self, x, name):
+        """DeepseekV4RMSNorm: the fp32 weight, one rounding."""
+        return rmsnorm_fwd(x, self.w(name), self.cfg.rms_norm_eps)[0]
+
+    def _mix(self, out, streams, post, comb):
+        return hc_mix_fwd(out, streams, post, comb)
+
+    def _moe(self, h, L, batch):
+        return moe_block_fwd(self, self.moe_specs[L], h, L, batch, self._experts_lora.get(L))
+
     def _logits(self, streams, batch) -> torch.Tensor:
         c, rows = self.cfg, batch.logit_rows
         fn, base, scale = (self.w("hc_head." + n) for n in ("fn", "base", "scale"))
@@ -189,7 +199,7 @@ class DeepseekV4Server(ServerBase):
 
     def forward(self, batch: ForwardBatch, caches):
         """-> (FP32 logits (R, V) of ``batch.logit_rows``, {"routed_experts", "routed_weights"})."""
-        c, eps = self.cfg, self.cfg.rms_norm_eps
+        c = self.cfg
         T, B = batch.tokens.shape[0], batch.cu_seqlens_q.shape[0] - 1
         seq_idx = torch.repeat_interleave(torch.arange(B, device=self.device), batch.cu_seqlens_q.diff(),
                                           output_size=T)
@@ -204,15 +214,15 @@ class DeepseekV4Server(ServerBase):
         for i in range(c.num_layers):
             p = f"layers.{i}."
             post, comb, x = self._hc(streams, p + "attn_hc.")
-            h = rmsnorm_fwd(x, self.w(p + "attn_norm.weight"), eps)[0]
+            h = self._norm_row(x, p + "attn_norm.weight")
             self.tap("attn_norm", h, i)
             a = self._attention(h, i, batch, seq_idx, caches, starts, ats.get(c.rate(i)))
-            streams = hc_mix_fwd(a, streams, post, comb)
+            streams = self._mix(a, streams, post, comb)
             post, comb, x = self._hc(streams, p + "ffn_hc.")
-            h = rmsnorm_fwd(x, self.w(p + "mlp_norm.weight"), eps)[0]
+            h = self._norm_row(x, p + "mlp_norm.weight")
             self.tap("mlp_norm", h, i)
-            y, ids, w = moe_block_fwd(self, self.moe_specs[i], h, i, batch, self._experts_lora.get(i))
-            streams = hc_mix_fwd(y, streams, post, comb)
+            y, ids, w = self._moe(h, i, batch)
+            streams = self._mix(y, streams, post, comb)
             ids_all.append(ids)
             w_all.append(w)
         return self._logits(streams, batch), routed_extras(ids_all, w_all)

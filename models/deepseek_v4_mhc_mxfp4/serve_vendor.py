@@ -30,15 +30,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...common.compress import group_ends
 from ...common.compress.cpu import ring_update, slot_bias, window_slots
-from ...common.engine.model_api import ForwardBatch
 from ...common.fp8 import dequantize_weight_fp8
 from ...common.kv_cache import PAGE_SIZE
 from ...common.moe import dequantize_experts_mxfp4
 from ...common.moe.vendor import experts_vendor
 from ...common.rope import inv_freq_and_attention_factor
-from ..moe_block import MXFP4, HashRouter, routed_extras
+from ..moe_block import MXFP4, HashRouter
 from .config import CSA
 from .serve import DeepseekV4Server, _pool_of, _ring
 
@@ -240,33 +238,10 @@ class DeepseekV4VendorServer(DeepseekV4Server):
         self.tap("lm_head.logits", logits, rows="logits")
         return logits
 
-    def forward(self, batch: ForwardBatch, caches):
-        """-> (FP32 logits (R, V) of ``batch.logit_rows``, {"routed_experts", "routed_weights"}); the aligned
-        server's steps (``DeepseekV4Server.forward``) with the pieces above."""
-        c, eps = self.cfg, self.cfg.rms_norm_eps
-        T, B = batch.tokens.shape[0], batch.cu_seqlens_q.shape[0] - 1
-        seq_idx = torch.repeat_interleave(torch.arange(B, device=self.device), batch.cu_seqlens_q.diff(),
-                                          output_size=T)
-        starts = batch.positions[batch.cu_seqlens_q[:-1].long().clamp(max=max(T - 1, 0))]
-        x = self.w("embed.weight")[batch.tokens]
-        streams = x[:, None].expand(T, c.hc_mult, x.shape[1]).contiguous()
-        ats = {}  # eager steps build only the groups they complete; decode every token's (fixed shapes)
-        if batch.max_seqlen_q > 1:
-            for rate in {c.rate(L) for L in range(c.num_layers)} - {0}:
-                ats[rate] = group_ends(batch.cu_seqlens_q, rate, starts)[0]
-        ids_all, w_all = [], []
-        for i in range(c.num_layers):
-            p = f"layers.{i}."
-            post, comb, x = self._hc(streams, p + "attn_hc.")
-            h = _rmsnorm(x, self.w(p + "attn_norm.weight"), eps)
-            self.tap("attn_norm", h, i)
-            streams = _mix(self._attention(h, i, batch, seq_idx, caches, starts, ats.get(c.rate(i))), streams, post,
-                           comb)
-            post, comb, x = self._hc(streams, p + "ffn_hc.")
-            h = _rmsnorm(x, self.w(p + "mlp_norm.weight"), eps)
-            self.tap("mlp_norm", h, i)
-            y, ids, w = self._moe(h, i, batch)
-            streams = _mix(y, streams, post, comb)
-            ids_all.append(ids)
-            w_all.append(w)
-        return self._logits(streams, batch), routed_extras(ids_all, w_all)
+    # the step itself is the aligned server's (``DeepseekV4Server.forward``) over the pieces above
+    def _norm_row(self, x, name):
+        return _rmsnorm(x, self.w(name), self.cfg.rms_norm_eps)
+
+    def _mix(self, out, streams, post, comb):
+        return _mix(out, streams, post, comb)
+
