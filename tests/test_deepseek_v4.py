@@ -116,3 +116,31 @@ def test_checkpoint_round_trip(pair, tmp_path):
         assert torch.equal(p, want[n]), n
     with pytest.raises(NotImplementedError, match="MXFP4 experts"):
         V4.save_pretrained(V4.build_trainer(V4.PRESETS["tiny-mxfp4"]), tmp_path / "mx")
+
+
+def test_router_and_index_replay_give_the_sampled_bits_and_bad_selections_are_named(pair):
+    """The server's routing (every layer) and, on request, its C4 selections: the trainer scoring with them gives
+    the sampled bits; a selection the indexer could not have made is refused, naming entry, layer and token."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(0, pair.config.vocab_size, (n,), generator=g).tolist() for n in (260, 31)]
+    sps = [SamplingParams(temperature=0.9, top_k=40, max_new_tokens=12, seed=i, ignore_eos=True,
+                          extras=("index_selected",)) for i in range(2)]
+    outs = pair.server.generate(prompts, sps)
+    ex = [o.extras for o in outs]
+    n_csa = len(pair.config.csa_layers)
+    assert ex[0]["index_selected"].shape == (260 + 12 - 1, n_csa, pair.config.index_topk)
+    seqs, plens = [p + o.tokens for p, o in zip(prompts, outs)], [len(p) for p in prompts]
+    with torch.no_grad():
+        _same(pair.trainer.logprobs(seqs, plens, sps, replay=ex), outs, "replayed")
+    other = {k: v.clone() for k, v in ex[0].items()}  # another selection the indexer could have made: rows 0..k-1
+    k = pair.config.index_topk
+    other["index_selected"][150:, :, :] = torch.arange(k, dtype=torch.int32)
+    with torch.no_grad():
+        moved = pair.trainer.logprobs(seqs[:1], plens[:1], sps[:1], replay=[other])[0]
+    assert not torch.equal(moved, outs[0].logprobs)  # the replayed selection is what the trainer attends with
+    bad = {k: v.clone() for k, v in ex[0].items()}
+    bad["index_selected"][10, 1, 0] = 3  # token 10 sees C4 rows 0..1
+    with pytest.raises(ValueError, match="CSA layer 1, token 10: entry 0 = 3 is not a complete row"):
+        pair.trainer.logprobs(seqs, plens, [replace(sp, extras=()) for sp in sps], replay=[bad, ex[1]])

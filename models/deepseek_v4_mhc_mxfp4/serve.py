@@ -31,7 +31,7 @@ from ...common.sparse_attention import sparse_attention_fwd
 from ..base import ServerBase
 from ..moe_block import moe_block_fwd, routed_extras, server_experts_lora
 from .config import CSA, HCA, DeepseekV4Config
-from .train import grouped_o, moe_spec
+from .train import INDEX_SELECTED, grouped_o, moe_spec
 from .weights import lora_slices
 
 
@@ -44,6 +44,7 @@ class DeepseekV4Server(ServerBase):
     are this model's own (``_logits``)."""
 
     lora_slices_of = staticmethod(lora_slices)
+    on_request_extras = (INDEX_SELECTED,)
 
     def __init__(self, cfg: DeepseekV4Config, weights: dict[str, torch.Tensor], lora_scale: float | None = None,
                  lora_adapters: tuple[tuple[str, float], ...] = ()):
@@ -175,7 +176,7 @@ class DeepseekV4Server(ServerBase):
         self.tap("attn.out", o, L)
         y = self.linear(grouped_o(o.reshape(T, -1), self.w(p + "o_a.weight"), c.o_groups, matmul_fwd), p + "o_b.", ids)
         self.tap("attn.o_proj", y, L)
-        return y
+        return y, picked
 
     def _norm_row(self, x, name):
         """DeepseekV4RMSNorm: the fp32 weight, one rounding."""
@@ -210,13 +211,15 @@ class DeepseekV4Server(ServerBase):
         if batch.max_seqlen_q > 1:
             for rate in {c.rate(L) for L in range(c.num_layers)} - {0}:
                 ats[rate] = group_ends(batch.cu_seqlens_q, rate, starts)[0]
-        ids_all, w_all = [], []
+        ids_all, w_all, sels = [], [], []
         for i in range(c.num_layers):
             p = f"layers.{i}."
             post, comb, x = self._hc(streams, p + "attn_hc.")
             h = self._norm_row(x, p + "attn_norm.weight")
             self.tap("attn_norm", h, i)
-            a = self._attention(h, i, batch, seq_idx, caches, starts, ats.get(c.rate(i)))
+            a, picked = self._attention(h, i, batch, seq_idx, caches, starts, ats.get(c.rate(i)))
+            if picked is not None:
+                sels.append(picked)
             streams = self._mix(a, streams, post, comb)
             post, comb, x = self._hc(streams, p + "ffn_hc.")
             h = self._norm_row(x, p + "mlp_norm.weight")
@@ -225,7 +228,10 @@ class DeepseekV4Server(ServerBase):
             streams = self._mix(y, streams, post, comb)
             ids_all.append(ids)
             w_all.append(w)
-        return self._logits(streams, batch), routed_extras(ids_all, w_all)
+        extras = routed_extras(ids_all, w_all)
+        if INDEX_SELECTED in batch.want_extras:  # index replay: only when a request of this step asked
+            extras[INDEX_SELECTED] = torch.stack(sels, 1)
+        return self._logits(streams, batch), extras
 
 
 def _at_least_one_page(table: torch.Tensor) -> torch.Tensor:

@@ -195,7 +195,7 @@ class DeepseekV4VendorServer(DeepseekV4Server):
         grouped = torch.bmm(x, w_a.view(G, -1, x.shape[-1]).transpose(1, 2)).transpose(0, 1).reshape(T, -1)
         y = self.linear(grouped, p + "attn.o_b.")
         self.tap("attn.o_proj", y, L)
-        return y
+        return y, picked
 
     # ---------------------------------------------------------------- MoE
     def _moe(self, h, L, batch):
