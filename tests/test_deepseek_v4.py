@@ -15,7 +15,7 @@ TABLE = [(0.9, 40, 0.9, 0.05), (1.3, 0, 0.8, 0.0), (0.6, 7, 1.0, 0.1), (0.0, 0, 
 
 def sharpen(trainer, seed: int) -> None:
     """Norms in [0.5, 1.5], matrices x3, sinks / mHC bases / position biases drawn, so every part shows."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=trainer.device).manual_seed(seed)
     with torch.no_grad():
         for n, p in trainer.named_parameters():
             if not p.dtype.is_floating_point:

@@ -46,11 +46,15 @@ def case(config: str, lens, new: int, chunk: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--lens", default="4100,333,65,1", help="prompt lengths")
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--configs", default="tiny,tiny-mxfp4")
     args = ap.parse_args()
+    lens = [int(x) for x in args.lens.split(",")]
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
-    for config in ("tiny", "tiny-mxfp4"):
+    for config in args.configs.split(","):
         try:
-            out["cases"].append(case(config, [4100, 333, 65, 1], 16, 1000))
+            out["cases"].append(case(config, lens, args.new, 1000))
         except Exception as e:  # noqa: BLE001 - a first run on a device: report and go on
             out["cases"].append({"case": config, "error": f"{type(e).__name__}: {str(e)[:500]}"})
             print(out["cases"][-1], flush=True)
