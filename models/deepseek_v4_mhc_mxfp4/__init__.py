@@ -4,10 +4,11 @@ per-head sinks, hash- and learned-routed experts (MXFP4 when the checkpoint's ar
 Config (``config.py``), trainer (``train.py``) and server (``serve.py``) calling the same kernels, the Hugging
 Face and release name maps (``weights.py``); loading and saving are the zoo's (``models/loading.py``).
 
-Not yet in the registry (``alignzoo.models``): ``SPEC`` builds a pair through ``models/loading.py``, and
-``tests/test_deepseek_v4.py`` holds its contract, ``tests/test_deepseek_v4_lora.py`` its LoRA (the attention's
-q_a / q_b / kv / o_b and the routed experts; on MXFP4 experts separate only); the vendor server, FP8 dense linears
-and CUDA graphs are still to come (issue 48).
+Not yet in the registry (``alignzoo.models``): ``load`` builds a pair through ``models/loading.py``;
+``tests/test_deepseek_v4.py`` holds its contract (and router / index replay), ``tests/test_deepseek_v4_lora.py``
+its LoRA (the attention's q_a / q_b / kv / o_b and the routed experts; on MXFP4 experts separate only),
+``serve_vendor.py`` is the misaligned server on torch's kernels.  FP8 dense linears, reading and saving the
+release's MXFP4 experts and CUDA-graph decode are still to come (issue 48).
 """
 from __future__ import annotations
 

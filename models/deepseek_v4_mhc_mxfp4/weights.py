@@ -30,8 +30,17 @@ import re
 
 import torch
 
-from ...weights import CheckpointError, NameMap, OneOf, Fuse, Stack, HFCheckpoint, check_model_type, open_source, \
-    read_hf_config
+from ...weights import (
+    CheckpointError,
+    Fuse,
+    HFCheckpoint,
+    NameMap,
+    OneOf,
+    Stack,
+    check_model_type,
+    open_source,
+    read_hf_config,
+)
 from ...weights.lora_names import LoraNames
 from .config import CSA, HCA
 
