@@ -75,6 +75,19 @@ def _owner(block: nn.Module, path: str) -> tuple[nn.Module | None, str]:
     return (owner, attr) if hasattr(owner, attr) else (None, attr)
 
 
+INDEX_SELECTED = "index_selected"  # the on-request extra of an indexer model: (T, indexer layers, top_k) int32
+
+
+def first_bad_selection(s: torch.Tensor, limit: torch.Tensor) -> tuple[int, int, int] | None:
+    """(token, layer, entry) of the first entry of s (n, layers, k) that is below -1, not below ``limit`` (n,) (the
+    candidates token t may select), out of ascending order or a candidate after a -1 pad; None if none is."""
+    valid = s >= 0
+    bad = (s < -1) | (s >= limit[:, None, None]) & valid
+    ascending = (s[..., 1:] > s[..., :-1]) | ~valid[..., 1:]
+    bad[..., 1:] |= ~ascending | (valid[..., 1:] & ~valid[..., :-1])  # a candidate after a pad, or out of order
+    return tuple(int(v) for v in bad.nonzero()[0]) if bool(bad.any()) else None
+
+
 class TrainerBase(nn.Module):
     model_name: str = ""
     lora_targets: tuple[str, ...] = ()
@@ -332,10 +345,50 @@ class TrainerBase(nn.Module):
         lp = sampling_logprobs(logits, batch.targets, t["temperature"], t["top_k"], t["top_p"], t["min_p"])
         return list(lp.split(batch.counts))
 
+    def index_replay_shape(self) -> tuple[int, int] | None:
+        """(indexer layers, top_k) of a model whose server returns its selections as the on-request extra
+        "index_selected" (GLM-5, DeepSeek-V4); None: no index replay."""
+        return None
+
+    def check_index_selection(self, s: torch.Tensor, entry: int) -> None:
+        """ValueError unless s (n, layers, top_k) of one sequence is a selection the model's indexer could have made."""
+        raise NotImplementedError
+
     def replay_kwargs(self, replay, sequences, batch, mode: str) -> dict:
         """``hidden``'s keywords for the server's extras ``replay`` (one entry per sequence): the routed
-        experts (``replay``); a model that replays more (glm5's selections) extends this."""
-        return {"replay": self._replay_rows(replay, sequences, batch, mode)}
+        experts (``replay``); with index replay (``index_replay_shape``), the routing where the entries hold
+        "routed_experts", the selections (``index_replay``) where they hold "index_selected", or both."""
+        if self.index_replay_shape() is None:
+            return {"replay": self._replay_rows(replay, sequences, batch, mode)}
+        if len(replay) != len(sequences):
+            raise ValueError(f"{len(sequences)} sequences but {len(replay)} replay entries: one per sequence")
+        kw = {}
+        if any("routed_experts" in ex for ex in replay):
+            kw["replay"] = self._replay_rows(replay, sequences, batch, mode)
+        if any(INDEX_SELECTED in ex for ex in replay):
+            kw["index_replay"] = self._index_rows(replay, batch)
+        if not kw:
+            raise ValueError("the replay entries hold neither routed_experts nor index_selected: pass the server's "
+                             "Completion.extras (index_selected needs SamplingParams(extras=('index_selected',)))")
+        return kw
+
+    def _index_rows(self, replay, batch):
+        """Per indexer layer (selection (T, top_k) int32, rows that have one (T,)), each entry checked by the
+        model's ``check_index_selection``."""
+        shape = self.index_replay_shape()
+        sels, have = [], []
+        for i, (ex, n) in enumerate(zip(replay, batch.cu_seqlens.diff().tolist())):
+            s = ex.get(INDEX_SELECTED)
+            if s is None:
+                raise ValueError(f"replay entry {i} has no {INDEX_SELECTED}: every entry needs one, or none")
+            if s.dtype.is_floating_point or s.dtype == torch.bool or tuple(s.shape) != (n - 1, *shape):
+                raise ValueError(f"replay entry {i}: {INDEX_SELECTED} is {s.dtype} {tuple(s.shape)}, want integer "
+                                 f"({n - 1}, {shape[0]}, {shape[1]}) for a sequence of {n} tokens")
+            self.check_index_selection(s.long(), i)
+            sels.append(torch.cat([s.to(torch.int32), s.new_full((1, *shape), -1, dtype=torch.int32)]))
+            have.append(torch.arange(n) < n - 1)
+        sel, have = torch.cat(sels).to(self.device), torch.cat(have).to(self.device)
+        return [(sel[:, j].contiguous(), have) for j in range(shape[0])]
 
     def _replay_rows(self, replay, sequences, batch, mode: str):
         """Per layer (ids (T, k), weights (T, k), rows with a replay (T,) bool, mode) of the packed batch."""

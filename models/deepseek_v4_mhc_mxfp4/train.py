@@ -31,14 +31,13 @@ from ...common.mhc import hc_mix, hyper_connection, hyper_head
 from ...common.rmsnorm import rmsnorm, rmsnorm_unweighted
 from ...common.rope import rope
 from ...common.sparse_attention import sparse_attention
-from ..base import TrainerBase
+from ..base import INDEX_SELECTED, TrainerBase, first_bad_selection
 from ..capture import no_tap
 from ..moe_block import BF16, MXFP4, HashRouter, MoEBlock, MoESpec, SharedExpert, SqrtSoftplusRouter
 from .config import CSA, HCA, DeepseekV4Config
 from .weights import LORA_PARAM_SLOTS, LORA_TARGETS, lora_slices
 
 NAME = "deepseek_v4_mhc_mxfp4"
-INDEX_SELECTED = "index_selected"  # the on-request extra: (T, CSA layers, index_topk) int32 compressed rows
 
 
 def moe_spec(cfg: DeepseekV4Config, layer: int) -> MoESpec:
@@ -337,56 +336,21 @@ class DeepseekV4Trainer(TrainerBase):
         self.tap("norm", h, rows="logits")
         return h
 
-    def replay_kwargs(self, replay, sequences, batch, mode: str) -> dict:
-        """The server's extras as ``hidden``'s keywords: its routing where the entries hold "routed_experts"
-        (router replay), its C4 selections where they hold "index_selected" (index replay:
-        ``SamplingParams(extras=("index_selected",))``), or both."""
-        if len(replay) != len(sequences):
-            raise ValueError(f"{len(sequences)} sequences but {len(replay)} replay entries: one per sequence")
-        kw = {}
-        if any("routed_experts" in ex for ex in replay):
-            kw["replay"] = self._replay_rows(replay, sequences, batch, mode)
-        if any(INDEX_SELECTED in ex for ex in replay):
-            kw["index_replay"] = self._index_rows(replay, batch)
-        if not kw:
-            raise ValueError("the replay entries hold neither routed_experts nor index_selected: pass the server's "
-                             "Completion.extras (index_selected needs SamplingParams(extras=('index_selected',)))")
-        return kw
+    def index_replay_shape(self) -> tuple[int, int]:
+        return len(self.cfg.csa_layers), self.cfg.index_topk
 
-    def _index_rows(self, replay, batch):
-        """Per CSA layer (selection (T, index_topk) int32, rows that have one (T,)), after checking that each entry
-        is a selection the indexer could have made: -1 or a visible row (w < (t + 1) // rate), ascending, pads last."""
+    def check_index_selection(self, s: torch.Tensor, entry: int) -> None:
+        """s (n, L_csa, k) of one sequence (token t at position t): ValueError naming the first entry, layer and
+        token whose selection is out of range, not yet complete at that token, or not ascending with the -1 pads
+        last."""
         c = self.cfg
-        shape = (len(c.csa_layers), c.index_topk)
         rate = c.rate(c.csa_layers[0]) if c.csa_layers else 1
-        sels, have = [], []
-        for i, (ex, n) in enumerate(zip(replay, batch.cu_seqlens.diff().tolist())):
-            s = ex.get(INDEX_SELECTED)
-            if s is None:
-                raise ValueError(f"replay entry {i} has no {INDEX_SELECTED}: every entry needs one, or none")
-            if s.dtype.is_floating_point or s.dtype == torch.bool or tuple(s.shape) != (n - 1, *shape):
-                raise ValueError(f"replay entry {i}: {INDEX_SELECTED} is {s.dtype} {tuple(s.shape)}, want integer "
-                                 f"({n - 1}, {shape[0]}, {shape[1]}) for a sequence of {n} tokens")
-            check_rows(s.long(), rate, i)
-            sels.append(torch.cat([s.to(torch.int32), s.new_full((1, *shape), -1, dtype=torch.int32)]))
-            have.append(torch.arange(n) < n - 1)
-        sel, have = torch.cat(sels).to(self.device), torch.cat(have).to(self.device)
-        return [(sel[:, j].contiguous(), have) for j in range(shape[0])]
-
-
-def check_rows(s: torch.Tensor, rate: int, entry: int) -> None:
-    """s (n, L_csa, k) of one sequence (token t at position t): ValueError naming the first entry, layer and token
-    whose selection is out of range, not yet complete at that token, or not ascending with the -1 pads last."""
-    vis = torch.div(torch.arange(s.shape[0]) + 1, rate, rounding_mode="floor")[:, None, None]
-    valid = s >= 0
-    bad = (s < -1) | (s >= vis) & valid
-    ascending = (s[..., 1:] > s[..., :-1]) | ~valid[..., 1:]
-    bad[..., 1:] |= ~ascending | (valid[..., 1:] & ~valid[..., :-1])
-    if bool(bad.any()):
-        t, j, e = (int(v) for v in bad.nonzero()[0])
-        row, v = s[t, j].tolist(), int(vis[t, 0, 0])
-        why = ("below -1" if row[e] < -1 else f"not a complete row at token {t} (rows 0..{v - 1} are)"
-               if row[e] >= v else "not strictly ascending with the -1 pads last")
-        raise ValueError(f"replay entry {entry}: {INDEX_SELECTED} of CSA layer {j}, token {t}: entry {e} = {row[e]} "
-                         f"is {why}: {row[:8]}...")
-
+        vis = torch.div(torch.arange(s.shape[0]) + 1, rate, rounding_mode="floor")
+        bad = first_bad_selection(s, vis)
+        if bad is not None:
+            t, j, e = bad
+            row, v = s[t, j].tolist(), int(vis[t])
+            why = ("below -1" if row[e] < -1 else f"not a complete row at token {t} (rows 0..{v - 1} are)"
+                   if row[e] >= v else "not strictly ascending with the -1 pads last")
+            raise ValueError(f"replay entry {entry}: {INDEX_SELECTED} of CSA layer {j}, token {t}: entry {e} = "
+                             f"{row[e]} is {why}: {row[:8]}...")

@@ -32,14 +32,13 @@ from ...common.rmsnorm import rmsnorm, rmsnorm_residual
 from ...common.rope import rope
 from ...common.sparse_attention import sparse_attention
 from ...common.swiglu import swiglu_gate_up
-from ..base import TrainerBase
+from ..base import INDEX_SELECTED, TrainerBase, first_bad_selection
 from ..capture import no_tap
 from ..moe_block import FP8, MoEBlock, MoESpec, SharedExpert, SigmoidRouter
 from .config import INDEXER_NORM_EPS, LATENT_NORM_EPS, Glm5Config
 from .weights import LORA_PARAM_SLOTS, LORA_TARGETS, lora_slices
 
 NAME = "glm5_sparse_fp8"
-INDEX_SELECTED = "index_selected"  # the on-request extra: (T, full indexer layers, index_topk) int32
 
 
 def moe_spec(cfg: Glm5Config, fp8: bool = False) -> MoESpec:
@@ -240,54 +239,18 @@ class Glm5Trainer(TrainerBase):
         self.tap("norm", h, rows="logits")
         return h
 
-    def replay_kwargs(self, replay, sequences, batch, mode: str) -> dict:
-        """The server's extras as ``hidden``'s keywords: its routing where the entries hold
-        "routed_experts" (router replay), its selections where they hold "index_selected" (index
-        replay: ``SamplingParams(extras=("index_selected",))`` on the request), or both."""
-        if len(replay) != len(sequences):
-            raise ValueError(f"{len(sequences)} sequences but {len(replay)} replay entries: one per sequence")
-        kw = {}
-        if any("routed_experts" in ex for ex in replay):
-            kw["replay"] = self._replay_rows(replay, sequences, batch, mode)
-        if any(INDEX_SELECTED in ex for ex in replay):
-            kw["index_replay"] = self._index_rows(replay, batch)
-        if not kw:
-            raise ValueError("the replay entries hold neither routed_experts nor index_selected: pass the server's "
-                             "Completion.extras (index_selected needs SamplingParams(extras=('index_selected',)))")
-        return kw
+    def index_replay_shape(self) -> tuple[int, int]:
+        return len(self.cfg.indexer_layers), self.cfg.index_topk
 
-    def _index_rows(self, replay, batch):
-        """Per full indexer layer (selection (T, index_topk) int32, rows that have one (T,)), after checking
-        each entry is a selection the indexer could have made: -1 or a causal position, ascending, pads last."""
-        c = self.cfg
-        shape = (len(c.indexer_layers), c.index_topk)
-        sels, have = [], []
-        for i, (ex, n) in enumerate(zip(replay, batch.cu_seqlens.diff().tolist())):
-            s = ex.get(INDEX_SELECTED)
-            if s is None:
-                raise ValueError(f"replay entry {i} has no {INDEX_SELECTED}: every entry needs one, or none")
-            if s.dtype.is_floating_point or s.dtype == torch.bool or tuple(s.shape) != (n - 1, *shape):
-                raise ValueError(f"replay entry {i}: {INDEX_SELECTED} is {s.dtype} {tuple(s.shape)}, want integer "
-                                 f"({n - 1}, {shape[0]}, {shape[1]}) for a sequence of {n} tokens")
-            check_selection(s.long(), i)
-            sels.append(torch.cat([s.to(torch.int32), s.new_full((1, *shape), -1, dtype=torch.int32)]))
-            have.append(torch.arange(n) < n - 1)
-        sel, have = torch.cat(sels).to(self.device), torch.cat(have).to(self.device)
-        return [(sel[:, j].contiguous(), have) for j in range(shape[0])]
-
-
-def check_selection(s: torch.Tensor, entry: int) -> None:
-    """s (n, L_full, k) of one sequence (token t at position t): ValueError naming the first entry, layer and
-    token whose selection is out of range, not causal, not ascending or has a pad before a position."""
-    pos = torch.arange(s.shape[0])[:, None, None]
-    valid = s >= 0
-    bad = (s < -1) | (s > pos)
-    ascending = (s[..., 1:] > s[..., :-1]) | ~valid[..., 1:]
-    bad[..., 1:] |= ~ascending | (valid[..., 1:] & ~valid[..., :-1])  # a position after a pad, or out of order
-    if bool(bad.any()):
-        t, j, e = (int(v) for v in bad.nonzero()[0])
-        row = s[t, j].tolist()
-        why = ("not causal" if row[e] > t else "out of range") if (row[e] > t or row[e] < -1) else \
-            "not strictly ascending with the -1 pads last"
-        raise ValueError(f"replay entry {entry}: {INDEX_SELECTED} of full layer {j}, token {t}: entry {e} = {row[e]} is "
-                         f"{why} (a selection is positions 0..{t}, ascending, then -1 pads): {row[:8]}...")
+    def check_index_selection(self, s: torch.Tensor, entry: int) -> None:
+        """s (n, L_full, k) of one sequence (token t at position t): ValueError naming the first entry, layer and
+        token whose selection is out of range, not causal, not ascending or has a pad before a position."""
+        bad = first_bad_selection(s, torch.arange(1, s.shape[0] + 1))
+        if bad is not None:
+            t, j, e = bad
+            row = s[t, j].tolist()
+            why = ("not causal" if row[e] > t else "out of range") if (row[e] > t or row[e] < -1) else \
+                "not strictly ascending with the -1 pads last"
+            raise ValueError(f"replay entry {entry}: {INDEX_SELECTED} of full layer {j}, token {t}: entry {e} = "
+                             f"{row[e]} is {why} (a selection is positions 0..{t}, ascending, then -1 pads): "
+                             f"{row[:8]}...")
