@@ -23,7 +23,8 @@ class PagedRows:
     """One paged pool's view of a batch.
 
     block_table:  (B, W) int32  page of each 64-row block (unused entries 0;
-                                -1 for a page a window pool gave back)
+                                -1 for a page a window pool gave back);
+                                W >= 1 even before a rate pool has a row
     slot_mapping: (T,) int64    slot page * 64 + offset of each new token's
                                 row, -1 where it writes none (a padding
                                 token; a position that completes no row of a

@@ -284,8 +284,8 @@ class ModelRunner:
         else:
             # a step of prefill chunks only still asks for one row: no model meets R = 0
             host |= {"cu_seqlens_q": cu, "logit_rows": rows or [len(positions) - 1]}
-            for n in self.paged:
-                host[f"pools.{n}.block_table"] = self._block_table(tables[n], B, max(map(len, tables[n])))
+            for n in self.paged:  # at least one page wide: a rate pool's tables are empty until a row completes
+                host[f"pools.{n}.block_table"] = self._block_table(tables[n], B, max([1, *map(len, tables[n])]))
             batch = from_tensors({p: self._to_device(v, field_spec(p)[0]) for p, v in host.items()},
                                  max(b - a for a, b in zip(cu, cu[1:])))
             batch.host = HostLists(cu, [c.start for c in chunks], states)

@@ -112,7 +112,7 @@ class DeepseekV4Server(ServerBase):
                      batch.positions, c.compress_rope, check=False)
         w = matmul_fwd(h, self.w(p + "weights_proj.weight")).float() * (c.index_n_heads ** -0.5)
         visible = torch.div(batch.positions + 1, rate, rounding_mode="floor")
-        sel = paged_index_select_fwd(q, cache, w, seq_idx, _at_least_one_page(batch.pools["i4"].block_table),
+        sel = paged_index_select_fwd(q, cache, w, seq_idx, batch.pools["i4"].block_table,
                                      (visible - 1).clamp(min=0),
                                      scale=c.indexer_scale, top_k=c.index_topk)
         sel = torch.where((visible > 0)[:, None], sel, -1)
@@ -140,7 +140,7 @@ class DeepseekV4Server(ServerBase):
                 ok_c = w < visible[:, None]
             else:
                 w, ok_c = picked.long().clamp(min=0), picked >= 0
-            table_c = _at_least_one_page(batch.pools[pool].block_table).long()
+            table_c = batch.pools[pool].block_table.long()
             slot_c = table_c[seq_idx[:, None], w // PAGE_SIZE] * PAGE_SIZE + w % PAGE_SIZE
             parts.insert(0, (caches[pool][self._slot[L]]["row"].view(-1, D), slot_c, ok_c))
         rows = torch.cat([src[torch.where(ok, s, 0)] for src, s, ok in parts], 1)  # (n, E, D)
@@ -232,12 +232,6 @@ class DeepseekV4Server(ServerBase):
         if INDEX_SELECTED in batch.want_extras:  # index replay: only when a request of this step asked
             extras[INDEX_SELECTED] = torch.stack(sels, 1)
         return self._logits(streams, batch), extras
-
-
-def _at_least_one_page(table: torch.Tensor) -> torch.Tensor:
-    """A rate pool's block table before any sequence of the step has a row is 0 pages wide: read as one column of
-    page 0, whose rows every entry then masks."""
-    return table if table.shape[1] else table.new_zeros(table.shape[0], 1)
 
 
 def _ring_fields(prefix: str, rate: int, channels: int, overlap: bool, dtype) -> dict:
