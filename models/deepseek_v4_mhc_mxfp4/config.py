@@ -332,19 +332,21 @@ def _list(config: dict, key: str) -> tuple | None:
 _FLASH_YARN = Yarn(factor=16.0, original_max_position_embeddings=65536, beta_fast=32.0, beta_slow=1.0,
                    attention_factor=1.0)
 
+# Odd sizes on purpose, CPU-fast; a ~1,000-token ladder sequence crosses ~250 C4 and ~60 C16 groups, leaves
+# the 40-token window many times over, and the indexer keeps 24 of up to ~250 compressed rows. Layers:
+# HCA (hash-routed), CSA, sliding, CSA; 9 experts, top-3; K of every MXFP4 matrix a multiple of 32.
+_TINY = DeepseekV4Config(
+    vocab_size=151, hidden_size=64, num_layers=4, layer_types=(HCA, CSA, SLIDING, CSA), num_heads=3,
+    head_dim=40, qk_rope_head_dim=16, q_lora_rank=36, o_groups=3, o_lora_rank=20, sliding_window=40,
+    compress_rates=((CSA, 4), (HCA, 16)), index_n_heads=3, index_head_dim=24, index_topk=24,
+    mlp_layer_types=("hash_moe", "moe", "moe", "moe"), moe_intermediate_size=32, n_routed_experts=9,
+    num_experts_per_tok=3, compress_yarn=Yarn(factor=4.0, original_max_position_embeddings=2048,
+                                              attention_factor=1.0), max_position=8192)
+
 PRESETS: dict[str, DeepseekV4Config] = {
-    # Odd sizes on purpose, CPU-fast; a ~1,000-token ladder sequence crosses ~250 C4 and ~60 C16 groups, leaves
-    # the 40-token window many times over, and the indexer keeps 24 of up to ~250 compressed rows. Layers:
-    # HCA (hash-routed), CSA, sliding, CSA; 9 experts, top-3; K of every MXFP4 matrix a multiple of 32.
-    "tiny": DeepseekV4Config(
-        vocab_size=151, hidden_size=64, num_layers=4, layer_types=(HCA, CSA, SLIDING, CSA), num_heads=3,
-        head_dim=40, qk_rope_head_dim=16, q_lora_rank=36, o_groups=3, o_lora_rank=20, sliding_window=40,
-        compress_rates=((CSA, 4), (HCA, 16)), index_n_heads=3, index_head_dim=24, index_topk=24,
-        mlp_layer_types=("hash_moe", "moe", "moe", "moe"), moe_intermediate_size=32, n_routed_experts=9,
-        num_experts_per_tok=3, compress_yarn=Yarn(factor=4.0, original_max_position_embeddings=2048,
-                                                  attention_factor=1.0), max_position=8192),
+    "tiny": _TINY,
     # The same with the experts as frozen MXFP4 codes (the release's format), computed packed.
-    "tiny-mxfp4": None,
+    "tiny-mxfp4": _TINY.replace(quantization=V4Quant(scale_fmt=None, expert_dtype="fp4")),
     # DeepSeek-V4-Flash's shapes (DeepseekV4Config's defaults; a release config.json brings its own layer list).
     "deepseek-v4-flash": DeepseekV4Config(compress_yarn=_FLASH_YARN),
     # Real per-layer shapes (hidden 4096, 64 heads x 512, q_lora 1024, o 8 x 1024, window 128, C4 + C128,
@@ -358,4 +360,3 @@ PRESETS: dict[str, DeepseekV4Config] = {
                                          mlp_layer_types=("hash_moe", "moe", "moe", "moe"), n_routed_experts=16,
                                          compress_yarn=_FLASH_YARN),
 }
-PRESETS["tiny-mxfp4"] = PRESETS["tiny"].replace(quantization=V4Quant(scale_fmt=None, expert_dtype="fp4"))
