@@ -112,6 +112,21 @@ def test_window_pool_gives_pages_back_under_a_long_decode():
     assert eng.block_manager.idle
 
 
+def test_window_pool_admits_a_prompt_longer_than_its_pages():
+    """A 700-token prompt into a 9-page window pool (576 rows): prefilled in 64-token chunks, it never holds more
+    than the window and two chunks, so it is admitted and runs; the bits are the reference's."""
+    toy = PoolToy("window", window=100)
+    eng = Engine(toy, num_pages=16, max_batch_size=2, max_batch_tokens=64, freeze_gc=False)
+    win = eng.block_manager.ledgers["win"]
+    assert win.num_pages * 64 < 700
+    prompts, sps = _prompts([700, 9], toy.vocab_size, seed=8), [_sp(0, 20), _sp(1, 30)]
+    outs = eng.generate(prompts, sps)
+    for p, o, sp in zip(prompts, outs, sps):
+        assert o.error is None and len(o.tokens) == sp.max_new_tokens
+        assert_matches_reference(toy, p, o.tokens, o.logprobs, sp, o.extras)
+    assert eng.block_manager.idle
+
+
 def test_runner_takes_the_engines_pools_in_the_models_order():
     """The runner allocates the specs the engine sized and reads which pools
     are paged (and whether one holds state) off the engine's cache manager,

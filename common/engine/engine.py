@@ -286,7 +286,7 @@ class Engine:
             while not sched.idle:
                 if not sched.running:  # the oldest waits for pages only while generated requests hold them
                     first = sched.waiting[0]
-                    while (not self.block_manager.can_append(first.id, first.num_fed)
+                    while (not self.block_manager.can_admit(first.id, first.num_fed, sched.max_chunk)
                            and self.scheduler.preempt_newest()):
                         pass
                 chunks = sched.schedule()

@@ -83,7 +83,7 @@ class Scheduler:
         # Admitting right after a preemption would only preempt again.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            if not bm.can_append(seq.id, seq.num_fed):
+            if not bm.can_admit(seq.id, seq.num_fed, self.max_chunk):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -93,7 +93,8 @@ class Scheduler:
             budget -= n
         if not chunks and not self.idle:
             first = self.waiting[0]
-            raise RuntimeError(f"no request can run: the oldest waiting one needs {bm.shortfall(first.id, first.num_fed)} "
+            short = bm.shortfall(first.id, first.num_fed, self.max_chunk)
+            raise RuntimeError(f"no request can run: the oldest waiting one needs {short} "
                                f"(other users of the cache hold the rest)")
         return chunks
 

@@ -91,6 +91,10 @@ class BlockManager:
             out.append(table[row // ps] * ps + row % ps if (p + 1) % r == 0 else -1)
         return out
 
+    def admit_pages(self, seq_id: Hashable, n: int, chunk: int) -> int:
+        """Pages a sequence takes to prefill ``n`` positions in chunks of at most ``chunk``: all of them."""
+        return self.pages_needed(seq_id, n)
+
     def can_append(self, seq_id: Hashable, n: int) -> bool:
         return self.pages_needed(seq_id, n) <= len(self._free)
 
@@ -211,6 +215,12 @@ class WindowManager(BlockManager):
         window's blocks and the one being filled)."""
         return min(super().pages_for(positions), -(-(self.window - 1) // self.page_size) + 1)
 
+    def admit_pages(self, seq_id: Hashable, n: int, chunk: int) -> int:
+        """At most the pages of the window, the previous chunk (given back only after the next is appended)
+        and the chunk being appended, and one for a page boundary: a prompt longer than the pool still runs."""
+        most = -(-(self.window - 1 + 2 * chunk) // self.page_size) + 1
+        return min(self.pages_needed(seq_id, n), most)
+
     def _appended(self, seq_id: Hashable, table: list[int], start: int) -> None:
         first = self._released.get(seq_id, 0)
         upto = max(0, (start - self.window + 1) // (self.page_size * self.rate))
@@ -255,6 +265,9 @@ class StateSlots:
 
     def pages_needed(self, seq_id: Hashable, n: int) -> int:
         return 0 if seq_id in self._slot else 1
+
+    def admit_pages(self, seq_id: Hashable, n: int, chunk: int) -> int:
+        return self.pages_needed(seq_id, n)
 
     def pages_for(self, positions: int) -> int:
         return 1

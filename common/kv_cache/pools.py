@@ -225,15 +225,20 @@ class CacheManager:
     def can_append(self, seq_id: Hashable, n: int) -> bool:
         return all(l.pages_needed(seq_id, n) <= l.num_free for l in self.ledgers.values())
 
+    def can_admit(self, seq_id: Hashable, n: int, chunk: int) -> bool:
+        """Whether a waiting sequence's ``n`` positions, prefilled in chunks of at most ``chunk``, fit what is
+        free: every position in most pools, the window and two chunks in a window pool."""
+        return all(l.admit_pages(seq_id, n, chunk) <= l.num_free for l in self.ledgers.values())
+
     def fits(self, wants) -> bool:
         """Whether every (seq_id, n) of ``wants`` can be appended together."""
         wants = list(wants)
         return all(sum(l.pages_needed(s, n) for s, n in wants) <= l.num_free for l in self.ledgers.values())
 
-    def shortfall(self, seq_id: Hashable, n: int) -> str:
-        """Which pool keeps ``append(seq_id, n)`` from running, in words."""
+    def shortfall(self, seq_id: Hashable, n: int, chunk: int | None = None) -> str:
+        """Which pool keeps ``append(seq_id, n)`` (with ``chunk``: its admission) from running, in words."""
         for name, l in self.ledgers.items():
-            need = l.pages_needed(seq_id, n)
+            need = l.pages_needed(seq_id, n) if chunk is None else l.admit_pages(seq_id, n, chunk)
             if need > l.num_free:
                 return f"{need} pages of the {name!r} cache and {l.num_free} of {l.num_pages} are free"
         return "nothing: it fits"
