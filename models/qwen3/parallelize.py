@@ -12,7 +12,10 @@ model's forward (``serve.py``) stays single-device and runs unchanged on every r
 """
 from __future__ import annotations
 
+from ...common.rmsnorm import rmsnorm
+from ...parallel.cp import CPPlan, autograd_dw
 from ...parallel.tp import Column, Row, TPPlan, Vocab, unit_range
+from . import train
 
 
 def local_config(cfg, tp: int):
@@ -41,4 +44,37 @@ def tp_plan(cfg) -> TPPlan:
         },
         num_layers=cfg.num_layers,
         local_config=local_config,
+    )
+
+
+# --- context parallelism (the trainer) --------------------------------------------------------------------
+
+
+def _rmsnorm_route(fn, attach):
+    def routed(x, w, eps=1e-6):
+        return attach(fn(x, w, eps), w, x, autograd_dw(lambda x_, w_: fn(x_, w_, eps)))
+
+    return routed
+
+
+def _rmsnorm_residual_route(fn, attach):
+    """The fused norm's dw is the plain norm's on the new residual (``rmsnorm_bwd``: dw = dw_sum(dy · n))."""
+
+    def routed(x, residual, w, eps=1e-6):
+        y, new_residual = fn(x, residual, w, eps)
+        return attach(y, w, new_residual, autograd_dw(lambda x_, w_: rmsnorm(x_, w_, eps))), new_residual
+
+    return routed
+
+
+def cp_plan(cfg) -> CPPlan:
+    """Qwen3's context-parallel plan (``parallel/cp.py``): whole q heads and whole GQA groups per position,
+    so CP must divide Hkv (and Hq); ``train.py``'s attention and norms routed, its linears hooked."""
+    return CPPlan(
+        heads=((cfg.num_heads, "q heads"), (cfg.num_kv_heads, "k/v heads")),
+        module=train,
+        attention="attention",
+        routes={"rmsnorm": _rmsnorm_route, "rmsnorm_residual": _rmsnorm_residual_route},
+        first_layer="layers.0",
+        embed="embed.weight",
     )
