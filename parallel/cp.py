@@ -11,42 +11,48 @@ the rows.  A head's rows, forward and backward, never read another k/v head's (`
 stream per k/v head), so the bits are the one-device bits as long as a whole GQA group stays together:
 R must divide Hkv (and so Hq); ``check_cp`` refuses anything else before a process group is touched.
 
-**What equality is delivered (CPU path, what CI proves)**
+**What equality is delivered (CPU path, what CI proves: ``tests/test_parallel_cp.py``)**
 
 - Forward: the chosen-token FP32 log-probs of CP R equal the one-device trainer's (``torch.equal``).
-- Activation gradients: every row of every activation gradient is the one-device row (the token-wise
-  backwards are row-local, the attention backward is per k/v head over whole sequences).
-- Parameter gradients: equal to the plain one-device trainer's ``.grad`` (``loss.backward()`` over the
-  whole batch), bitwise.  A weight gradient sums over tokens, and no split of that sum reproduces one
+- Parameter gradients: every ``.grad`` equals the plain one-device trainer's (``loss.backward()`` over
+  the whole batch), bitwise, bf16 and fp32 weights.  On the way every activation gradient row is the
+  one-device row (token-wise backwards are row-local; the attention backward runs per k/v head over
+  whole sequences).  A weight gradient sums over tokens, and no split of that sum reproduces one
   device: ``matmul``'s CPU backward forms dW = dYᵀ·X as one left-to-right fp32 chain over all M tokens
   (``matmul/cpu.py``), so rank 1's partial would restart at 0 instead of at rank 0's chain (the
   ``k_split`` argument of ``tp.py``, with K = tokens); RMSNorm's dw (``rmsnorm/cpu.py``'s two-level
   slot order) and the embedding's ``index_put`` likewise fix their order over *all* rows.  A tree of
-  per-rank partials (``TreeAccumulator``) would be layout-invariant only against a one-device run that
-  used the same token leaves, not against the plain trainer.  So the weight gradient is not split:
-  each parameter has an **owner** (the k-th parameter read in the forward belongs to position k mod R),
-  and in the backward the owner receives every position's input rows X and output gradient dY (ordered
-  all-gather by position: the one-device row order) and runs the op's own weight-gradient arithmetic
-  once on all T rows (``matmul_bwd`` for a linear; autograd of the op replayed on all rows otherwise) —
-  the one-device op on the one-device operands.  The model's local backward forms only activation
-  gradients (parameters are read detached).  ``reduce_gradients`` then broadcasts each ``.grad`` from
-  its owner.
+  per-rank partials (``TreeAccumulator``, dp.py's leaves) is layout-invariant only against a one-device
+  run that forms the same token leaves' partials, not against the plain trainer.  So the weight
+  gradient is not split: each parameter has an **owner** (the k-th parameter read in the forward
+  belongs to position k mod R); in the backward the owner receives every position's input rows X and
+  output gradient dY (ordered all-gather by position: the one-device rows, in order) and runs the op's
+  own weight-gradient arithmetic once on all rows (``matmul_bwd`` for a linear; autograd of the op
+  replayed on all rows for a norm, the embedding and the LM head): the one-device op on the one-device
+  operands.  The model's local backward forms only activation gradients (parameters are read
+  detached).  ``reduce_gradients`` then broadcasts each ``.grad`` from its owner.
+- CUDA: not proven.  The forward needs the Triton attention to keep a head's bits when it sees Hq/R
+  heads (its programs are per head); the backward's dX is cuBLAS ``torch.mm`` (``matmul.op.backward_mm``),
+  whose row bits may change with the T/R rows a rank holds, so activation gradients (and hence dW) would
+  need dX from the fixed-order kernel.  The owners' dW calls see the one-device shapes.
 
-**Cost** (per layer, R ranks, T tokens, hidden H, Hq/Hkv heads of D, MLP width I; b bytes a value)
+**Cost** (per layer and rank; R ranks, T tokens, hidden H, Hq/Hkv heads of D, MLP width I, b bytes)
 
-- Attention: 4 all-to-alls forward (q, k, v, o) and 4 backward, each (R-1)/R of the local rows'
-  heads: ≈ (R-1)/R²·T·(2·Hq + 2·Hkv)·D·b received per rank each way — Ulysses' volume.
-- Weight gradients: each rank receives every other rank's X and dY rows of every linear and norm (an
-  all-gather; a gather to the owner alone would cut this by R): ≈ (R-1)/R·T·(3H + Hq·D + (Hq+2Hkv)·D
-  + 2I + I + H)·b per layer, and the owners' dW work is the one-device dW work split by parameters
-  (balanced while the parameter count is large against R).  A linear's X is kept until its backward (as
-  one device keeps it); a norm's and the embedding's dW replay their op's forward on all T rows.
-- Not parallelised: the norms' and the embedding's replays, and the LM head's (on the scored rows).
+- Attention: 4 all-to-alls forward (q, k, v, o) and 4 backward, ≈ (R-1)/R²·T·(2·Hq + 2·Hkv)·D·b
+  received each way: Ulysses' volume.
+- Weight gradients: every rank receives the other ranks' X and dY rows of the 4 linears and 4 norms (an
+  all-gather; a gather to the owner alone would cut it R-fold): ≈ (R-1)/R·T·(8H + 4·(Hq+Hkv)·D + 3I)·b.
+  A ring all-reduce of the layer's gradients moves 2·(R-1)/R·P·b (P its parameters), so above
+  T ≈ 2P / (8H + 4(Hq+Hkv)D + 3I) tokens a step the gather moves more: ≈ 4,300 for qwen3-8B.  The
+  owner holds one op's X and dY of all T rows at a time; dW work is the one-device work, spread over
+  the owners by parameter (balanced while the parameters far outnumber R).  A norm's and the LM head's
+  replay also recompute that op's forward on all rows, on the owner.
 
 Not supported yet (refused with the reason): LoRA and FP8 trainers, activation checkpointing, a tied
-LM head's gradient (its two reads would accumulate in autograd's arrival order), CP > Hkv.  The plan's
-routes patch the model module's attention and norm functions while ``logprobs`` runs (not thread-safe);
-a ``Block.attend`` hook beside ``Block.tap`` would make that a plain attribute.
+LM head's gradient (its two reads would accumulate in autograd's arrival order), R not dividing Hkv.
+One ``logprobs``, one backward, one ``reduce_gradients`` per step (``.grad`` must be None before).
+The plan's routes replace the model module's attention and norm functions while ``logprobs`` runs (not
+thread-safe); an ``attend`` hook on the block, as ``tap`` is, would make the attention a plain attribute.
 """
 from __future__ import annotations
 
