@@ -12,6 +12,7 @@ _REGISTRY: dict[str, str] = {
     "qwen3": "alignzoo.models.qwen3",
     "qwen35_gdn": "alignzoo.models.qwen35_gdn",
     "glm5_sparse_fp8": "alignzoo.models.glm5_sparse_fp8",
+    "deepseek_v4_mhc_mxfp4": "alignzoo.models.deepseek_v4_mhc_mxfp4",
 }
 
 

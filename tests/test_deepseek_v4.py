@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model_cases import sharpen_v4
+
 from alignzoo import SamplingParams
 from alignzoo.models import deepseek_v4_mhc_mxfp4 as V4
 
@@ -14,18 +16,8 @@ TABLE = [(0.9, 40, 0.9, 0.05), (1.3, 0, 0.8, 0.0), (0.6, 7, 1.0, 0.1), (0.0, 0, 
 
 
 def sharpen(trainer, seed: int) -> None:
-    """Norms in [0.5, 1.5], matrices x3, sinks / mHC bases / position biases drawn, so every part shows."""
-    g = torch.Generator(device=trainer.device).manual_seed(seed)
-    with torch.no_grad():
-        for n, p in trainer.named_parameters():
-            if not p.dtype.is_floating_point:
-                continue
-            if n.endswith(("sinks", ".base", "position_bias")):
-                p.normal_(0.0, 0.5, generator=g)
-            elif p.dim() == 1:
-                p.uniform_(0.5, 1.5, generator=g)
-            else:
-                p.mul_(3.0)
+    """``model_cases.sharpen_v4`` from a seed, on the trainer's device."""
+    sharpen_v4(trainer, torch.Generator(device=trainer.device).manual_seed(seed))
 
 
 def make_pair(config="tiny", seed=1, **kw):

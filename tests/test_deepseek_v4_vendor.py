@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_deepseek_v4 import sharpen
 
-from alignzoo import SamplingParams, models
+from alignzoo import SamplingParams
 from alignzoo.models import bisect as B
 from alignzoo.models import deepseek_v4_mhc_mxfp4 as V4
 from alignzoo.models.checks import scoring_batch
@@ -72,11 +72,9 @@ def test_fp32_vendor_is_close_to_the_trainer(config):
     assert not all(torch.equal(g.cpu(), w) for got in paths.values() for g, w in zip(got, want))
 
 
-def test_bisect_names_the_first_op_where_the_vendor_parts(monkeypatch):
-    """bisect's prefill path against the vendor server (the model is not in the registry yet: registered
-    here for ``_vendor_engine``): it parts in layer 0 (at attn.q, measured: the mHC collapse and the attention
+def test_bisect_names_the_first_op_where_the_vendor_parts():
+    """bisect's prefill path against the vendor server: it parts in layer 0 (at attn.q, measured: the mHC collapse and the attention
     norm keep the bf16 bits), every op before that has the same bytes, and the indexer and the logits follow."""
-    monkeypatch.setitem(models._REGISTRY, V4.NAME, V4.__name__)
     pair = V4.load(config="tiny", device="cpu", dtype=torch.bfloat16, seed=1, cuda_graphs=False, freeze_gc=False)
     sharpen(pair.trainer, 2)
     pair.sync()
@@ -93,8 +91,7 @@ def test_bisect_names_the_first_op_where_the_vendor_parts(monkeypatch):
     assert f"first difference: {first.name}" in rep.lines()[1]
 
 
-def test_bisect_runs_both_paths_against_the_vendor(monkeypatch):
-    monkeypatch.setitem(models._REGISTRY, V4.NAME, V4.__name__)
+def test_bisect_runs_both_paths_against_the_vendor():
     pair = V4.load(config="tiny", device="cpu", dtype=torch.bfloat16, seed=1, cuda_graphs=False, freeze_gc=False)
     prefill, decode = B.bisect(pair, against="vendor", length=60, batch=2, decode_tokens=20)
     assert not prefill.equal and not decode.equal

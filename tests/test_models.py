@@ -50,9 +50,9 @@ def _spy_launches(eng) -> list[bool]:
 
 
 def test_preemption_recomputes_the_same_bits(name, device):
-    """Requests join mid-decode and a 9-page cache forces preemption: the recomputed requests
-    keep the trainer's bits and those of each request alone in a roomy engine."""
-    pair = make_pair(name, device, num_pages=9)
+    """Requests join mid-decode and a small cache (9 pages; the row's ``preempt_pages``) forces preemption:
+    the recomputed requests keep the trainer's bits and those of each request alone in a roomy engine."""
+    pair = make_pair(name, device, num_pages=case(name).preempt_pages)
     eng = pair.server
     prompts = prompts_of([200, 90, 130, 31], pair.config.vocab_size, seed=5)
     sps = [SamplingParams(temperature=1.0, top_k=50, top_p=0.95, min_p=0.01, max_new_tokens=70, seed=s)
@@ -82,15 +82,16 @@ def _late_stop(tokens: list[int]) -> int:
 
 def test_overlap_on_and_off_give_the_same_bits(name, device):
     """Decode steps launched before the previous step's tokens are read give the bits of an engine
-    that reads every step, in a 6-page cache that preempts, with chunked prefill beside decode rows
-    and requests that stop on a stop token (riding along in a step launched ahead) or run to their
-    length."""
-    pair = make_pair(name, device, num_pages=6, max_batch_tokens=96)
+    that reads every step, in a small cache that preempts (6 pages; the row's ``overlap_cache``), with
+    chunked prefill beside decode rows and requests that stop on a stop token (riding along in a step
+    launched ahead) or run to their length."""
+    pages, step_tokens = case(name).overlap_cache
+    pair = make_pair(name, device, num_pages=pages, max_batch_tokens=step_tokens)
     prompts = prompts_of([300, 5, 77, 130], pair.config.vocab_size, seed=6)
     plain = rich(4, [40, 60, 50, 60], seed=20)
     first = Engine(pair.server.model, num_pages=64, overlap=False).generate(prompts, plain)
     sps = [replace(sp, stop_token_ids=(_late_stop(o.tokens),)) if i % 2 else sp for i, (sp, o) in enumerate(zip(plain, first))]
-    reading = Engine(pair.server.model, num_pages=6, max_batch_tokens=96, overlap=False)
+    reading = Engine(pair.server.model, num_pages=pages, max_batch_tokens=step_tokens, overlap=False)
     seen = {False: _spy_launches(reading), True: _spy_launches(pair.server)}
     want = reading.generate(prompts, sps)
     got = pair.server.generate(prompts, sps)

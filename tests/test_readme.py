@@ -25,7 +25,7 @@ def test_use_it_runs_as_written():
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md: Use it", "exec"), names)
     lines = out.getvalue().splitlines()
-    assert lines[0] == "['glm5_sparse_fp8', 'qwen3', 'qwen35_gdn']"
+    assert lines[0] == "['deepseek_v4_mhc_mxfp4', 'glm5_sparse_fp8', 'qwen3', 'qwen35_gdn']"
     assert re.fullmatch(r"\d+ sampled tokens, 0 differ in any bit, K3 max 0\.0", lines[1]), lines[1]
     assert lines[2].startswith("weight version 2: ") and names["pair"].last_sync.blocks_changed > 0  # the step shipped
     assert lines[3] == "2 True"
