@@ -2,7 +2,9 @@
 that exchange without reducing and then run ``common/tree``'s tree in logical order
 (``collectives``), data-parallel gradients equal to one device's (``dp``), and FSDP2's reduce-scatter
 replaced by the ordered one (``fsdp.shard_ordered``, imported on use: it reads FSDP2's private ABC), and
-tensor-parallel serving with one device's bits from a model's declared plan (``tp``)."""
+tensor-parallel serving with one device's bits from a model's declared plan (``tp``), and expert
+parallelism for the MoE models, server and trainer, each EP position owning E / EP whole experts and
+the routed rows exchanged without reduction before the one-device slot sum (``ep``)."""
 from .collectives import (
     TreeAccumulator,
     ordered_all_gather,
@@ -10,7 +12,9 @@ from .collectives import (
     ordered_reduce_scatter,
 )
 from .dp import step_gradients
+from .ep import EPPlan, ep_server, ep_trainer
 from .tp import Column, Row, TPPlan, Vocab, check_layout, tp_server
 
 __all__ = ["TreeAccumulator", "ordered_all_gather", "ordered_all_reduce", "ordered_reduce_scatter",
-           "step_gradients", "Column", "Row", "TPPlan", "Vocab", "check_layout", "tp_server"]
+           "step_gradients", "Column", "Row", "TPPlan", "Vocab", "check_layout", "tp_server",
+           "EPPlan", "ep_server", "ep_trainer"]
