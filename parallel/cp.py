@@ -40,13 +40,15 @@ R must divide Hkv (and so Hq); ``check_cp`` refuses anything else before a proce
 
 - Attention: 4 all-to-alls forward (q, k, v, o) and 4 backward, ≈ (R-1)/R²·T·(2·Hq + 2·Hkv)·D·b
   received each way: Ulysses' volume.
-- Weight gradients: every rank receives the other ranks' X and dY rows of the 4 linears and 4 norms (an
-  all-gather; a gather to the owner alone would cut it R-fold): ≈ (R-1)/R·T·(8H + 4·(Hq+Hkv)·D + 3I)·b.
-  A ring all-reduce of the layer's gradients moves 2·(R-1)/R·P·b (P its parameters), so above
-  T ≈ 2P / (8H + 4(Hq+Hkv)D + 3I) tokens a step the gather moves more: ≈ 4,300 for qwen3-8B.  The
-  owner holds one op's X and dY of all T rows at a time; dW work is the one-device work, spread over
-  the owners by parameter (balanced while the parameters far outnumber R).  A norm's and the LM head's
-  replay also recompute that op's forward on all rows, on the owner.
+- Weight gradients: each op's owner receives the other ranks' X and dY rows (a ``gather``, rows padded to
+  the longest slice), so over the 4 linears and 4 norms a rank receives on average
+  ≈ (R-1)/R²·T·(8H + 4·(Hq+Hkv)·D + 3I)·b, and ``reduce_gradients``' broadcasts (R-1)/R·P·b (P the
+  layer's parameters; what an all-gather of sharded gradients moves).  A ring all-reduce of the
+  gradients moves 2·(R-1)/R·P·b: above T ≈ R·P / (8H + 4(Hq+Hkv)D + 3I) tokens a step CP moves more
+  (≈ 4,300 at CP 2 for qwen3-8B).  The owner holds one op's X and dY of all T rows at a
+  time; dW work is the one-device work, spread over the owners by parameter (balanced while the
+  parameters far outnumber R).  A norm's and the LM head's replay also recompute that op's forward on
+  all rows, on the owner.
 
 Not supported yet (refused with the reason): LoRA and FP8 trainers, activation checkpointing, a tied
 LM head's gradient (its two reads would accumulate in autograd's arrival order), R not dividing Hkv.
@@ -69,7 +71,7 @@ from ..common.lm_head import lm_head_logits
 from ..common.matmul import matmul_bwd
 from ..common.sampling import SamplingParams, params_to_tensors, sampling_logprobs
 from ..models._packing import pack_scored, sampling_list
-from .collectives import _size_rank, ordered_all_gather
+from .collectives import _all_gather, _size_rank, ordered_all_gather
 from .tp import even_range, rank_of_positions
 
 Attach = Callable[..., torch.Tensor]  # attach(y, w, x, replay) -> y, w's gradient by replay (``ContextParallel``)
@@ -140,10 +142,9 @@ class _GradByReplay(torch.autograd.Function):
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         cp = ctx.cp
-        x_all, dy_all = cp.gather_rows(x), cp.gather_rows(dy.contiguous())  # the one-device rows, in order
-        dw = None
-        if ctx.owner == cp.position:
-            dw = ctx.replay(x_all, w.detach(), dy_all)
+        x_all = cp.gather_rows(x, ctx.owner)  # the one-device rows, in order (on the owner; None elsewhere)
+        dy_all = cp.gather_rows(dy.contiguous(), ctx.owner)
+        dw = None if x_all is None else ctx.replay(x_all, w.detach(), dy_all)
         return dy, dw, None, None, None, None
 
 
@@ -204,9 +205,25 @@ class ContextParallel:
         chunks = [c.contiguous() for c in x.split(list(sizes))]
         return torch.cat(self._a2a(chunks, [sizes[self.position]] * self.R, x.shape[1:]), dim=1)
 
-    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Every position's rows of x, concatenated by position (dim 0)."""
-        return x if self.R == 1 else ordered_all_gather(x, self.position, self.group, dim=0).contiguous()
+    def _global(self, position: int) -> int:
+        r = self.rank_of[position]
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def gather_rows(self, x: torch.Tensor, dst: int | None = None) -> torch.Tensor | None:
+        """Every position's rows of x (dim 0), concatenated by position: on every rank, or with ``dst`` on
+        that position alone (None elsewhere): a ``gather`` of rows padded to the longest."""
+        if self.R == 1:
+            return x
+        if dst is None:
+            return ordered_all_gather(x, self.position, self.group, dim=0).contiguous()
+        n = x.new_empty(self.R, dtype=torch.int64)
+        _all_gather(n, torch.tensor([x.shape[0]], dtype=torch.int64), self.group)
+        rows = [int(n[self.rank_of[p]]) for p in range(self.R)]
+        padded = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, max(rows) - x.shape[0])).contiguous()
+        mine = dst == self.position
+        got = [torch.empty_like(padded) for _ in range(self.R)] if mine else None
+        dist.gather(padded, got, dst=self._global(dst), group=self.group)
+        return torch.cat([got[self.rank_of[p]][: rows[p]] for p in range(self.R)]) if mine else None
 
     # --- routing ---------------------------------------------------------------------------------------
 
@@ -312,8 +329,7 @@ class ContextParallel:
                 g = p.grad.contiguous()
             else:
                 g = torch.empty_like(p)
-            src = self.rank_of[owner]
-            dist.broadcast(g, src if self.group is None else dist.get_global_rank(self.group, src), group=self.group)
+            dist.broadcast(g, self._global(owner), group=self.group)
             p.grad = g
 
 

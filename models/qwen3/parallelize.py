@@ -9,6 +9,9 @@ model's forward (``serve.py``) stays single-device and runs unchanged on every r
 - ``down``: row-parallel over the MLP width;
 - ``lm_head``: vocabulary-sharded (a tied head shards a copy of the embedding's rows);
 - the embedding and every norm weight: replicated.
+
+``cp_plan``: the trainer's context-parallel plan (``parallel/cp.py``): whole q heads and GQA groups per
+position, and the functions of ``train.py`` that read a parameter, each routed to its owner's replay.
 """
 from __future__ import annotations
 
