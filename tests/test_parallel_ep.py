@@ -5,7 +5,8 @@ sampling transforms) and the sampled completions of the EP server (EP 4 with its
 across ranks) equal the one-device server's and the trainer's; the EP trainer's log-probs equal the
 one-device trainer's, and so do its gradients (each rank's expert stacks: the one-device gradients'
 slices).  The tiny presets' 7 (qwen3.5) and 9 (GLM-5) experts divide by no EP degree: the cases
-take 8 and 12, and the tiny 7 is the refused degree.  fp32 is where the routed sum's order shows in
+take 8 and 12, and the tiny 7 is the refused degree.  Decode steps of a few tokens leave some
+positions with no rows.  fp32 is where the routed sum's order shows in
 the logits (adding the slots in reverse changes them; bf16 rounding hides it), so most cases run it."""
 from __future__ import annotations
 
@@ -64,14 +65,13 @@ def _server_rank(rank, world, name, weights, prompts, positions, server_kw):
 
 
 @pytest.mark.parametrize("name, dtype, kw, positions", [
-    ("qwen35_gdn", torch.float32, {}, (0, 1)),
     ("qwen35_gdn", torch.float32, {}, (3, 1, 0, 2)),
     ("qwen35_gdn", torch.bfloat16, {}, (1, 0)),
     ("glm5_sparse_fp8", torch.float32, {"fp8": True}, (1, 0)),
     ("glm5_sparse_fp8", torch.float32, {}, (2, 0, 3, 1)),
     ("qwen35_gdn", torch.float32, {"lora": LORA, "lora_mode": "separate"}, (1, 0)),
     ("qwen35_gdn", torch.bfloat16, {"lora": LORA, "lora_mode": "merged"}, (0, 1)),
-], ids=["qwen35-fp32-EP2", "qwen35-fp32-EP4", "qwen35-bf16-EP2", "glm5-fp8-EP2", "glm5-fp32-EP4",
+], ids=["qwen35-fp32-EP4", "qwen35-bf16-EP2", "glm5-fp8-EP2", "glm5-fp32-EP4",
         "qwen35-fp32-lora-separate-EP2", "qwen35-bf16-lora-merged-EP2"])
 def test_ep_server_equals_one_device(name, dtype, kw, positions, tmp_path):
     cfg = SERVERS[name][0]
@@ -114,14 +114,22 @@ def _trainer_rank(rank, world, trainer, seqs, lens, positions):
 
 @pytest.fixture(scope="module")
 def trainer_case():
-    pair = make_pair("qwen35_gdn", config=QWEN35, dtype=torch.float32, num_pages=24)
-    seqs, lens = scored(prompts_of(LENS, QWEN35.vocab_size, seed=2))
-    return pair.trainer, seqs, lens, logprobs_and_grads(copy.deepcopy(pair.trainer), seqs, lens)
+    """dtype -> (trainer, sequences, prompt lengths, its one-device log-probs and gradients), built once a dtype."""
+    built = {}
+
+    def get(dtype):
+        if dtype not in built:
+            pair = make_pair("qwen35_gdn", config=QWEN35, dtype=dtype, num_pages=24)
+            seqs, lens = scored(prompts_of(LENS, QWEN35.vocab_size, seed=2))
+            built[dtype] = pair.trainer, seqs, lens, logprobs_and_grads(copy.deepcopy(pair.trainer), seqs, lens)
+        return built[dtype]
+    return get
 
 
-@pytest.mark.parametrize("positions", [(1, 0), (3, 1, 0, 2)], ids=lambda p: f"EP{len(p)}")
-def test_ep_trainer_equals_one_device(trainer_case, positions, tmp_path):
-    trainer, seqs, lens, (ref_lp, ref_grads) = trainer_case
+@pytest.mark.parametrize("dtype, positions", [(torch.float32, (1, 0)), (torch.float32, (3, 1, 0, 2)),
+                                              (torch.bfloat16, (0, 1))], ids=["fp32-EP2", "fp32-EP4", "bf16-EP2"])
+def test_ep_trainer_equals_one_device(trainer_case, dtype, positions, tmp_path):
+    trainer, seqs, lens, (ref_lp, ref_grads) = trainer_case(dtype)
     outs = run_ranks(len(positions), tmp_path, _trainer_rank, trainer, seqs, lens, positions)
     n = QWEN35.num_experts // len(positions)
     stacks = [name for name in ref_grads if name.endswith(("moe.gate_up.weight", "moe.down.weight"))]
