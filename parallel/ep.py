@@ -162,7 +162,7 @@ class ExpertParallel:
         return slot_sum(rows.gather(c, self.rank_of, self.group).view(rows.T, rows.k, -1))
 
     def routed(self, block, h, ids, w, limit):
-        check_trainer_block(block)
+        check_trainer_block(block, sharded=True)
         return _EPExperts.apply(h, w, block.gate_up.weight, block.down.weight, self._rows(ids), self, limit)
 
     # the rest of the format's interface, unchanged
@@ -204,13 +204,17 @@ class _EPExperts(torch.autograd.Function):
                 None if dd_w is None else dd_w.to(w_down.dtype), None, None, None)
 
 
-def check_trainer_block(block) -> None:
-    """The EP trainer's reach: BF16/FP32 expert stacks (their backward is ``_EPExperts``'), no experts adapter."""
-    if not isinstance(block.spec.experts, (Bf16Experts, ExpertParallel)) or (
-            isinstance(block.spec.experts, ExpertParallel) and not isinstance(block.spec.experts.inner, Bf16Experts)):
+def check_trainer_block(block, sharded: bool) -> None:
+    """The EP trainer's reach: BF16/FP32 expert stacks (their backward is ``_EPExperts``'), no experts
+    adapter; ``sharded``: whether the block should already be ``ep_trainer``'s."""
+    fmt = block.spec.experts
+    if isinstance(fmt, ExpertParallel) != sharded:
+        raise ValueError(f"MoE block {block.index} is {'not ' if sharded else ''}sharded by ep_trainer already")
+    fmt = fmt.inner if sharded else fmt
+    if not isinstance(fmt, Bf16Experts):
         raise NotImplementedError(f"the EP trainer runs BF16/FP32 experts; MoE block {block.index} has "
-                                  f"{type(block.spec.experts).__name__} (FP8 masters and MXFP4 codes are not sharded "
-                                  f"in the trainer yet)")
+                                  f"{type(fmt).__name__} (FP8 masters and MXFP4 codes are not sharded in the "
+                                  f"trainer yet)")
     if block.experts_lora is not None:
         raise NotImplementedError(f"MoE block {block.index} carries an experts adapter: experts' LoRA is not "
                                   f"sharded in the EP trainer yet")
@@ -218,7 +222,7 @@ def check_trainer_block(block) -> None:
 
 def rank_of_positions(position: int, group=None) -> tuple[int, ...]:
     """The rank holding each EP position (one all-gather at setup); positions must be a permutation."""
-    R, rank = _size_rank(group)
+    _, rank = _size_rank(group)
     return tuple(ordered_all_gather(torch.tensor([rank]), position, group, dim=0).tolist())
 
 
@@ -246,14 +250,15 @@ def ep_trainer(model: torch.nn.Module, plan: EPPlan, group=None, position: int |
     """Shard a trainer's MoE blocks in place: each keeps this position's experts of its stacks (new
     parameters: build the optimizer after) and computes the routed sum over the group.  Forward
     log-probs, and the gradients of everything but the expert stacks, are the one-device trainer's on
-    every rank; the stacks' gradients are the one-device gradients' slices."""
+    every rank; the stacks' gradients are the one-device gradients' slices (tested on the CPU; on CUDA
+    see the module docstring)."""
     R, rank = _size_rank(group)
     check_layout(plan, R)
     p = rank if position is None else position
     lo, hi = expert_range(plan.num_experts, R, p)
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     for block in blocks:
-        check_trainer_block(block)
+        check_trainer_block(block, sharded=False)
         if block.spec.num_experts != plan.num_experts:
             raise ValueError(f"MoE block {block.index} has {block.spec.num_experts} experts; the plan has "
                              f"{plan.num_experts}")

@@ -173,7 +173,11 @@ def test_group_refusals(tmp_path):
         run_ranks(2, tmp_path / "positions", _refused_rank, pair.server.model.weights, 0)
 
 
-def test_trainer_formats_refused():
+def test_trainer_refusals():
     pair = make_pair("glm5_sparse_fp8", config=GLM5, num_pages=24, fp8=True)
     with pytest.raises(NotImplementedError, match="MoE block 1 has Fp8Experts"):
         ep_trainer(pair.trainer, glm5_plan(GLM5))
+    trainer = make_pair("qwen35_gdn", config=QWEN35, num_pages=24).trainer
+    ep_trainer(trainer, qwen35_plan(QWEN35))  # EP 1: one process, no group
+    with pytest.raises(ValueError, match="MoE block 0 is sharded by ep_trainer already"):
+        ep_trainer(trainer, qwen35_plan(QWEN35))
