@@ -132,15 +132,14 @@ class DeepseekV4Server(ServerBase):
                   win[seq_idx[:, None], jc // PAGE_SIZE] * PAGE_SIZE + jc % PAGE_SIZE, j >= 0)]
         pool = _pool_of(c, L)
         if pool is not None:
-            rate = c.rate(L)
-            if picked is None:  # HCA: every row w < (p + 1) // rate
+            rate, table_c = c.rate(L), batch.pools[pool].block_table.long()
+            if picked is None:  # HCA: every row w < (p + 1) // rate, over the table's width (no host read: graphs)
                 visible = torch.div(pos + 1, rate, rounding_mode="floor")
-                K = max(1, int(visible.max())) if n else 1
+                K = table_c.shape[1] * PAGE_SIZE
                 w = torch.arange(K, device=dev).expand(n, K)
                 ok_c = w < visible[:, None]
             else:
                 w, ok_c = picked.long().clamp(min=0), picked >= 0
-            table_c = batch.pools[pool].block_table.long()
             slot_c = table_c[seq_idx[:, None], w // PAGE_SIZE] * PAGE_SIZE + w % PAGE_SIZE
             parts.insert(0, (caches[pool][self._slot[L]]["row"].view(-1, D), slot_c, ok_c))
         rows = torch.cat([src[torch.where(ok, s, 0)] for src, s, ok in parts], 1)  # (n, E, D)
