@@ -236,7 +236,8 @@ def ep_server(server_cls: type, cfg, weights: dict[str, torch.Tensor], plan: EPP
               position: int | None = None, **server_kw):
     """``server_cls`` (a ``ServeModel``) over this rank's experts of the full ``weights``: the engine runs
     it as any model, the same requests on every rank of ``group``.  Returns full FP32 logits on every
-    rank, bitwise the one-device server's.  position: this rank's EP position (default its rank)."""
+    rank, bitwise the one-device server's.  position: this rank's EP position (default its rank).  Each
+    MoE layer reads its row counts on the host: run its engine eagerly (``cuda_graphs=False``)."""
     R, rank = _size_rank(group)
     check_layout(plan, R)
     p = rank if position is None else position
