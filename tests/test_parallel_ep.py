@@ -4,10 +4,10 @@ Bitwise promises: per engine step the FP32 logits and routing extras, the scored
 sampling transforms) and the sampled completions of the EP server (EP 4 with its positions permuted
 across ranks) equal the one-device server's and the trainer's; the EP trainer's log-probs equal the
 one-device trainer's, and so do its gradients (each rank's expert stacks: the one-device gradients'
-slices).  The tiny presets' 7 (qwen3.5) and 9 (GLM-5) experts divide by no EP degree: the cases
-take 8 and 12, and the tiny 7 is the refused degree.  Decode steps of a few tokens leave some
-positions with no rows.  fp32 is where the routed sum's order shows in
-the logits (adding the slots in reverse changes them; bf16 rounding hides it), so most cases run it."""
+slices).  The tiny presets' 7 (qwen3.5) and 9 (GLM-5) experts take neither EP 2 nor EP 4: the
+cases use 8 and 12, and the tiny ones are the refused degrees.  Decode steps of a few tokens leave
+some positions with no rows.  fp32 is where the routed sum's order shows in the logits (adding the
+slots in reverse changes them; bf16 rounding hides it), so most cases run it."""
 from __future__ import annotations
 
 import copy
