@@ -4,17 +4,20 @@ that exchange without reducing and then run ``common/tree``'s tree in logical or
 replaced by the ordered one (``fsdp.shard_ordered``, imported on use: it reads FSDP2's private ABC), and
 tensor-parallel serving with one device's bits from a model's declared plan (``tp``), and expert
 parallelism for the MoE models, server and trainer, each EP position owning E / EP whole experts and
-the routed rows exchanged without reduction before the one-device slot sum (``ep``)."""
+the routed rows exchanged without reduction before the one-device slot sum (``ep``), and trainer
+context parallelism, heads exchanged around the model's own attention and each weight gradient
+replayed by its owner on every token's rows (``cp``)."""
 from .collectives import (
     TreeAccumulator,
     ordered_all_gather,
     ordered_all_reduce,
     ordered_reduce_scatter,
 )
+from .cp import ContextParallel, CPPlan, check_cp
 from .dp import step_gradients
 from .ep import EPPlan, ep_server, ep_trainer
 from .tp import Column, Row, TPPlan, Vocab, check_layout, tp_server
 
 __all__ = ["TreeAccumulator", "ordered_all_gather", "ordered_all_reduce", "ordered_reduce_scatter",
            "step_gradients", "Column", "Row", "TPPlan", "Vocab", "check_layout", "tp_server",
-           "EPPlan", "ep_server", "ep_trainer"]
+           "EPPlan", "ep_server", "ep_trainer", "ContextParallel", "CPPlan", "check_cp"]
