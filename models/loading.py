@@ -97,7 +97,15 @@ def build_trainer(spec: ModelSpec, cfg, checkpoint=None, *, device="cpu", dtype=
     with torch.no_grad():
         for name, p in trainer.named_parameters():
             p.copy_(tensors.pop(name))
+        for name, b in frozen_buffers(trainer).items():  # quantized stacks read as stored, byte for byte
+            b.copy_(tensors.pop(name))
     return trainer
+
+
+def frozen_buffers(trainer) -> dict[str, torch.Tensor]:
+    """The trainer's saved tensors that are not parameters (DeepSeek-V4's MXFP4 experts: codes and E8M0 scales),
+    which a checkpoint fills and ``save_pretrained`` writes as they are."""
+    return {n: t for n, t in trainer.state_dict(keep_vars=True).items() if not isinstance(t, torch.nn.Parameter)}
 
 
 def server_weights(trainer) -> dict[str, torch.Tensor]:
@@ -224,7 +232,8 @@ def load(spec: ModelSpec, checkpoint=None, config=None, device=None, dtype=torch
 
 
 def save_pretrained(spec: ModelSpec, trainer, directory, *, max_shard_bytes: int | None = None,
-                    adapter_only: bool = False, adapter: str | None = None) -> None:
+                    adapter_only: bool = False, adapter: str | None = None,
+                    quantization_config: Mapping | None = None) -> None:
     """Write the trainer's weights as a transformers checkpoint of the model.
 
     With LoRA: every adapter merged into its weight (W' = ``lora_merge_fwd``,
@@ -233,7 +242,10 @@ def save_pretrained(spec: ModelSpec, trainer, directory, *, max_shard_bytes: int
     round differently).  ``adapter_only=True``: only the adapters, as a PEFT
     directory (adapter_config.json + adapter_model.safetensors, modules
     ``base_model.model.model.layers.{i}.self_attn.q_proj`` ...).  Multi-mode
-    LoRA: ``adapter`` names the one adapter to merge or write."""
+    LoRA: ``adapter`` names the one adapter to merge or write.  Frozen buffers
+    (``frozen_buffers``: quantized codes and scales) go to ``spec.to_hf`` as
+    they are; ``quantization_config`` replaces the config's in config.json
+    (how ``spec.to_hf`` stored them)."""
     from ..weights import save_hf_checkpoint
 
     lora = trainer.lora_config(adapter)  # raises unless adapter fits the mode
@@ -262,8 +274,12 @@ def save_pretrained(spec: ModelSpec, trainer, directory, *, max_shard_bytes: int
     # integer table (DeepSeek-V4's tid2eid) stays integer
     tensors = {n: t if not t.dtype.is_floating_point else t.to(torch.float32 if n.endswith(spec.fp32_names) else wdtype)
                for n, t in tensors.items()}
+    tensors |= {n: b.detach() for n, b in frozen_buffers(trainer).items()}
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-    save_hf_checkpoint(directory, cfg.to_hf(dtype), spec.to_hf(tensors, cfg), **kw)
+    config = cfg.to_hf(dtype)
+    if quantization_config is not None:
+        config["quantization_config"] = dict(quantization_config)
+    save_hf_checkpoint(directory, config, spec.to_hf(tensors, cfg), **kw)
 
 
 def load_adapter(spec: ModelSpec, pair, directory, adapter: str | None = None) -> int:
