@@ -2,13 +2,15 @@
 MQA over a sliding window plus compressed history (C4 rows picked by an indexer, C128 rows read whole) with
 per-head sinks, hash- and learned-routed experts (MXFP4 when the checkpoint's are) with a shared expert.
 Config (``config.py``), trainer (``train.py``) and server (``serve.py``) calling the same kernels, the Hugging
-Face and release name maps (``weights.py``); loading and saving are the zoo's (``models/loading.py``).
+Face and release name maps (``weights.py``); loading and saving are the zoo's (``models/loading.py``).  A release
+checkpoint's FP8 linears load as code x scale (exact with its E8M0 scales) and its MXFP4 experts as stored, byte for
+byte; a model with MXFP4 experts saves them the release's way, which transformers reads too.
 
 Not yet in the registry (``alignzoo.models``): ``load`` builds a pair through ``models/loading.py``;
 ``tests/test_deepseek_v4.py`` holds its contract (and router / index replay), ``tests/test_deepseek_v4_lora.py``
 its LoRA (the attention's q_a / q_b / kv / o_b and the routed experts; on MXFP4 experts separate only),
-``serve_vendor.py`` is the misaligned server on torch's kernels.  FP8 dense linears, reading and saving the
-release's MXFP4 experts and CUDA-graph decode are still to come (issue 48).
+``serve_vendor.py`` is the misaligned server on torch's kernels.  FP8 training of the dense linears (they load as
+bf16 / fp32 and save unquantized) and CUDA-graph decode are still to come.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from ..spec import ModelSpec
 from .config import PRESETS, DeepseekV4Config
 from .serve import DeepseekV4Server
 from .train import NAME, DeepseekV4Trainer
-from .weights import FP32_NAMES, LORA_PARAM_ORDER, from_hf, lora_from_hf, lora_to_hf, to_hf
+from .weights import FP32_NAMES, LORA_PARAM_ORDER, from_hf, lora_from_hf, lora_to_hf, saved_quantization, to_hf
 
 
 def init_weights(trainer: DeepseekV4Trainer, seed: int = 0) -> None:
@@ -69,14 +71,15 @@ build_trainer = functools.partial(loading.build_trainer, SPEC)
 
 
 def save_pretrained(trainer: DeepseekV4Trainer, directory, **kw) -> None:
-    """``loading.save_pretrained``; adapters inside MXFP4 experts save as a PEFT adapter only (``adapter_only=True``):
-    a merged W' would have to be requantized, and the codes are the checkpoint's."""
+    """``loading.save_pretrained``.  MXFP4 experts save as the release stores them (``weights.to_hf``: DeepSeek's
+    names, int8 codes and float8_e8m0fnu scales, the trainer's bytes) under ``weights.saved_quantization``'s
+    quantization_config; the other linears unquantized.  Adapters inside MXFP4 experts save as a PEFT adapter only
+    (``adapter_only=True``): a merged W' would have to be requantized, and the codes are the checkpoint's."""
     if not kw.get("adapter_only") and any(layer.moe.spec.experts is MXFP4 for layer in trainer.layers):
         if any(layer.moe.experts_lora is not None for layer in trainer.layers):
             raise NotImplementedError("LoRA inside MXFP4 experts saves with adapter_only=True (a PEFT adapter over "
                                       "the frozen codes); a merged checkpoint would requantize W'")
-        raise NotImplementedError("saving a checkpoint with MXFP4 experts (the release's codes and E8M0 scales) is "
-                                  "not built yet; save the adapters (adapter_only=True) or use bf16 experts")
+        kw["quantization_config"] = saved_quantization(trainer.cfg)
     loading.save_pretrained(SPEC, trainer, directory, **kw)
 load_adapter = functools.partial(loading.load_adapter, SPEC)
 

@@ -18,6 +18,14 @@ Ours, per layer i (fused only where one GEMM reads several HF projections of one
               moe.tid2eid (V, k) int64 as ``.weight`` (hash layers); moe.gate_up (E, 2I, H) [w1 | w3];
               moe.down (E, H, I); moe.shared_gate_up (2 Is, H) [w1 | w3]; moe.shared_down (H, Is)
   hc_head.{fn,base,scale} (N, N H), (N,), (1,) FP32; embed, norm (FP32), lm_head
+  MXFP4 experts (quantization_config expert_dtype "fp4"): moe.gate_up.weight (E, 2I, H/2) and moe.down.weight
+              (E, H, I/2) are uint8 codes, two E2M1 a byte, with their E8M0 scales moe.gate_up.weight_scale
+              (E, 2I, H/32) and moe.down.weight_scale (E, H, I/32) uint8, one per 32 along K
+
+Quantized checkpoints (the release: FP8 e4m3 linears with one scale per 128x128 block in ``X.scale``, E8M0 when
+scale_fmt is "ue8m0"; experts one tensor per expert, int8 codes with float8_e8m0fnu ``.scale``): an FP8 linear reads
+as code x scale (exact for E8M0 scales: a 4-bit significand times a power of two fits bf16 and fp32), MXFP4
+experts as stored, byte for byte, never through a float.  ``to_hf`` writes MXFP4 experts back the release's way.
 
 The release's multi-token-prediction layers (``mtp.*``) are not part of the model: left out on load, and the
 log says how many.
@@ -31,11 +39,16 @@ import re
 import torch
 
 from ...weights import (
+    FP8_BLOCK128,
+    FP8_BLOCK128_E8M0,
+    MXFP4,
     CheckpointError,
+    DequantizedSource,
     Fuse,
     HFCheckpoint,
     NameMap,
     OneOf,
+    QuantRule,
     Stack,
     check_model_type,
     open_source,
@@ -52,6 +65,14 @@ FP32_NAMES = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.fn", "hc_head.base", "
               "position_bias", "q_a_norm.weight", "kv_norm.weight", "attn_norm.weight", "mlp_norm.weight",
               "moe.correction_bias.weight", "norm.weight")
 INT_NAMES = ("moe.tid2eid.weight",)
+# MXFP4 experts' codes and scales: uint8 here, read and written byte for byte
+MX_NAMES = (".moe.gate_up.weight", ".moe.gate_up.weight_scale", ".moe.down.weight", ".moe.down.weight_scale")
+# Saved as the release stores them: transformers' Fp8Dequantize decodes int8 (or float4) codes as E2M1 pairs, but
+# reads uint8 ones as FP8 values
+SAVED_CODES, SAVED_SCALES = torch.int8, MXFP4.scale_dtypes[-1]
+# transformers' modules that an MXFP4 save leaves unquantized (every linear but the experts), for modules_to_not_convert
+UNQUANTIZED_MODULES = ("lm_head", "model.layers.*.self_attn", "model.layers.*.mlp.shared_experts")
+_EXPERT = re.compile(r"\.mlp\.experts\.")
 MTP_IGNORE = r"^(model\.)?mtp\."
 log = logging.getLogger("alignzoo.models")
 
@@ -201,17 +222,38 @@ class ReleaseNames:
         return f"{self.path} (DeepSeek release names)"
 
 
+def mxfp4_experts(cfg) -> bool:
+    """The routed experts are MXFP4 codes: the config's quantization_config has expert_dtype "fp4"."""
+    return cfg.quantization is not None and cfg.quantization.expert_dtype == "fp4"
+
+
+def saved_quantization(cfg) -> dict:
+    """config.json's quantization_config for ``to_hf``'s MXFP4 layout: the config's, with scale_fmt "ue8m0" (the
+    experts' scales are E8M0 bytes, which transformers' FP8Experts then holds as float8_e8m0fnu) and every other
+    linear named in modules_to_not_convert (saved unquantized, in the model's dtype)."""
+    return {**cfg.quantization.to_hf(), "scale_fmt": "ue8m0", "modules_to_not_convert": list(UNQUANTIZED_MODULES)}
+
+
 def check_checkpoint_config(config: dict) -> None:
     """Raise, naming what it is, unless ``config`` (config.json) is a DeepSeek-V4 causal LM."""
     check_model_type(config, MODEL_TYPE, ARCHITECTURES)
 
 
 def hf_names(cfg) -> dict:
-    """{our template: transformers' template, a tuple (fused along dim 0), a Fuse, a Stack or a OneOf}."""
+    """{our template: transformers' template, a tuple (fused along dim 0), a Fuse, a Stack or a OneOf}.  MXFP4
+    experts list one tensor per expert first (what ``to_hf`` writes) and add their scales: the release's ``.scale``,
+    ``.weight_scale_inv``, or transformers' stacked ``gate_up_proj_scale_inv``."""
     E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
     L = "model.layers.{}."
     A, C, X = L + "self_attn.", L + "self_attn.compressor.", L + "self_attn.compressor.indexer."
     ex = L + "mlp.experts.{expert}."
+
+    def gate_up(w):  # [w1 | w3] along the rows, one tensor per expert
+        return Fuse((Stack(ex + f"gate_proj.{w}", E), Stack(ex + f"up_proj.{w}", E)), dim=1, sizes=(I, I))
+
+    # transformers' stacked tensors first (what it saves), then one tensor per expert (the release's, renamed)
+    experts = {"gate_up": (L + "mlp.experts.gate_up_proj", gate_up("weight")),
+               "down": (L + "mlp.experts.down_proj", Stack(ex + "down_proj.weight", E))}
     names = {
         "embed.weight": "model.embed_tokens.weight",
         "norm.weight": "model.norm.weight",
@@ -241,12 +283,6 @@ def hf_names(cfg) -> dict:
         "layers.{}.moe.gate.weight": L + "mlp.gate.weight",
         "layers.{}.moe.correction_bias.weight": L + "mlp.gate.e_score_correction_bias",
         "layers.{}.moe.tid2eid.weight": L + "mlp.gate.tid2eid",
-        # transformers' stacked tensors first (what it saves), then one tensor per expert (the release's, renamed)
-        "layers.{}.moe.gate_up.weight": OneOf((
-            L + "mlp.experts.gate_up_proj",
-            Fuse((Stack(ex + "gate_proj.weight", E), Stack(ex + "up_proj.weight", E)), dim=1, sizes=(I, I)),
-        )),
-        "layers.{}.moe.down.weight": OneOf((L + "mlp.experts.down_proj", Stack(ex + "down_proj.weight", E))),
         "layers.{}.moe.shared_gate_up.weight": (L + "mlp.shared_experts.gate_proj.weight",
                                                 L + "mlp.shared_experts.up_proj.weight"),
         "layers.{}.moe.shared_down.weight": L + "mlp.shared_experts.down_proj.weight",
@@ -254,6 +290,15 @@ def hf_names(cfg) -> dict:
     for p in ("attn_hc", "ffn_hc"):
         for f in ("fn", "base", "scale"):
             names[f"layers.{{}}.{p}.{f}"] = L + f"{p}.{f}"
+    if mxfp4_experts(cfg):
+        experts = {s: o[::-1] for s, o in experts.items()}
+        names["layers.{}.moe.gate_up.weight_scale"] = OneOf((gate_up("scale"), gate_up("weight_scale_inv"),
+                                                              L + "mlp.experts.gate_up_proj_scale_inv"))
+        names["layers.{}.moe.down.weight_scale"] = OneOf((Stack(ex + "down_proj.scale", E),
+                                                           Stack(ex + "down_proj.weight_scale_inv", E),
+                                                           L + "mlp.experts.down_proj_scale_inv"))
+    for s, options in experts.items():
+        names[f"layers.{{}}.moe.{s}.weight"] = OneOf(options)
     return names
 
 
@@ -261,14 +306,16 @@ def name_map(cfg) -> NameMap:
     return NameMap(hf_names(cfg), split_sizes={"layers.{}.moe.shared_gate_up.weight": (cfg.shared_intermediate_size,) * 2},
                    tied={"lm_head.weight": "embed.weight"}, tie_word_embeddings=cfg.tie_word_embeddings,
                    ignore=(r"(^|\.)rotary_emb\.\w*inv_freq$", MTP_IGNORE), name=MODEL_TYPE,
-                   integer_names=INT_NAMES)
+                   integer_names=INT_NAMES + (MX_NAMES if mxfp4_experts(cfg) else ()))
 
 
 def expected(cfg, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{our name: (shape, dtype)}: ``dtype``, FP32 for ``FP32_NAMES``, int64 for the hash layers' tid2eid."""
+    """{our name: (shape, dtype)}: ``dtype``, FP32 for ``FP32_NAMES``, int64 for the hash layers' tid2eid, uint8
+    for MXFP4 experts' codes and scales."""
     H, V, Hq, D, Rq, N = cfg.hidden_size, cfg.vocab_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank, cfg.hc_mult
     G, Ro, Hi, Di = cfg.o_groups, cfg.o_lora_rank, cfg.index_n_heads, cfg.index_head_dim
     E, I, Is, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.shared_intermediate_size, cfg.num_experts_per_tok
+    mx = mxfp4_experts(cfg)
     shapes = {"embed.weight": (V, H), "norm.weight": (H,), "hc_head.fn": (N, N * H), "hc_head.base": (N,),
               "hc_head.scale": (1,)}
     if not cfg.tie_word_embeddings:
@@ -295,13 +342,19 @@ def expected(cfg, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.
         shapes |= {p + "moe.gate.weight": (E, H), p + "moe.gate_up.weight": (E, 2 * I, H),
                    p + "moe.down.weight": (E, H, I), p + "moe.shared_gate_up.weight": (2 * Is, H),
                    p + "moe.shared_down.weight": (H, Is)}
+        if mx:
+            for s in ("gate_up", "down"):
+                w = shapes[p + f"moe.{s}.weight"]
+                shapes |= {p + f"moe.{s}.weight": MXFP4.codes_shape(w),
+                           p + f"moe.{s}.weight_scale": MXFP4.scales_shape(w)}
         if cfg.mlp_layer_types[i] == "hash_moe":
             shapes[p + "moe.tid2eid.weight"] = (V, k)
         else:
             shapes[p + "moe.correction_bias.weight"] = (E,)
     out = {}
     for name, s in shapes.items():
-        dt = torch.int64 if name.endswith(INT_NAMES) else torch.float32 if name.endswith(FP32_NAMES) else dtype
+        dt = (torch.uint8 if mx and name.endswith(MX_NAMES) else torch.int64 if name.endswith(INT_NAMES)
+              else torch.float32 if name.endswith(FP32_NAMES) else dtype)
         out[name] = (s, dt)
     return out
 
@@ -314,6 +367,73 @@ def _check_directory(source) -> None:
 def _named(src):
     """``src`` under transformers' names: a release checkpoint is renamed, the other kept."""
     return ReleaseNames(src) if is_release(src.keys()) else src
+
+
+def _is_scale(name: str) -> bool:
+    return name.endswith((".scale", "_scale_inv"))
+
+
+class _ExpertBytes:
+    """``source`` with the MXFP4 experts' codes and scales (transformers' names under ``mlp.experts.``) read as their
+    uint8 bytes: int8 / float4_e2m1fn_x2 codes and float8_e8m0fnu scales are the same bytes, which no cast touches.
+    Each code tensor's dtypes and shapes are checked with its scale's (``weights.formats.MXFP4``) from the headers,
+    a bad one named as the checkpoint names it (``named``: the release's name of a renamed one)."""
+
+    def __init__(self, source, path, named=lambda n: n):
+        self.source, self.path = source, path
+        keys = source.keys()
+        present = set(keys)
+        self._bytes = set()
+        for n in keys:
+            if not _EXPERT.search(n) or _is_scale(n):
+                continue
+            self._bytes.add(n)
+            s = next((c for c in (n + "_scale_inv", n.removesuffix("weight") + "scale") if c != n and c in present),
+                     None)
+            if s is None:
+                continue  # the name map names it missing
+            self._bytes.add(s)
+            try:
+                MXFP4.check_dtypes(named(n), source.dtype(n), named(s), source.dtype(s))
+                MXFP4.check_shapes(named(n), source.shape(n), named(s), source.shape(s))
+            except CheckpointError as e:
+                raise CheckpointError(f"{path}: {e}") from None
+
+    def keys(self):
+        return self.source.keys()
+
+    def __contains__(self, name):
+        return name in self.source
+
+    def shape(self, name):
+        return self.source.shape(name)
+
+    def is_float(self, name):
+        return name not in self._bytes and self.source.is_float(name)
+
+    def dtype(self, name):
+        return torch.uint8 if name in self._bytes else self.source.dtype(name)
+
+    def get(self, name):
+        t = self.source.get(name)
+        return t.view(torch.uint8) if name in self._bytes else t
+
+    def __repr__(self):
+        return repr(self.source)
+
+
+def _readable(src, cfg):
+    """``src`` (transformers' names) with its FP8 linears read as code x scale (``DequantizedSource``: the release's
+    ``X.weight`` + ``X.scale`` or transformers' ``X.weight_scale_inv``; E8M0 scales when the config's scale_fmt is
+    "ue8m0", else FP32) and, with MXFP4 experts, their codes and scales as bytes (``_ExpertBytes``)."""
+    q, mx = cfg.quantization, mxfp4_experts(cfg)
+    fmt = FP8_BLOCK128_E8M0 if q is not None and q.scale_fmt == "ue8m0" else FP8_BLOCK128
+    dense = r"^(?!.*\.mlp\.experts\.)" if mx else None  # MXFP4 experts are read as stored, not dequantized
+    path, named = getattr(src, "path", src), getattr(src, "source_name", lambda n: n)
+    fp8 = DequantizedSource(src, (QuantRule(fmt, "scale", "weight", dense), QuantRule(fmt, "_scale_inv", "", dense)))
+    if fp8.stored:  # filled from the headers: the checkpoint has FP8 linears
+        src = fp8
+    return _ExpertBytes(src, path, named) if mx else src
 
 
 def _log_mtp(names) -> None:
@@ -336,18 +456,34 @@ def check_tid2eid(tensors: dict[str, torch.Tensor], cfg, where: str = "the check
 
 
 def from_hf(source, cfg, dtype: torch.dtype = torch.bfloat16, device="cpu") -> dict[str, torch.Tensor]:
-    """Our tensors from a checkpoint (directory, ``HFCheckpoint`` or {name: tensor}) in either naming; a
-    directory's config.json must be deepseek_v4.  Unquantized tensors only, for now (the FP8 / MXFP4 release
-    is read by ``from_hf_quantized``)."""
+    """Our tensors (``expected``) from a checkpoint (directory, ``HFCheckpoint`` or {name: tensor}) in either
+    naming; a directory's config.json must be deepseek_v4.  FP8 linears read as code x scale, cast to ``dtype``
+    (exact for E8M0 scales); MXFP4 experts (``cfg``'s expert_dtype "fp4") as their codes and scales, byte for byte
+    (``_readable``).  A ``DequantizedSource`` (``models/loading.py``'s HF FP8 reader) is read through these
+    rules instead."""
     _check_directory(source)
     with open_source(source) as src:
+        if isinstance(src, DequantizedSource):
+            src = src.source
         src = _named(src)
         _log_mtp(src.keys())
-        out = name_map(cfg).from_hf(src, expected(cfg, dtype), device=device)
+        out = name_map(cfg).from_hf(_readable(src, cfg), expected(cfg, dtype), device=device)
     check_tid2eid(out, cfg, str(getattr(src, "path", "the checkpoint")))
     return out
 
 
 def to_hf(tensors: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
-    """transformers-named tensors (views of ours), as ``DeepseekV4ForCausalLM`` saves them: experts stacked."""
-    return name_map(cfg).to_hf(tensors)
+    """transformers-named tensors (views of ours), as ``DeepseekV4ForCausalLM`` saves them: experts stacked.  MXFP4
+    experts: the release's layout (transformers reads it, ``saved_quantization``'s config): DeepSeek's names, one
+    tensor per expert, int8 codes ``w1.weight`` and float8_e8m0fnu scales ``w1.scale``, views of our bytes; the
+    rest unquantized."""
+    hf = name_map(cfg).to_hf(tensors)
+    if not mxfp4_experts(cfg):
+        return hf
+    out = {}
+    for name, t in hf.items():
+        release = hf_to_release(name)
+        if release is None:
+            raise KeyError(f"{name} has no name in DeepSeek's release naming")
+        out[release] = t.view(SAVED_SCALES if _is_scale(name) else SAVED_CODES) if _EXPERT.search(name) else t
+    return out
