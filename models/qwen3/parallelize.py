@@ -12,11 +12,18 @@ model's forward (``serve.py``) stays single-device and runs unchanged on every r
 
 ``cp_plan``: the trainer's context-parallel plan (``parallel/cp.py``): whole q heads and GQA groups per
 position, and the functions of ``train.py`` that read a parameter, each routed to its owner's replay.
+
+``pp_plan``: the trainer's pipeline plan (``parallel/pp.py``): contiguous layer ranges per stage, the
+embedding on the first, the final norm and LM head on the last, the pair (x, residual) crossing.
 """
 from __future__ import annotations
 
-from ...common.rmsnorm import rmsnorm
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ...common.rmsnorm import rmsnorm, rmsnorm_residual
 from ...parallel.cp import CPPlan, autograd_dw
+from ...parallel.pp import PPPlan
 from ...parallel.tp import Column, Row, TPPlan, Vocab, unit_range
 from . import train
 
@@ -80,4 +87,42 @@ def cp_plan(cfg) -> CPPlan:
         routes={"rmsnorm": _rmsnorm_route, "rmsnorm_residual": _rmsnorm_residual_route},
         first_layer="layers.0",
         embed="embed.weight",
+    )
+
+
+# --- pipeline parallelism (the trainer) -------------------------------------------------------------------
+
+
+def _pp_embed(trainer, tokens):
+    return trainer.embed.weight[tokens], None  # the first block takes the embedding as x and as residual
+
+
+def _pp_layer(trainer, layer, carry, positions, cu_seqlens, max_seqlen):
+    """One block as ``Qwen3Trainer.hidden`` runs it (checkpointed there, so here)."""
+    if trainer.activation_checkpointing and torch.is_grad_enabled():
+        return checkpoint(layer, *carry, positions, cu_seqlens, max_seqlen, None, use_reentrant=False)
+    return layer(*carry, positions, cu_seqlens, max_seqlen)
+
+
+def _pp_head(trainer, carry, rows):
+    x, residual = carry
+    h = rmsnorm_residual(x[rows], residual[rows], trainer.norm.weight, trainer.cfg.rms_norm_eps)[0]
+    trainer.tap("norm", h, rows="logits")
+    return h
+
+
+def pp_plan(cfg) -> PPPlan:
+    """Qwen3's pipeline plan (``parallel/pp.py``): blocks ``layers.{lo..hi-1}`` per stage; what crosses a
+    boundary is a block's output pair (x, residual), each (T, H) in the embedding's dtype."""
+    return PPPlan(
+        num_layers=cfg.num_layers,
+        layers="layers",
+        embed=_pp_embed,
+        layer=_pp_layer,
+        head=_pp_head,
+        carry=("x", "residual"),
+        width=cfg.hidden_size,
+        dtype_of="embed.weight",
+        first=("embed",),
+        last=("norm", "lm_head"),
     )

@@ -1,0 +1,99 @@
+"""Trainer pipeline parallelism on gloo (CPU, forked ranks): PP 2, 3 and 4 are the one-device trainer.
+
+Bitwise promises: over a packed batch of 63, 5, 129 and 1 tokens under four sampling transforms, the
+chosen-token FP32 log-probs on every rank of PP 2 (qwen3 tiny, one layer a stage, bf16 and fp32), PP 4
+(5 layers, split 2/1/1/1, stages permuted across ranks) and PP 3 (a tied LM head, an explicit 1/2/2 split,
+activation checkpointing, other stages' parameters on the meta device) equal the one-device trainer's,
+and after ``loss.backward()`` and ``reduce_gradients`` every parameter a stage holds has the one-device
+``.grad`` (the others none).  A split the model cannot take is refused with its reason."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_parallel_cp import SP, batch, loss_of, one_device, trainer_of
+from test_parallel_dp import run_ranks
+
+from alignzoo.models.qwen3 import Qwen3Config
+from alignzoo.models.qwen3.parallelize import pp_plan
+from alignzoo.parallel.pp import PipelineParallel, stage_ranges
+
+
+def _on_meta(trainer, keep) -> None:
+    """Every parameter outside ``keep`` moved to the meta device: a stage must never read one."""
+    for name, p in list(trainer.named_parameters()):
+        if name not in keep:
+            mod, _, leaf = name.rpartition(".")
+            trainer.get_submodule(mod)._parameters[leaf] = torch.nn.Parameter(torch.empty_like(p, device="meta"))
+
+
+def _pp_rank(rank, world, trainer, positions, split, meta):
+    seqs, lens = batch(trainer.cfg.vocab_size)
+    pp = PipelineParallel(trainer, pp_plan(trainer.cfg), position=positions[rank], split=split)
+    if meta:
+        _on_meta(trainer, pp.held_names)
+    with torch.no_grad():  # scoring without a graph (the RL step's old log-probs) takes the same path
+        scored = pp.logprobs(seqs, lens, SP)
+    lps = pp.logprobs(seqs, lens, SP)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(scored, lps))
+    loss_of(lps).backward()
+    pp.reduce_gradients()
+    return [lp.detach() for lp in lps], {n: p.grad for n, p in trainer.named_parameters()}, pp.held_names
+
+
+CASES = {  # id: (stage of each rank, layers, split, dtype, tied, activation checkpointing + meta)
+    "PP2-bf16": ((1, 0), 2, None, torch.bfloat16, False, False),
+    "PP2-fp32": ((0, 1), 2, None, torch.float32, False, False),
+    "PP4-fp32-5layers": ((2, 0, 3, 1), 5, None, torch.float32, False, False),
+    "PP3-tied-split122-ckpt-meta": ((2, 1, 0), 5, (1, 2, 2), torch.bfloat16, True, True),
+}
+
+
+# fp32 weights: a gradient's summation order shows in its bits far more often than after a bf16 rounding
+@pytest.mark.parametrize("case", CASES)
+def test_pp_trainer_equals_one_device(case, tmp_path):
+    positions, layers, split, dtype, tied, ckpt = CASES[case]
+    cfg = Qwen3Config.preset("tiny").replace(num_layers=layers, tie_word_embeddings=tied)
+    trainer = trainer_of(cfg, dtype)
+    ref_lp, ref_grad = one_device(trainer)
+    trainer.zero_grad(set_to_none=True)
+    trainer.activation_checkpointing = ckpt
+    held_by_all = set()
+    for r, (lps, grads, held) in enumerate(run_ranks(len(positions), tmp_path, _pp_rank, trainer, positions, split,
+                                                     ckpt)):
+        assert len(lps) == len(ref_lp) and all(torch.equal(a, b) for a, b in zip(lps, ref_lp)), r
+        assert grads.keys() == ref_grad.keys(), r
+        bad = [n for n in held if grads[n] is None or not torch.equal(grads[n], ref_grad[n])]
+        assert not bad, (r, bad)
+        assert all(grads[n] is None for n in grads.keys() - set(held)), r
+        held_by_all |= set(held)
+    assert held_by_all == ref_grad.keys()
+
+
+def test_pp_splits_refused():
+    plan = pp_plan(Qwen3Config.preset("tiny"))
+    assert stage_ranges(plan, 2) == [(0, 1), (1, 2)]
+    with pytest.raises(ValueError, match="PP = 3 stages over 2 layers: every stage needs at least one layer"):
+        stage_ranges(plan, 3)
+    with pytest.raises(ValueError, match=r"split \[2, 0\] leaves a stage without layers"):
+        stage_ranges(plan, 2, (2, 0))
+    with pytest.raises(ValueError, match=r"split \[1, 2\] holds 3 layers, the model has 2"):
+        stage_ranges(plan, 2, (1, 2))
+    with pytest.raises(ValueError, match="a split of 3 stages for PP = 2"):
+        stage_ranges(plan, 2, (1, 1, 0))
+    with pytest.raises(ValueError, match="PP must be an int >= 1"):
+        stage_ranges(plan, 0)
+
+
+def test_pp1_is_the_trainer():
+    """One stage, no process group: the same code path (what runs on one GPU) gives the trainer's bits."""
+    trainer = trainer_of(Qwen3Config.preset("tiny"), torch.float32)
+    ref_lp, ref_grad = one_device(trainer)
+    trainer.zero_grad(set_to_none=True)
+    pp = PipelineParallel(trainer, pp_plan(trainer.cfg))
+    seqs, lens = batch(trainer.cfg.vocab_size)
+    lps = pp.logprobs(seqs, lens, SP)
+    loss_of(lps).backward()
+    pp.reduce_gradients()
+    assert all(torch.equal(a.detach(), b) for a, b in zip(lps, ref_lp))
+    assert all(torch.equal(p.grad, ref_grad[n]) for n, p in trainer.named_parameters())
+    assert set(pp.held_names) == ref_grad.keys()
