@@ -346,7 +346,7 @@ _TINY = DeepseekV4Config(
 PRESETS: dict[str, DeepseekV4Config] = {
     "tiny": _TINY,
     # The same with the experts as frozen MXFP4 codes (the release's format), computed packed.
-    "tiny-mxfp4": _TINY.replace(quantization=V4Quant(scale_fmt=None, expert_dtype="fp4")),
+    "tiny-mxfp4": _TINY.replace(quantization=V4Quant(expert_dtype="fp4")),
     # DeepSeek-V4-Flash's shapes (DeepseekV4Config's defaults; a release config.json brings its own layer list).
     "deepseek-v4-flash": DeepseekV4Config(compress_yarn=_FLASH_YARN),
     # Real per-layer shapes (hidden 4096, 64 heads x 512, q_lora 1024, o 8 x 1024, window 128, C4 + C128,
