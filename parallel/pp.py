@@ -19,21 +19,27 @@ gradients from s + 1 back to s the same way.
   head (the embedding read twice, on stage 0 and on the last stage) is the one exception: one device's
   autograd adds its two reads' gradients once (one rounding, and a + b == b + a), so ``reduce_gradients``
   swaps the two partials between the two stages and each forms the same sum.
-- **One microbatch only** (GPipe / 1F1B are not offered): a weight gradient summed over microbatches is not
-  one device's, because the CPU matmul's dW is one fp32 chain over all T tokens (``matmul/cpu.py``) and a
-  second microbatch's chain would restart at 0 (``tests/test_parallel_cp.py``'s
+- **Training runs one microbatch** (no GPipe / 1F1B backward): a weight gradient summed over microbatches
+  is not one device's, because the CPU matmul's dW is one fp32 chain over all T tokens (``matmul/cpu.py``)
+  and a second microbatch's chain would restart at 0 (``tests/test_parallel_cp.py``'s
   ``test_token_split_weight_gradient_is_not_one_device``).  An exact schedule would keep each microbatch's
   X and dY rows and run each weight's dW once on all of them after the last microbatch (a deferred
   weight pass, as zero-bubble PP's W step, at the memory of a whole-batch backward's operands).
-- CUDA: not proven.  The ops are the one-device ops on the one-device shapes, so the forward keeps its
-  bits wherever the kernels are batch-shape-deterministic; nothing here is CUDA-specific.
+- **Scoring may be microbatched**: under ``torch.no_grad()`` (an RL step's old and reference log-probs)
+  ``logprobs(..., microbatches=M)`` cuts the sequences into M contiguous groups that flow through the
+  stages one behind another (GPipe's forward).  Every op is row-wise or runs per sequence (attention), so
+  a row's bits do not depend on its microbatch: the log-probs are the one-device ones (tested M = 3, 4).
+- CUDA: not proven (no multi-GPU run).  With one microbatch every op sees the one-device shapes, so the
+  bits follow wherever a kernel is deterministic for a fixed shape; microbatched scoring changes the row
+  counts, so it keeps its bits only on batch-invariant kernels (the server's, ``common/matmul``).
 
 **Cost.**  Forward: each boundary sends |carry|·T·H·b bytes once (2·T·H·2 for qwen3 in bf16), the log-probs
 broadcast 4·R bytes (R scored rows); the backward sends the same carry volume back.  With one microbatch
 the stages run one after another: S - 1 of S stages wait at any moment (the bubble is (S-1)/S of the step),
-the price of the one-device dW; what PP buys here is memory: a stage holds about L/S of the layers'
-weights, gradients, optimizer state and activations.  Parameters outside a rank's stage are never read,
-so they may stay on the ``meta`` device (``held_names``: what a rank must load).
+the price of the one-device dW; microbatched scoring cuts it to (S-1)/(M+S-1).  What PP buys is memory: a
+stage holds about L/S of the layers' weights, gradients, optimizer state and activations.  Parameters
+outside a rank's stage are never read, so they may stay on the ``meta`` device (``held_names``: what a
+rank must load).
 
 Not supported yet: multi-adapter LoRA rows and router replay (``TrainerBase.logprobs``' ``adapters`` and
 ``replay``).  One ``logprobs``, one backward over a loss every rank computes alike from the returned
@@ -192,17 +198,52 @@ class PipelineParallel:
     # --- the step ----------------------------------------------------------------------------------------
 
     def logprobs(self, sequences: Sequence, prompt_lens: Sequence[int],
-                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[torch.Tensor]:
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 microbatches: int = 1) -> list[torch.Tensor]:
         """``TrainerBase.logprobs`` over the pipeline: every sequence's FP32 log-probs on every rank (the
         one-device bits), differentiable: a loss computed alike on every rank backpropagates through every
-        stage in turn (stage S - 1 first)."""
-        trainer, plan, cfg = self.trainer, self.plan, self.trainer.cfg
+        stage in turn (stage S - 1 first).  microbatches: under ``torch.no_grad()`` only (scoring), the
+        sequences cut into that many contiguous groups that flow through the stages one behind another."""
+        cfg = self.trainer.cfg
         params = sampling_list(sampling, len(sequences))
-        batch = pack_scored(sequences, prompt_lens, cfg.vocab_size, cfg.max_position, self.device)
+        n = len(sequences)
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or not 1 <= microbatches <= max(n, 1):
+            raise ValueError(f"microbatches must be an int in [1, {n}] (whole sequences each), got {microbatches!r}")
+        if microbatches > 1 and torch.is_grad_enabled():
+            raise ValueError("PP microbatches only under torch.no_grad(): a weight gradient summed over microbatches "
+                             "is not the one-device one (the dW chain restarts per microbatch)")
+        if microbatches == 1:
+            batch = pack_scored(sequences, prompt_lens, cfg.vocab_size, cfg.max_position, self.device)
+            anchor = torch.empty(0, device=self.device, requires_grad=torch.is_grad_enabled())
+            out = self._stage(batch, params, anchor)
+            if self.stage < self.S - 1:
+                lp = _SendCarry.apply(self, batch.rows.shape[0], anchor, *out)
+            else:
+                self.broadcast_logprobs(out.detach())  # sent from here: ``out`` keeps its graph
+                lp = out
+            return list(lp.split(batch.counts))
+        counts, lps = [], []
+        for m in range(microbatches):
+            lo, hi = even_range(n, microbatches, m)
+            batch = pack_scored(sequences[lo:hi], prompt_lens[lo:hi], cfg.vocab_size, cfg.max_position, self.device)
+            out = self._stage(batch, params[lo:hi], None)
+            if self.stage < self.S - 1:
+                for x in out:
+                    self.send(x, self.stage + 1)
+            else:
+                lps.append(out)
+            counts += batch.counts
+        lp = torch.cat(lps) if lps else torch.empty(sum(counts), dtype=torch.float32, device=self.device)
+        return list(self.broadcast_logprobs(lp).split(counts))
+
+    def _stage(self, batch, params, anchor):
+        """This stage's part of one packed batch: the carry it hands on, or on the last stage the log-probs."""
+        trainer, plan = self.trainer, self.plan
         shape = (batch.tokens.shape[0], plan.width)
-        anchor = torch.empty(0, device=self.device, requires_grad=torch.is_grad_enabled())
         if self.stage == 0:
             carry = plan.embed(trainer, batch.tokens)
+        elif anchor is None:
+            carry = tuple(self.recv(shape, self.stage - 1) for _ in plan.carry)
         else:
             carry = _RecvCarry.apply(self, shape, anchor)
         for i in range(self.lo, self.hi):
@@ -213,15 +254,12 @@ class PipelineParallel:
             if len(carry) != len(plan.carry) or bad:
                 raise RuntimeError(f"stage {self.stage} hands on {bad or len(carry)}, the plan's carry is "
                                    f"{plan.carry}, each {shape} {self.dtype}")
-            lp = _SendCarry.apply(self, batch.rows.shape[0], anchor, *carry)
-        else:
-            logits = lm_head_logits(plan.head(trainer, carry, batch.rows), trainer.lm_head_weight)
-            trainer.tap("lm_head.logits", logits, rows="logits")
-            per_row = [p for p, n in zip(params, batch.counts) for _ in range(n)]
-            t = params_to_tensors(per_row, [0] * len(per_row), device=logits.device)
-            lp = sampling_logprobs(logits, batch.targets, t["temperature"], t["top_k"], t["top_p"], t["min_p"])
-            self.broadcast_logprobs(lp.detach())
-        return list(lp.split(batch.counts))
+            return carry
+        logits = lm_head_logits(plan.head(trainer, carry, batch.rows), trainer.lm_head_weight)
+        trainer.tap("lm_head.logits", logits, rows="logits")
+        per_row = [p for p, n in zip(params, batch.counts) for _ in range(n)]
+        t = params_to_tensors(per_row, [0] * len(per_row), device=logits.device)
+        return sampling_logprobs(logits, batch.targets, t["temperature"], t["top_k"], t["top_p"], t["min_p"])
 
     def reduce_gradients(self) -> None:
         """After ``loss.backward()`` on every rank: a tied LM head's two partials (stage 0's embedding rows,

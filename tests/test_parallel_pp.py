@@ -1,18 +1,21 @@
 """Trainer pipeline parallelism on gloo (CPU, forked ranks): PP 2, 3 and 4 are the one-device trainer.
 
 Bitwise promises: over a packed batch of 63, 5, 129 and 1 tokens under four sampling transforms, the
-chosen-token FP32 log-probs on every rank of PP 2 (qwen3 tiny, one layer a stage, bf16 and fp32), PP 4
-(5 layers, split 2/1/1/1, stages permuted across ranks) and PP 3 (a tied LM head, an explicit 1/2/2 split,
-activation checkpointing, other stages' parameters on the meta device) equal the one-device trainer's,
-and after ``loss.backward()`` and ``reduce_gradients`` every parameter a stage holds has the one-device
-``.grad`` (the others none).  A split the model cannot take is refused with its reason."""
+chosen-token FP32 log-probs on every rank of PP 2 (qwen3 tiny, one layer a stage: bf16, fp32, fp32 with
+separate LoRA), PP 4 (5 layers, split 2/1/1/1, stages permuted across ranks) and PP 3 (a tied LM head, an
+explicit 1/2/2 split, activation checkpointing, other stages' parameters on the meta device) equal the
+one-device trainer's, also scored under ``no_grad`` in 1, 3 and 4 microbatches; after ``loss.backward()``
+and ``reduce_gradients`` every parameter a stage holds has the one-device ``.grad`` (the others none).
+PP 1 without a process group is the trainer.  A split the model cannot take is refused with its reason,
+and so are microbatches with a graph."""
 from __future__ import annotations
 
 import pytest
 import torch
-from test_parallel_cp import SP, batch, loss_of, one_device, trainer_of
+from test_parallel_cp import SP, batch, loss_of, trainer_of
 from test_parallel_dp import run_ranks
 
+from alignzoo.common.lora import LoRAConfig
 from alignzoo.models.qwen3 import Qwen3Config
 from alignzoo.models.qwen3.parallelize import pp_plan
 from alignzoo.parallel.pp import PipelineParallel, stage_ranges
@@ -26,35 +29,52 @@ def _on_meta(trainer, keep) -> None:
             trainer.get_submodule(mod)._parameters[leaf] = torch.nn.Parameter(torch.empty_like(p, device="meta"))
 
 
+def _one_device(trainer):
+    """``test_parallel_cp.one_device`` where a frozen parameter (under LoRA) keeps a None ``.grad``."""
+    seqs, lens = batch(trainer.cfg.vocab_size)
+    trainer.zero_grad(set_to_none=True)
+    lps = trainer.logprobs(seqs, lens, SP)
+    loss_of(lps).backward()
+    return [lp.detach() for lp in lps], {n: None if p.grad is None else p.grad.clone()
+                                      for n, p in trainer.named_parameters()}
+
+
 def _pp_rank(rank, world, trainer, positions, split, meta):
     seqs, lens = batch(trainer.cfg.vocab_size)
     pp = PipelineParallel(trainer, pp_plan(trainer.cfg), position=positions[rank], split=split)
     if meta:
         _on_meta(trainer, pp.held_names)
-    with torch.no_grad():  # scoring without a graph (the RL step's old log-probs) takes the same path
-        scored = pp.logprobs(seqs, lens, SP)
+    with torch.no_grad():  # scoring without a graph (the RL step's old log-probs), whole and microbatched
+        scored = [pp.logprobs(seqs, lens, SP, microbatches=m) for m in (1, 3, 4)]
     lps = pp.logprobs(seqs, lens, SP)
-    assert all(torch.equal(a, b.detach()) for a, b in zip(scored, lps))
+    assert all(torch.equal(a, b.detach()) for s in scored for a, b in zip(s, lps, strict=True))
     loss_of(lps).backward()
     pp.reduce_gradients()
     return [lp.detach() for lp in lps], {n: p.grad for n, p in trainer.named_parameters()}, pp.held_names
 
 
-CASES = {  # id: (stage of each rank, layers, split, dtype, tied, activation checkpointing + meta)
-    "PP2-bf16": ((1, 0), 2, None, torch.bfloat16, False, False),
-    "PP2-fp32": ((0, 1), 2, None, torch.float32, False, False),
-    "PP4-fp32-5layers": ((2, 0, 3, 1), 5, None, torch.float32, False, False),
-    "PP3-tied-split122-ckpt-meta": ((2, 1, 0), 5, (1, 2, 2), torch.bfloat16, True, True),
+CASES = {  # id: (stage of each rank, layers, split, dtype, tied, activation checkpointing + meta, LoRA mode)
+    "PP2-bf16": ((1, 0), 2, None, torch.bfloat16, False, False, None),
+    "PP2-fp32": ((0, 1), 2, None, torch.float32, False, False, None),
+    "PP2-fp32-lora-separate": ((1, 0), 2, None, torch.float32, False, False, "separate"),
+    "PP4-fp32-5layers": ((2, 0, 3, 1), 5, None, torch.float32, False, False, None),
+    "PP3-tied-split122-ckpt-meta": ((2, 1, 0), 5, (1, 2, 2), torch.bfloat16, True, True, None),
 }
 
 
 # fp32 weights: a gradient's summation order shows in its bits far more often than after a bf16 rounding
 @pytest.mark.parametrize("case", CASES)
 def test_pp_trainer_equals_one_device(case, tmp_path):
-    positions, layers, split, dtype, tied, ckpt = CASES[case]
+    positions, layers, split, dtype, tied, ckpt, lora = CASES[case]
     cfg = Qwen3Config.preset("tiny").replace(num_layers=layers, tie_word_embeddings=tied)
     trainer = trainer_of(cfg, dtype)
-    ref_lp, ref_grad = one_device(trainer)
+    if lora:  # base weights frozen, adapters trained: B drawn too, so A's gradient is not 0
+        trainer.add_lora(LoRAConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]), lora)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in trainer.adapter_parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    ref_lp, ref_grad = _one_device(trainer)
     trainer.zero_grad(set_to_none=True)
     trainer.activation_checkpointing = ckpt
     held_by_all = set()
@@ -62,7 +82,8 @@ def test_pp_trainer_equals_one_device(case, tmp_path):
                                                      ckpt)):
         assert len(lps) == len(ref_lp) and all(torch.equal(a, b) for a, b in zip(lps, ref_lp)), r
         assert grads.keys() == ref_grad.keys(), r
-        bad = [n for n in held if grads[n] is None or not torch.equal(grads[n], ref_grad[n])]
+        bad = [n for n in held if (grads[n] is None) != (ref_grad[n] is None)
+               or grads[n] is not None and not torch.equal(grads[n], ref_grad[n])]
         assert not bad, (r, bad)
         assert all(grads[n] is None for n in grads.keys() - set(held)), r
         held_by_all |= set(held)
@@ -87,7 +108,7 @@ def test_pp_splits_refused():
 def test_pp1_is_the_trainer():
     """One stage, no process group: the same code path (what runs on one GPU) gives the trainer's bits."""
     trainer = trainer_of(Qwen3Config.preset("tiny"), torch.float32)
-    ref_lp, ref_grad = one_device(trainer)
+    ref_lp, ref_grad = _one_device(trainer)
     trainer.zero_grad(set_to_none=True)
     pp = PipelineParallel(trainer, pp_plan(trainer.cfg))
     seqs, lens = batch(trainer.cfg.vocab_size)
@@ -97,3 +118,7 @@ def test_pp1_is_the_trainer():
     assert all(torch.equal(a.detach(), b) for a, b in zip(lps, ref_lp))
     assert all(torch.equal(p.grad, ref_grad[n]) for n, p in trainer.named_parameters())
     assert set(pp.held_names) == ref_grad.keys()
+    with pytest.raises(ValueError, match="PP microbatches only under torch.no_grad"):
+        pp.logprobs(seqs, lens, SP, microbatches=2)
+    with pytest.raises(ValueError, match=r"microbatches must be an int in \[1, 4\]"):
+        pp.logprobs(seqs, lens, SP, microbatches=5)
