@@ -19,7 +19,9 @@ Checked before anything is written on any rank, in two agreements over the group
    the versions, and the end state (the server's shard as the payload would leave it hashes to the
    trainer's) — the verdict of every rank.  One refusal anywhere and every rank raises the same
    error, naming the ranks and their reasons; no rank writes, each keeps its weights and version, and
-   the next ``sync()`` ships everything.  Only then does each rank write its changed blocks.
+   the next ``sync()`` ships everything.  Only then does each rank write its changed blocks, through
+   ``Receiver.apply`` (which runs its checks once more: the price of reusing it unchanged).  The write
+   itself needs no collective: a rank that dies after the verdict leaves the others on the new version.
 
 Bytes per sync, for P weight elements of b bytes over R TP ranks:
 - on the wire, ``replicated_source``: none (the trainer rank beside each server rank holds the full
@@ -33,7 +35,9 @@ Bytes per sync, for P weight elements of b bytes over R TP ranks:
 - written per rank: only the changed blocks of its shard (``sync/layout.py``: 64-row blocks), plus
   the two agreements' few hundred bytes of pickled state.  Memory: the publisher's shadow of the
   shard (one more copy of it) and, during a sync, the shard read from the source.
-Every collective here times out with the process group's timeout instead of hanging.
+Every collective here times out with the process group's timeout instead of hanging.  Trainer and
+server ranks in different processes would put a ``sync`` transport between each rank's publisher and
+receiver; that split is not wired here.
 """
 from __future__ import annotations
 
@@ -144,8 +148,10 @@ class LayoutSync:
         invalidate = getattr(self.trainer, "invalidate_caches", None)
         if invalidate is not None:
             invalidate()
-        states = self._gather((self.publisher.version, full or self.receiver.version != self.publisher.version))
-        self.publisher.version = max(v for v, _ in states)  # the refused versions some ranks published are skipped
+        served = self.engine.weight_version
+        states = self._gather((max(self.publisher.version, served),
+                               full or not self.publisher.version == self.receiver.version == served))
+        self.publisher.version = max(v for v, _ in states)  # versions refused on some ranks are skipped
         full = any(f for _, f in states)
         refusal = None
         try:

@@ -163,8 +163,9 @@ def test_rl_step_across_layouts(pair, reference, trainer_layout, tmp_path):
 def _refusals(rank, world, pair, prompts):
     trainer, plan = pair.trainer, tp_plan(pair.config)
     engine = tp_engine(pair, rank)
+    engine.set_weight_version(5)  # a server that served other versions before: the first sync goes above them
     sync = LayoutSync(trainer, engine, replicated_source(trainer, plan, world, rank))
-    out = {}
+    out = {"first": engine.weight_version}
     w = dict(trainer.named_parameters())
     with torch.no_grad():  # rows 3 and 40 of o's 72, one in each position's half: one 64-row block a rank ships
         w["layers.1.o.weight"][[3, 40]] += 1
@@ -214,13 +215,14 @@ def test_refused_sync_writes_nothing_anywhere(pair, tmp_path):
     prompts = prompts_of(LENS, pair.config.vocab_size, seed=4)
     outs = run_ranks(2, tmp_path, _refusals, pair, prompts)
     for r, o in enumerate(outs):
-        assert o["small"] == (2, 1) and o["small_ok"], (r, o["small"])
+        assert o["first"] == 6 and o["small"] == (7, 1) and o["small_ok"], (r, o["first"], o["small"])
         msg, kept, version = o["out_of_band"]
-        assert msg is not None and kept and version == 2, (r, o["out_of_band"])
+        assert msg is not None and kept and version == 7, (r, o["out_of_band"])
         assert "refused by 1 of 2 server ranks" in msg and "rank 0: EndStateMismatch" in msg and "rank 1" not in msg
         msg, kept, version = o["nan"]
-        assert msg is not None and kept and version == 2, (r, o["nan"])
+        assert msg is not None and kept and version == 7, (r, o["nan"])
         assert "rank 1: NonFiniteWeights" in msg and "rank 0" not in msg
-        assert "'layers.0.down.weight'" in msg and "weight version 2" in msg
+        assert "'layers.0.down.weight'" in msg and "weight version 7" in msg
         assert o["resync"][1] and o["resync_ok"] and all(o["k3"]), r
-    assert outs[0]["resync"][0] == outs[1]["resync"][0] == outs[0]["sampled_under"][0]
+    # v8 and v9 were published and refused: the resync skips them, one version on both ranks
+    assert outs[0]["resync"][0] == outs[1]["resync"][0] == 10 and outs[0]["sampled_under"] == [10] * len(LENS)
