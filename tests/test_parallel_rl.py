@@ -129,19 +129,30 @@ def _layouts(rank, world, pair, prompts, trainer_layout):
 
 
 @pytest.fixture(scope="module")
-def reference(pair, tmp_path_factory):
-    prompts = prompts_of(LENS, pair.config.vocab_size, seed=3)
-    (ref,) = run_ranks(1, tmp_path_factory.mktemp("one_device"), _one_device, pair, prompts)
-    assert all(ref["k3_first"]) and all(ref["k3_second"])
-    assert ref["second"] != ref["first"]  # the step moved the sampler (tokens or log-probs)
-    return prompts, ref
+def cases(pair, tmp_path_factory):
+    """tied -> (pair, prompts, the one-device round), each built once."""
+    built = {}
+
+    def case(tied: bool):
+        if tied not in built:
+            p = make_pair("qwen3", num_pages=24, config=pair.config.replace(tie_word_embeddings=True)) if tied else pair
+            prompts = prompts_of(LENS, p.config.vocab_size, seed=3)
+            (ref,) = run_ranks(1, tmp_path_factory.mktemp("one_device"), _one_device, p, prompts)
+            assert all(ref["k3_first"]) and all(ref["k3_second"])
+            assert ref["second"] != ref["first"]  # the step moved the sampler (tokens or log-probs)
+            built[tied] = p, prompts, ref
+        return built[tied]
+
+    return case
 
 
-@pytest.mark.parametrize("trainer_layout", ["DP2", "FSDP2"])
-def test_rl_step_across_layouts(pair, reference, trainer_layout, tmp_path):
+@pytest.mark.parametrize("trainer_layout,tied", [("DP2", False), ("FSDP2", False), ("FSDP2", True)],
+                         ids=["DP2", "FSDP2", "FSDP2-tied"])
+def test_rl_step_across_layouts(cases, trainer_layout, tied, tmp_path):
     """Trainer DP 2 / FSDP 2 and server TP 2 (positions swapped against the ranks): K3 == 0 on both rounds,
-    the one-device step's weights, shards synced exactly, the one-device synced server's completions."""
-    prompts, ref = reference
+    the one-device step's weights, shards synced exactly, the one-device synced server's completions.
+    Tied: the TP 2 LM head's vocabulary rows come from the FSDP-sharded embedding."""
+    pair, prompts, ref = cases(tied)
     plan = tp_plan(pair.config)
     for r, o in enumerate(run_ranks(2, tmp_path, _layouts, pair, prompts, trainer_layout)):
         assert all(o["k3_first"]) and all(o["k3_second"]), (r, o["k3_first"], o["k3_second"])
