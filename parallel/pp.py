@@ -10,36 +10,40 @@ gradients from s + 1 back to s the same way.
 
 **What equality is delivered (CPU path, what CI proves: ``tests/test_parallel_pp.py``)**
 
-- Forward: the log-probs equal the one-device trainer's (``torch.equal``): the whole packed batch is one
-  microbatch, every stage runs the one-device ops on the one-device rows, and the carried rows are sent
-  as they are (no cast).
-- Parameter gradients: every ``.grad`` a stage holds equals the one-device trainer's, bitwise.  Each
-  weight is read by one op, which sees the one-device operands (activations forward, output gradient
-  backward), so its own backward forms the one-device dW: no gradient is split or reduced.  A tied LM
-  head (the embedding read twice, on stage 0 and on the last stage) is the one exception: one device's
-  autograd adds its two reads' gradients once (one rounding, and a + b == b + a), so ``reduce_gradients``
-  swaps the two partials between the two stages and each forms the same sum.
-- **Training runs one microbatch** (no GPipe / 1F1B backward): a weight gradient summed over microbatches
-  is not one device's, because the CPU matmul's dW is one fp32 chain over all T tokens (``matmul/cpu.py``)
-  and a second microbatch's chain would restart at 0 (``tests/test_parallel_cp.py``'s
-  ``test_token_split_weight_gradient_is_not_one_device``).  An exact schedule would keep each microbatch's
-  X and dY rows and run each weight's dW once on all of them after the last microbatch (a deferred
-  weight pass, as zero-bubble PP's W step, at the memory of a whole-batch backward's operands).
-- **Scoring may be microbatched**: under ``torch.no_grad()`` (an RL step's old and reference log-probs)
-  ``logprobs(..., microbatches=M)`` cuts the sequences into M contiguous groups that flow through the
-  stages one behind another (GPipe's forward).  Every op is row-wise or runs per sequence (attention), so
-  a row's bits do not depend on its microbatch: the log-probs are the one-device ones (tested M = 3, 4).
+- Forward: the log-probs equal the one-device trainer's (``torch.equal``): every stage runs the one-device
+  ops, and the carried rows are sent as they are (no cast).  Every op is row-wise or runs per sequence
+  (attention), so a row's bits do not depend on the microbatch that holds it.
+- Parameter gradients: every ``.grad`` a stage holds equals the one-device trainer's, bitwise, for any
+  number of microbatches M.  With M = 1 each weight's op sees the one-device operands (activations
+  forward, output gradient backward), so its own backward forms the one-device dW.  A weight gradient
+  summed over microbatches would not be one device's: the CPU matmul's dW is one fp32 chain over all T
+  tokens (``matmul/cpu.py``) and a second microbatch's chain would restart at 0
+  (``tests/test_parallel_cp.py``'s ``test_token_split_weight_gradient_is_not_one_device``).  So with
+  M > 1 (GPipe order, ``_Schedule``) the microbatches form activation gradients only (the stage's
+  parameters read frozen), each microbatch's carry gradient flowing back as soon as it is formed, and a
+  **weight pass** follows: each stage runs its ops once more on the whole batch (its carry rows and their
+  gradients concatenated in sequence order: the one-device packing) and takes the dW of that one
+  backward, the one-device op on the one-device operands.  A tied LM head (the embedding read on stage 0
+  and on the last stage) is the one gradient split over stages: one device's autograd adds its two reads'
+  gradients once (one rounding, and a + b == b + a), so ``reduce_gradients`` swaps the two partials
+  between those stages and each forms the same sum.
 - CUDA: not proven (no multi-GPU run).  With one microbatch every op sees the one-device shapes, so the
-  bits follow wherever a kernel is deterministic for a fixed shape; microbatched scoring changes the row
-  counts, so it keeps its bits only on batch-invariant kernels (the server's, ``common/matmul``).
+  bits follow wherever a kernel is deterministic for a fixed shape; with M > 1 the microbatches' forward
+  and activation gradients see fewer rows, so they keep their bits only on batch-invariant kernels (the
+  server's forward is; the trainer's cuBLAS dX, ``matmul.op.backward_mm``, is not known to be).
 
-**Cost.**  Forward: each boundary sends |carry|·T·H·b bytes once (2·T·H·2 for qwen3 in bf16), the log-probs
-broadcast 4·R bytes (R scored rows); the backward sends the same carry volume back.  With one microbatch
-the stages run one after another: S - 1 of S stages wait at any moment (the bubble is (S-1)/S of the step),
-the price of the one-device dW; microbatched scoring cuts it to (S-1)/(M+S-1).  What PP buys is memory: a
-stage holds about L/S of the layers' weights, gradients, optimizer state and activations.  Parameters
+**Cost.**  Each boundary sends |carry|·T·H·b bytes forward and as much back (2·T·H·2 for qwen3 in bf16),
+and the log-probs broadcast 4·R bytes (R scored rows).  With M = 1 the stages run one after another:
+S - 1 of S stages wait at any moment, a step takes ≈ S·(f + b) (f, b: one stage's whole-batch forward and
+backward).  With M microbatches the forward and the activation backward pipeline, a bubble of
+(S-1)/(M+S-1), and the weight pass adds a forward and a backward of the whole batch on every stage at
+once (no stage waits on another): ≈ (M+S-1)/M·(f + b_act) + f + b, e.g. ≈ 5.75·f against 12·f at S = 4,
+M = 8 (b ≈ 2·f, b_act ≈ f).  Memory: the microbatch graphs hold the whole batch's activations (as M = 1
+does), freed as their backward passes, then the weight pass holds the whole batch's graph of the stage;
+the carry rows and their gradients, 2·|carry|·T·H·b, wait for the weight pass.  What PP buys is memory:
+a stage holds about L/S of the layers' weights, gradients, optimizer state and activations.  Parameters
 outside a rank's stage are never read, so they may stay on the ``meta`` device (``held_names``: what a
-rank must load).
+rank must load).  Scoring under ``torch.no_grad()`` has no weight pass: microbatches cost only the bubble.
 
 Not supported yet: multi-adapter LoRA rows and router replay (``TrainerBase.logprobs``' ``adapters`` and
 ``replay``).  One ``logprobs``, one backward over a loss every rank computes alike from the returned
@@ -145,7 +149,7 @@ class _RecvCarry(torch.autograd.Function):
 
 
 class PipelineParallel:
-    """A trainer's forward and backward over S pipeline stages, one microbatch (module docstring).
+    """A trainer's forward and backward over S pipeline stages (module docstring).
 
     Every rank calls ``logprobs`` with the same batch, computes the same loss from the returned (full)
     log-probs, calls ``loss.backward()``, then ``reduce_gradients()``: each parameter its stage holds
@@ -202,53 +206,51 @@ class PipelineParallel:
                  microbatches: int = 1) -> list[torch.Tensor]:
         """``TrainerBase.logprobs`` over the pipeline: every sequence's FP32 log-probs on every rank (the
         one-device bits), differentiable: a loss computed alike on every rank backpropagates through every
-        stage in turn (stage S - 1 first).  microbatches: under ``torch.no_grad()`` only (scoring), the
-        sequences cut into that many contiguous groups that flow through the stages one behind another."""
+        stage.  microbatches: the sequences cut into that many contiguous groups that flow through the
+        stages one behind another, forward and backward (module docstring: the weight pass)."""
         cfg = self.trainer.cfg
         params = sampling_list(sampling, len(sequences))
         n = len(sequences)
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or not 1 <= microbatches <= max(n, 1):
             raise ValueError(f"microbatches must be an int in [1, {n}] (whole sequences each), got {microbatches!r}")
-        if microbatches > 1 and torch.is_grad_enabled():
-            raise ValueError("PP microbatches only under torch.no_grad(): a weight gradient summed over microbatches "
-                             "is not the one-device one (the dW chain restarts per microbatch)")
         if microbatches == 1:
             batch = pack_scored(sequences, prompt_lens, cfg.vocab_size, cfg.max_position, self.device)
             anchor = torch.empty(0, device=self.device, requires_grad=torch.is_grad_enabled())
-            out = self._stage(batch, params, anchor)
+            carry = None if self.stage == 0 else _RecvCarry.apply(self, self._shape(batch), anchor)
+            out = self._stage(batch, params, carry)
             if self.stage < self.S - 1:
                 lp = _SendCarry.apply(self, batch.rows.shape[0], anchor, *out)
             else:
                 self.broadcast_logprobs(out.detach())  # sent from here: ``out`` keeps its graph
                 lp = out
             return list(lp.split(batch.counts))
-        counts, lps = [], []
-        for m in range(microbatches):
-            lo, hi = even_range(n, microbatches, m)
-            batch = pack_scored(sequences[lo:hi], prompt_lens[lo:hi], cfg.vocab_size, cfg.max_position, self.device)
-            out = self._stage(batch, params[lo:hi], None)
-            if self.stage < self.S - 1:
-                for x in out:
-                    self.send(x, self.stage + 1)
-            else:
-                lps.append(out)
-            counts += batch.counts
-        lp = torch.cat(lps) if lps else torch.empty(sum(counts), dtype=torch.float32, device=self.device)
-        return list(self.broadcast_logprobs(lp).split(counts))
+        spans = [even_range(n, microbatches, m) for m in range(microbatches)]
+        batches = [pack_scored(sequences[lo:hi], prompt_lens[lo:hi], cfg.vocab_size, cfg.max_position, self.device)
+                   for lo, hi in spans]
+        counts = [c for b in batches for c in b.counts]
+        trainable = [self.trainer.get_parameter(n) for n in self.held_names]
+        trainable = [p for p in trainable if p.requires_grad]
+        run = _Schedule(self, batches, [params[lo:hi] for lo, hi in spans])
+        if not torch.is_grad_enabled():
+            return list(run.forward(graph=False).split(counts))
+        whole = pack_scored(sequences, prompt_lens, cfg.vocab_size, cfg.max_position, self.device)
+        anchor = torch.empty(0, device=self.device, requires_grad=True)
+        lp = _Microbatched.apply(run, whole, params, anchor, *trainable)
+        return list(lp.split(counts))
 
-    def _stage(self, batch, params, anchor):
-        """This stage's part of one packed batch: the carry it hands on, or on the last stage the log-probs."""
+    def _shape(self, batch) -> tuple[int, int]:
+        return batch.tokens.shape[0], self.plan.width
+
+    def _stage(self, batch, params, carry):
+        """This stage's part of one packed batch from the carry it received (stage 0: None): the carry it
+        hands on, or on the last stage the log-probs."""
         trainer, plan = self.trainer, self.plan
-        shape = (batch.tokens.shape[0], plan.width)
-        if self.stage == 0:
+        if carry is None:
             carry = plan.embed(trainer, batch.tokens)
-        elif anchor is None:
-            carry = tuple(self.recv(shape, self.stage - 1) for _ in plan.carry)
-        else:
-            carry = _RecvCarry.apply(self, shape, anchor)
         for i in range(self.lo, self.hi):
             carry = plan.layer(trainer, self.layers[i], carry, batch.positions, batch.cu_seqlens, batch.max_seqlen)
         if self.stage < self.S - 1:
+            shape = self._shape(batch)
             bad = [(n, tuple(x.shape), x.dtype) for n, x in zip(plan.carry, carry)
                    if x.shape != shape or x.dtype != self.dtype]
             if len(carry) != len(plan.carry) or bad:
@@ -278,3 +280,83 @@ class PipelineParallel:
             dist.recv(other, self._global(peer), group=self.group)
             self.send(w.grad, peer)
         w.grad = w.grad + other
+
+
+class _Schedule:
+    """M microbatches through this stage (GPipe order): ``forward`` all of them, activations only (the
+    stage's parameters read frozen, so no microbatch forms a weight gradient); ``backward`` passes each
+    microbatch's carry gradient back, last microbatch first, then runs the weight pass: the stage's ops
+    once on the whole batch (the carry rows and their gradients concatenated in sequence order, which is
+    the one-device packing), so every dW is the one-device op on the one-device operands."""
+
+    def __init__(self, pp: PipelineParallel, batches, params):
+        self.pp, self.batches, self.params = pp, batches, params
+        self.saved: list[tuple] = []  # (carry in, out) per microbatch
+
+    def forward(self, graph: bool) -> torch.Tensor:
+        pp, lps = self.pp, []
+        for batch, params in zip(self.batches, self.params):
+            carry = None
+            if pp.stage > 0:
+                carry = tuple(pp.recv(pp._shape(batch), pp.stage - 1).requires_grad_(graph) for _ in pp.plan.carry)
+            with torch.set_grad_enabled(graph):
+                out = pp._stage(batch, params, carry)
+            if pp.stage < pp.S - 1:
+                for x in out:
+                    pp.send(x.detach(), pp.stage + 1)
+            else:
+                lps.append(out.detach())
+            if graph:
+                self.saved.append((carry, out))
+        rows = sum(b.rows.shape[0] for b in self.batches)
+        lp = torch.cat(lps) if lps else torch.empty(rows, dtype=torch.float32, device=pp.device)
+        return pp.broadcast_logprobs(lp)
+
+    def backward(self, dlp: torch.Tensor, whole, params, trainable) -> tuple:
+        pp = self.pp
+        last = pp.stage == pp.S - 1
+        ends = torch.tensor([b.rows.shape[0] for b in self.batches]).cumsum(0).tolist()
+        douts: list = [None] * len(self.batches)
+        for m in reversed(range(len(self.batches))):
+            carry, out = self.saved[m]
+            if last:
+                g = (dlp[ends[m] - self.batches[m].rows.shape[0]: ends[m]],)
+                out = (out,)
+            else:
+                g = tuple(pp.recv(pp._shape(self.batches[m]), pp.stage + 1) for _ in pp.plan.carry)
+            douts[m] = g
+            if pp.stage > 0:
+                grads = torch.autograd.grad(out, carry, g, allow_unused=True)
+                for x, dx in zip(carry, grads):
+                    pp.send(torch.zeros_like(x) if dx is None else dx, pp.stage - 1)
+            self.saved[m] = (tuple(x.detach() for x in carry) if carry else None, None)
+        if not trainable:
+            return ()
+        carry = None
+        if pp.stage > 0:
+            carry = tuple(torch.cat([c[i] for c, _ in self.saved]) for i in range(len(pp.plan.carry)))
+        with torch.enable_grad():
+            out = pp._stage(whole, params, carry)
+            dout = dlp if last else tuple(torch.cat([d[i] for d in douts]) for i in range(len(pp.plan.carry)))
+            return torch.autograd.grad(out, trainable, dout, allow_unused=True)
+
+
+class _Microbatched(torch.autograd.Function):
+    """The log-probs of a microbatched step; the backward returns this stage's exact weight gradients
+    (``_Schedule``).  The stage's trainable parameters are its inputs, read frozen in the forward."""
+
+    @staticmethod
+    def forward(ctx, run, whole, params, anchor, *trainable):
+        ctx.run, ctx.whole, ctx.params, ctx.trainable = run, whole, params, trainable
+        for p in trainable:
+            p.requires_grad_(False)
+        try:
+            return run.forward(graph=True)
+        finally:
+            for p in trainable:
+                p.requires_grad_(True)
+
+    @staticmethod
+    def backward(ctx, dlp):
+        grads = ctx.run.backward(dlp, ctx.whole, ctx.params, ctx.trainable)
+        return (None, None, None, None, *grads)

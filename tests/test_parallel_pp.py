@@ -1,13 +1,13 @@
 """Trainer pipeline parallelism on gloo (CPU, forked ranks): PP 2, 3 and 4 are the one-device trainer.
 
 Bitwise promises: over a packed batch of 63, 5, 129 and 1 tokens under four sampling transforms, the
-chosen-token FP32 log-probs on every rank of PP 2 (qwen3 tiny, one layer a stage: bf16, fp32, fp32 with
-separate LoRA), PP 4 (5 layers, split 2/1/1/1, stages permuted across ranks) and PP 3 (a tied LM head, an
-explicit 1/2/2 split, activation checkpointing, other stages' parameters on the meta device) equal the
-one-device trainer's, also scored under ``no_grad`` in 1, 3 and 4 microbatches; after ``loss.backward()``
-and ``reduce_gradients`` every parameter a stage holds has the one-device ``.grad`` (the others none).
-PP 1 without a process group is the trainer.  A split the model cannot take is refused with its reason,
-and so are microbatches with a graph."""
+chosen-token FP32 log-probs on every rank, and after ``loss.backward()`` and ``reduce_gradients`` every
+``.grad`` a stage holds (the others none), equal the one-device trainer's, trained in one microbatch and
+in 2 to 4 (GPipe order and the whole-batch weight pass): PP 2 (qwen3 tiny, one layer a stage: bf16,
+fp32, fp32 with separate LoRA), PP 4 (5 layers, split 2/1/1/1, stages permuted across ranks) and PP 3
+(a tied LM head, an explicit 1/2/2 split, activation checkpointing, other stages' parameters on the meta
+device); scored under ``no_grad`` in 1, 3 and 4 microbatches too.  PP 1 without a process group is the
+trainer.  A split the model cannot take is refused with its reason."""
 from __future__ import annotations
 
 import pytest
@@ -39,33 +39,36 @@ def _one_device(trainer):
                                       for n, p in trainer.named_parameters()}
 
 
-def _pp_rank(rank, world, trainer, positions, split, meta):
+def _pp_rank(rank, world, trainer, positions, split, meta, microbatches):
     seqs, lens = batch(trainer.cfg.vocab_size)
     pp = PipelineParallel(trainer, pp_plan(trainer.cfg), position=positions[rank], split=split)
     if meta:
         _on_meta(trainer, pp.held_names)
     with torch.no_grad():  # scoring without a graph (the RL step's old log-probs), whole and microbatched
         scored = [pp.logprobs(seqs, lens, SP, microbatches=m) for m in (1, 3, 4)]
-    lps = pp.logprobs(seqs, lens, SP)
+    lps = pp.logprobs(seqs, lens, SP, microbatches=microbatches)
     assert all(torch.equal(a, b.detach()) for s in scored for a, b in zip(s, lps, strict=True))
     loss_of(lps).backward()
     pp.reduce_gradients()
     return [lp.detach() for lp in lps], {n: p.grad for n, p in trainer.named_parameters()}, pp.held_names
 
 
-CASES = {  # id: (stage of each rank, layers, split, dtype, tied, activation checkpointing + meta, LoRA mode)
-    "PP2-bf16": ((1, 0), 2, None, torch.bfloat16, False, False, None),
-    "PP2-fp32": ((0, 1), 2, None, torch.float32, False, False, None),
-    "PP2-fp32-lora-separate": ((1, 0), 2, None, torch.float32, False, False, "separate"),
-    "PP4-fp32-5layers": ((2, 0, 3, 1), 5, None, torch.float32, False, False, None),
-    "PP3-tied-split122-ckpt-meta": ((2, 1, 0), 5, (1, 2, 2), torch.bfloat16, True, True, None),
+CASES = {  # id: (stage of each rank, layers, split, dtype, tied, activation checkpointing + meta, LoRA mode,
+    #            training microbatches)
+    "PP2-bf16": ((1, 0), 2, None, torch.bfloat16, False, False, None, 1),
+    "PP2-fp32": ((0, 1), 2, None, torch.float32, False, False, None, 1),
+    "PP2-fp32-mb2": ((1, 0), 2, None, torch.float32, False, False, None, 2),
+    "PP2-fp32-lora-separate-mb3": ((1, 0), 2, None, torch.float32, False, False, "separate", 3),
+    "PP4-fp32-5layers": ((2, 0, 3, 1), 5, None, torch.float32, False, False, None, 1),
+    "PP4-fp32-5layers-mb3": ((3, 1, 0, 2), 5, None, torch.float32, False, False, None, 3),
+    "PP3-tied-split122-ckpt-meta-mb4": ((2, 1, 0), 5, (1, 2, 2), torch.bfloat16, True, True, None, 4),
 }
 
 
 # fp32 weights: a gradient's summation order shows in its bits far more often than after a bf16 rounding
 @pytest.mark.parametrize("case", CASES)
 def test_pp_trainer_equals_one_device(case, tmp_path):
-    positions, layers, split, dtype, tied, ckpt, lora = CASES[case]
+    positions, layers, split, dtype, tied, ckpt, lora, microbatches = CASES[case]
     cfg = Qwen3Config.preset("tiny").replace(num_layers=layers, tie_word_embeddings=tied)
     trainer = trainer_of(cfg, dtype)
     if lora:  # base weights frozen, adapters trained: B drawn too, so A's gradient is not 0
@@ -79,7 +82,7 @@ def test_pp_trainer_equals_one_device(case, tmp_path):
     trainer.activation_checkpointing = ckpt
     held_by_all = set()
     for r, (lps, grads, held) in enumerate(run_ranks(len(positions), tmp_path, _pp_rank, trainer, positions, split,
-                                                     ckpt)):
+                                                     ckpt, microbatches)):
         assert len(lps) == len(ref_lp) and all(torch.equal(a, b) for a, b in zip(lps, ref_lp)), r
         assert grads.keys() == ref_grad.keys(), r
         bad = [n for n in held if (grads[n] is None) != (ref_grad[n] is None)
@@ -118,7 +121,10 @@ def test_pp1_is_the_trainer():
     assert all(torch.equal(a.detach(), b) for a, b in zip(lps, ref_lp))
     assert all(torch.equal(p.grad, ref_grad[n]) for n, p in trainer.named_parameters())
     assert set(pp.held_names) == ref_grad.keys()
-    with pytest.raises(ValueError, match="PP microbatches only under torch.no_grad"):
-        pp.logprobs(seqs, lens, SP, microbatches=2)
+    trainer.zero_grad(set_to_none=True)
+    lps = pp.logprobs(seqs, lens, SP, microbatches=3)  # the weight pass alone, no pipeline around it
+    loss_of(lps).backward()
+    assert all(torch.equal(a.detach(), b) for a, b in zip(lps, ref_lp))
+    assert all(torch.equal(p.grad, ref_grad[n]) for n, p in trainer.named_parameters())
     with pytest.raises(ValueError, match=r"microbatches must be an int in \[1, 4\]"):
         pp.logprobs(seqs, lens, SP, microbatches=5)
