@@ -230,13 +230,12 @@ class PipelineParallel:
         counts = [c for b in batches for c in b.counts]
         trainable = [self.trainer.get_parameter(n) for n in self.held_names]
         trainable = [p for p in trainable if p.requires_grad]
-        run = _Schedule(self, batches, [params[lo:hi] for lo, hi in spans])
+        run = _Schedule(self, batches, [params[lo:hi] for lo, hi in spans], params)
         if not torch.is_grad_enabled():
             return list(run.forward(graph=False).split(counts))
-        whole = pack_scored(sequences, prompt_lens, cfg.vocab_size, cfg.max_position, self.device)
+        run.whole = pack_scored(sequences, prompt_lens, cfg.vocab_size, cfg.max_position, self.device)
         anchor = torch.empty(0, device=self.device, requires_grad=True)
-        lp = _Microbatched.apply(run, whole, params, anchor, *trainable)
-        return list(lp.split(counts))
+        return list(_Microbatched.apply(run, anchor, *trainable).split(counts))
 
     def _shape(self, batch) -> tuple[int, int]:
         return batch.tokens.shape[0], self.plan.width
@@ -289,8 +288,9 @@ class _Schedule:
     once on the whole batch (the carry rows and their gradients concatenated in sequence order, which is
     the one-device packing), so every dW is the one-device op on the one-device operands."""
 
-    def __init__(self, pp: PipelineParallel, batches, params):
-        self.pp, self.batches, self.params = pp, batches, params
+    def __init__(self, pp: PipelineParallel, batches, params, whole_params):
+        self.pp, self.batches, self.params, self.whole_params = pp, batches, params, whole_params
+        self.whole = None  # the whole batch packed, for the weight pass
         self.saved: list[tuple] = []  # (carry in, out) per microbatch
 
     def forward(self, graph: bool) -> torch.Tensor:
@@ -307,21 +307,20 @@ class _Schedule:
             else:
                 lps.append(out.detach())
             if graph:
-                self.saved.append((carry, out))
+                self.saved.append((carry, out if pp.stage > 0 else None))  # stage 0 sends no gradient back
         rows = sum(b.rows.shape[0] for b in self.batches)
         lp = torch.cat(lps) if lps else torch.empty(rows, dtype=torch.float32, device=pp.device)
         return pp.broadcast_logprobs(lp)
 
-    def backward(self, dlp: torch.Tensor, whole, params, trainable) -> tuple:
+    def backward(self, dlp: torch.Tensor, trainable) -> tuple:
         pp = self.pp
         last = pp.stage == pp.S - 1
-        ends = torch.tensor([b.rows.shape[0] for b in self.batches]).cumsum(0).tolist()
+        dlps = dlp.split([b.rows.shape[0] for b in self.batches])
         douts: list = [None] * len(self.batches)
         for m in reversed(range(len(self.batches))):
             carry, out = self.saved[m]
             if last:
-                g = (dlp[ends[m] - self.batches[m].rows.shape[0]: ends[m]],)
-                out = (out,)
+                g, out = (dlps[m],), (out,)
             else:
                 g = tuple(pp.recv(pp._shape(self.batches[m]), pp.stage + 1) for _ in pp.plan.carry)
             douts[m] = g
@@ -336,7 +335,7 @@ class _Schedule:
         if pp.stage > 0:
             carry = tuple(torch.cat([c[i] for c, _ in self.saved]) for i in range(len(pp.plan.carry)))
         with torch.enable_grad():
-            out = pp._stage(whole, params, carry)
+            out = pp._stage(self.whole, self.whole_params, carry)
             dout = dlp if last else tuple(torch.cat([d[i] for d in douts]) for i in range(len(pp.plan.carry)))
             return torch.autograd.grad(out, trainable, dout, allow_unused=True)
 
@@ -346,8 +345,8 @@ class _Microbatched(torch.autograd.Function):
     (``_Schedule``).  The stage's trainable parameters are its inputs, read frozen in the forward."""
 
     @staticmethod
-    def forward(ctx, run, whole, params, anchor, *trainable):
-        ctx.run, ctx.whole, ctx.params, ctx.trainable = run, whole, params, trainable
+    def forward(ctx, run, anchor, *trainable):
+        ctx.run, ctx.trainable = run, trainable
         for p in trainable:
             p.requires_grad_(False)
         try:
@@ -358,5 +357,4 @@ class _Microbatched(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dlp):
-        grads = ctx.run.backward(dlp, ctx.whole, ctx.params, ctx.trainable)
-        return (None, None, None, None, *grads)
+        return (None, None, *ctx.run.backward(dlp, ctx.trainable))

@@ -126,5 +126,7 @@ def test_pp1_is_the_trainer():
     loss_of(lps).backward()
     assert all(torch.equal(a.detach(), b) for a, b in zip(lps, ref_lp))
     assert all(torch.equal(p.grad, ref_grad[n]) for n, p in trainer.named_parameters())
+    with pytest.raises(ValueError, match="PP stage 1 of 1: stages are 0..0"):
+        PipelineParallel(trainer, pp_plan(trainer.cfg), position=1)
     with pytest.raises(ValueError, match=r"microbatches must be an int in \[1, 4\]"):
         pp.logprobs(seqs, lens, SP, microbatches=5)
