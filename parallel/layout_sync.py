@@ -156,9 +156,7 @@ class LayoutSync:
         refusal = None
         try:
             payload = self.publisher.publish(full=full)
-            writes = self.receiver._validate(payload)
-            if self.receiver.verify_end_state:
-                self.receiver._check_end_state(payload, writes)
+            writes = self.receiver.check(payload)
         except Exception as e:  # noqa: BLE001 -- every failure is a refusal the other ranks must hear of
             refusal = (type(e) if type(e).__module__.startswith(("builtins", "alignzoo.sync")) else SyncError, str(e))
         verdicts = self._gather(refusal)
@@ -169,7 +167,7 @@ class LayoutSync:
             raise cls(f"weight sync refused by {len(refused)} of {len(verdicts)} server ranks, nothing was written "
                       f"on any rank (each keeps its weights and weight version {self.engine.weight_version}; the "
                       f"next sync ships every block): {reasons}")
-        version = apply_between_steps(self.engine, self.receiver, payload)
+        version = apply_between_steps(self.engine, self.receiver, payload, writes)
         self.last_sync = payload.stats
         return version
 

@@ -63,9 +63,18 @@ class Receiver:
         the changed blocks into the weights.  A refused payload raises
         ``SyncError`` (``VersionSkew``, ``LayoutMismatch``, ``CorruptPayload``,
         ``NonFiniteWeights``, ``EndStateMismatch``) before anything is written."""
+        self.write(payload, self.check(payload))
+
+    def check(self, payload: Payload) -> list[_Write]:
+        """``apply``'s checks alone, nothing written -> the writes ``write`` makes (a caller that must hear
+        from several receivers before any writes: ``parallel/layout_sync.py``)."""
         writes = self._validate(payload)
         if self.verify_end_state:
             self._check_end_state(payload, writes)
+        return writes
+
+    def write(self, payload: Payload, writes: list[_Write]) -> None:
+        """Copy ``check(payload)``'s writes into the weights and take the payload's version."""
         try:
             with torch.no_grad():
                 for wr in writes:
@@ -188,13 +197,17 @@ def _write(wr: _Write, into: torch.Tensor) -> torch.Tensor:
     return into
 
 
-def apply_between_steps(engine, receiver: Receiver, payload: Payload) -> int:
+def apply_between_steps(engine, receiver: Receiver, payload: Payload, writes: list[_Write] | None = None) -> int:
     """Apply ``payload`` through ``engine.update_weights``: between two engine
     steps, so no forward reads half-written weights; completions sampled
     after it carry ``weight_version == payload.version``.  Returns that
-    version.  A refused payload raises and leaves the engine's version as it was."""
+    version.  A refused payload raises and leaves the engine's version as it was.
+    ``writes``: ``receiver.check(payload)``'s, already checked (not checked again)."""
     def fn():
-        receiver.apply(payload)
+        if writes is None:
+            receiver.apply(payload)
+        else:
+            receiver.write(payload, writes)
         engine.set_weight_version(payload.version - 1)  # update_weights adds one
 
     version = engine.update_weights(fn)
