@@ -4,7 +4,7 @@ Bitwise promises: over a packed batch of 63, 5, 129 and 1 tokens under four samp
 chosen-token FP32 log-probs on every rank, and after ``loss.backward()`` and ``reduce_gradients`` every
 ``.grad`` a stage holds (the others none), equal the one-device trainer's, trained in one microbatch and
 in 2 to 4 (GPipe order and the whole-batch weight pass): PP 2 (qwen3 tiny, one layer a stage: bf16,
-fp32, fp32 with separate LoRA), PP 4 (5 layers, split 2/1/1/1, stages permuted across ranks) and PP 3
+fp32, fp32 with separate LoRA; FP8 projections over 3 layers), PP 4 (5 layers, split 2/1/1/1, stages permuted across ranks) and PP 3
 (a tied LM head, an explicit 1/2/2 split, activation checkpointing, other stages' parameters on the meta
 device); scored under ``no_grad`` in 1, 3 and 4 microbatches too.  PP 1 without a process group is the
 trainer.  A split the model cannot take is refused with its reason."""
@@ -16,7 +16,7 @@ from test_parallel_cp import SP, batch, loss_of, trainer_of
 from test_parallel_dp import run_ranks
 
 from alignzoo.common.lora import LoRAConfig
-from alignzoo.models.qwen3 import Qwen3Config
+from alignzoo.models.qwen3 import Qwen3Config, Qwen3Trainer
 from alignzoo.models.qwen3.parallelize import pp_plan
 from alignzoo.parallel.pp import PipelineParallel, stage_ranges
 
@@ -53,30 +53,41 @@ def _pp_rank(rank, world, trainer, positions, split, meta, microbatches):
     return [lp.detach() for lp in lps], {n: p.grad for n, p in trainer.named_parameters()}, pp.held_names
 
 
-CASES = {  # id: (stage of each rank, layers, split, dtype, tied, activation checkpointing + meta, LoRA mode,
-    #            training microbatches)
-    "PP2-bf16": ((1, 0), 2, None, torch.bfloat16, False, False, None, 1),
-    "PP2-fp32": ((0, 1), 2, None, torch.float32, False, False, None, 1),
-    "PP2-fp32-mb2": ((1, 0), 2, None, torch.float32, False, False, None, 2),
-    "PP2-fp32-lora-separate-mb3": ((1, 0), 2, None, torch.float32, False, False, "separate", 3),
-    "PP4-fp32-5layers": ((2, 0, 3, 1), 5, None, torch.float32, False, False, None, 1),
-    "PP4-fp32-5layers-mb3": ((3, 1, 0, 2), 5, None, torch.float32, False, False, None, 3),
-    "PP3-tied-split122-ckpt-meta-mb4": ((2, 1, 0), 5, (1, 2, 2), torch.bfloat16, True, True, None, 4),
+B, F = torch.bfloat16, torch.float32
+CASES = {  # id: stage of each rank, layers, dtype and what else the case turns on (``_case``)
+    "PP2-bf16": dict(positions=(1, 0), dtype=B),
+    "PP2-fp32": dict(positions=(0, 1)),
+    "PP2-fp32-mb2": dict(positions=(1, 0), microbatches=2),
+    "PP2-fp32-lora-separate-mb3": dict(positions=(1, 0), lora="separate", microbatches=3),
+    "PP2-fp8-3layers-mb2": dict(positions=(1, 0), layers=3, dtype=B, fp8=True, microbatches=2),
+    "PP4-fp32-5layers": dict(positions=(2, 0, 3, 1), layers=5),
+    "PP4-fp32-5layers-mb3": dict(positions=(3, 1, 0, 2), layers=5, microbatches=3),
+    "PP3-tied-split122-ckpt-meta-mb4": dict(positions=(2, 1, 0), layers=5, split=(1, 2, 2), dtype=B, tied=True,
+                                            ckpt=True, microbatches=4),
 }
 
 
-# fp32 weights: a gradient's summation order shows in its bits far more often than after a bf16 rounding
-@pytest.mark.parametrize("case", CASES)
-def test_pp_trainer_equals_one_device(case, tmp_path):
-    positions, layers, split, dtype, tied, ckpt, lora, microbatches = CASES[case]
+def _case(positions, layers=2, split=None, dtype=F, tied=False, ckpt=False, lora=None, fp8=False, microbatches=1):
+    """ckpt: activation checkpointing, and other stages' parameters on the meta device."""
     cfg = Qwen3Config.preset("tiny").replace(num_layers=layers, tie_word_embeddings=tied)
     trainer = trainer_of(cfg, dtype)
+    if fp8:  # the same weights, the projections read through their FP8 quantization
+        fp8_trainer = Qwen3Trainer(cfg, dtype=dtype, fp8=True)
+        fp8_trainer.load_state_dict(trainer.state_dict())
+        trainer = fp8_trainer
     if lora:  # base weights frozen, adapters trained: B drawn too, so A's gradient is not 0
         trainer.add_lora(LoRAConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]), lora)
         g = torch.Generator().manual_seed(5)
         with torch.no_grad():
             for p in trainer.adapter_parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return trainer, positions, split, ckpt, microbatches
+
+
+# fp32 weights: a gradient's summation order shows in its bits far more often than after a bf16 rounding
+@pytest.mark.parametrize("case", CASES)
+def test_pp_trainer_equals_one_device(case, tmp_path):
+    trainer, positions, split, ckpt, microbatches = _case(**CASES[case])
     ref_lp, ref_grad = _one_device(trainer)
     trainer.zero_grad(set_to_none=True)
     trainer.activation_checkpointing = ckpt
