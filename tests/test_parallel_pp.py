@@ -4,10 +4,10 @@ Bitwise promises: over a packed batch of 63, 5, 129 and 1 tokens under four samp
 chosen-token FP32 log-probs on every rank, and after ``loss.backward()`` and ``reduce_gradients`` every
 ``.grad`` a stage holds (the others none), equal the one-device trainer's, trained in one microbatch and
 in 2 to 4 (GPipe order and the whole-batch weight pass): PP 2 (qwen3 tiny, one layer a stage: bf16,
-fp32, fp32 with separate LoRA; FP8 projections over 3 layers), PP 4 (5 layers, split 2/1/1/1, stages permuted across ranks) and PP 3
-(a tied LM head, an explicit 1/2/2 split, activation checkpointing, other stages' parameters on the meta
-device); scored under ``no_grad`` in 1, 3 and 4 microbatches too.  PP 1 without a process group is the
-trainer.  A split the model cannot take is refused with its reason."""
+fp32, fp32 with separate LoRA; FP8 projections over 3 layers), PP 4 (5 layers, split 2/1/1/1, stages
+permuted across ranks) and PP 3 (a tied LM head, an explicit 1/2/2 split, activation checkpointing,
+other stages' parameters on the meta device); scored under ``no_grad`` in 1, 3 and 4 microbatches too.
+PP 1 without a process group is the trainer.  A split the model cannot take is refused with its reason."""
 from __future__ import annotations
 
 import pytest
