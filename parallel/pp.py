@@ -45,9 +45,10 @@ a stage holds about L/S of the layers' weights, gradients, optimizer state and a
 outside a rank's stage are never read, so they may stay on the ``meta`` device (``held_names``: what a
 rank must load).  Scoring under ``torch.no_grad()`` has no weight pass: microbatches cost only the bubble.
 
-Not supported yet: multi-adapter LoRA rows and router replay (``TrainerBase.logprobs``' ``adapters`` and
-``replay``).  One ``logprobs``, one backward over a loss every rank computes alike from the returned
-log-probs, and ``reduce_gradients`` per step.
+The layers run as the trainer built them: LoRA (tested: separate), FP8 projections and activation
+checkpointing need nothing of PP.  Not supported yet: multi-adapter LoRA rows and router replay
+(``TrainerBase.logprobs``' ``adapters`` and ``replay``).  Per step: one ``logprobs`` with a graph, one
+backward of a loss every rank computes alike from the returned log-probs, then ``reduce_gradients``.
 """
 from __future__ import annotations
 
