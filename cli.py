@@ -10,6 +10,7 @@
     alignzoo models                                       models whose pair works
     alignzoo generate MODEL --prompt "1 2 3" [...]        sample a completion (token ids, or text with a tokenizer)
     alignzoo serve MODEL [--host H] [--port P] [...]      an HTTP server with SGLang's RL API
+    alignzoo serve MODEL --tp N [...]                     ... over N tensor-parallel processes (or torchrun's)
 
 A bad argument is one line on stderr (``alignzoo: error: ...``) and exit status 2.
 """
@@ -296,12 +297,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .serve.server import serve
     except ImportError as e:
         raise NotImplementedError(f"alignzoo serve needs fastapi and uvicorn ({e}): pip install 'alignzoo[serve]'") from None
-    return serve(args.model, host=args.host, port=args.port, checkpoint=args.checkpoint,
-                 config=None if args.checkpoint else _preset(args), device=args.device, dtype=DTYPES[args.dtype],
-                 fp8=args.fp8, seed=args.seed, max_batch_size=args.max_batch_size,
-                 max_batch_tokens=args.max_batch_tokens, api_key=args.api_key, admin_api_key=args.admin_api_key,
-                 allow_unauthenticated=args.allow_unauthenticated, weights_dirs=args.weights_dir,
-                 served_model_name=args.served_model_name)
+    kw = dict(host=args.host, port=args.port, checkpoint=args.checkpoint,
+              config=None if args.checkpoint else _preset(args), device=args.device, dtype=DTYPES[args.dtype],
+              fp8=args.fp8, seed=args.seed, max_batch_size=args.max_batch_size,
+              max_batch_tokens=args.max_batch_tokens, api_key=args.api_key, admin_api_key=args.admin_api_key,
+              allow_unauthenticated=args.allow_unauthenticated, weights_dirs=args.weights_dir,
+              served_model_name=args.served_model_name)
+    if args.tp > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's ranks take the TP path too
+        from .serve.tp_launch import launch
+
+        return launch(args.model, args.tp, timeout_s=args.tp_timeout, **kw)
+    return serve(args.model, **kw)
 
 
 # --- parser -----------------------------------------------------------------------------------------
@@ -394,6 +400,13 @@ def parser() -> argparse.ArgumentParser:
                          "checkpoint's parent directory, none for a preset)")
     sv.add_argument("--served-model-name", default=None,
                     help="the model's id in the OpenAI API (default: the checkpoint path, or the model name)")
+    sv.add_argument("--tp", type=_at_least(1), default=1,
+                    help="tensor-parallel degree: N processes (or torchrun's), each holding its shards of the "
+                         "weights by the model's tp_plan, rank 0 serving HTTP; same rows, bit for bit. Gloo on the "
+                         "CPU, nccl on CUDA. Weight updates are refused under --tp > 1 (default 1: one process)")
+    sv.add_argument("--tp-timeout", type=_at_least(1), default=60, metavar="SECONDS",
+                    help="how long any --tp collective waits for a rank before the server fails its requests "
+                         "and exits 1 (default 60)")
     _model_args(sv)
     sv.set_defaults(fn=cmd_serve)
     m = sub.add_parser("models", help="list the models whose aligned pair works")

@@ -89,8 +89,11 @@ class EngineLoop:
     """Owns ``engine`` in one thread.  Thread-safe entry points: ``submit``, ``call``, ``update``,
     ``reserve``, ``stop``; everything else runs in the engine's thread."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, lockstep=None):
         self.engine = engine
+        # --tp > 1: every engine change is recorded and sent to the other ranks before the step that
+        # needs it, so they run the same steps and the collectives inside the forward line up (tp_launch.py)
+        self.lockstep = lockstep
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: deque[tuple[Job, Item]] = deque()  # accepted, not yet added to the engine
         self._inflight: dict[int, tuple[Job, Item]] = {}  # engine request id ->
@@ -145,15 +148,31 @@ class EngineLoop:
                 self._apply_update()
                 self._admit()
                 if self.paused is None and self.engine.has_unfinished():
-                    self._dispatch(self.engine.step())
+                    self._dispatch(self._step())
                     self._progress()
+                elif self.lockstep is not None:
+                    self.lockstep.sync(step=False)  # a heartbeat within the group's timeout while idle
             except Exception as e:  # the engine isolates bad requests; this is a bug: fail what is in flight
                 log.exception("the engine loop failed")
-                self._abort(None, f"the engine failed: {type(e).__name__}: {e}")
+                message = f"the engine failed: {type(e).__name__}: {e}"
+                if self.lockstep is not None:  # a rank lost or out of step: no collective can run again
+                    message = (f"the tensor-parallel engine stopped (a rank died, hung past --tp-timeout or fell "
+                               f"out of step); the server exits: {type(e).__name__}: {e}")
+                    for job, item in list(self._by_rid.values()):
+                        self._finish(job, item, Completion(item.prompt, [], torch.empty(0), "abort", message))
+                    self.lockstep.lost(message)
+                    break
+                self._abort(None, message)
         self._abort(None, "the server is shutting down")
         for upd in self._updates:
             upd.future.set_exception(ApiError(503, "the server is shutting down"))
         self._updates.clear()
+
+    def _step(self) -> list[Completion]:
+        if self.lockstep is None:
+            return self.engine.step()
+        self.lockstep.sync(step=True)
+        return self.lockstep.checked(self.engine.step())
 
     def _busy(self) -> bool:
         if self._updates:
@@ -200,6 +219,8 @@ class EngineLoop:
         while self._pending:
             job, item = self._pending.popleft()
             eid = self.engine.add_request(item.prompt, item.sampling, adapter=item.adapter)
+            if self.lockstep is not None:
+                self.lockstep.record("add", eid, item.prompt, item.sampling, item.adapter)
             item.engine_id = eid
             item.seq = waiting[-1] if waiting and waiting[-1].id == eid else None  # None: refused, out in the next step
             self._inflight[eid] = (job, item)
@@ -227,11 +248,11 @@ class EngineLoop:
                 a, item.sent = item.sent, len(seq.tokens)
                 job.emit(("chunk", item, seq.tokens[a:item.sent], seq.logprobs[a:item.sent], seq.versions[-1]))
 
-    def _quiesce(self, fn) -> None:
-        """Run ``fn`` with no step in flight and schedule nothing: ``score`` of no sequences waits for a
-        step launched ahead (overlap) and runs the between-steps hooks, and steps nothing itself."""
-        self.engine.between_steps(fn)
-        self.engine.score([], [], SamplingParams())
+    def _quiesce(self, op, *args):
+        """``op(engine, *args)`` (one of ``QUIESCED``) with no step in flight, recorded for the other TP ranks."""
+        if self.lockstep is not None:
+            self.lockstep.record(op.__name__, *args)
+        return quiesce(self.engine, op, *args)
 
     def _abort(self, rids: set[str] | None, message: str) -> int:
         """End the matching requests (None: all) with finish_reason abort; returns how many."""
@@ -249,24 +270,10 @@ class EngineLoop:
                 self._finish(job, item, Completion(item.prompt, [], torch.empty(0), "abort", message))
         ids = {item.engine_id for _, item in targets if item.engine_id >= 0}
         if ids:
-            aborted: list = []
-
-            def end():
-                sched = self.engine.scheduler
-                for seq in [s for s in sched.waiting if s.id in ids]:
-                    sched.waiting.remove(seq)
-                    seq.status = Status.FINISHED  # a waiting request holds no pages (new, or preempted)
-                    aborted.append(seq)
-                running = [s for s in sched.running if s.id in ids]
-                sched.retire(running)
-                for seq in aborted + running:
-                    seq.finish_reason, seq.error = "abort", message
-                aborted.extend(running)
-
-            self._quiesce(end)
+            aborted = self._quiesce(end_requests, ids, message)
             self._dispatch([s.completion() for s in aborted])
             if self.paused is not None and self.engine.scheduler.idle:
-                self._dispatch(self.engine.step())  # what the waited-for step finished; steps nothing more
+                self._dispatch(self._step())  # what the waited-for step finished; steps nothing more
         return len(targets)
 
     def _apply_update(self) -> None:
@@ -295,10 +302,7 @@ class EngineLoop:
             self.paused = mode
             return f"generation paused; {n} request(s) aborted"
         if mode == "retract":
-            def retract():
-                while self.engine.scheduler.preempt_newest():  # pages freed; recomputed on continue, same bits
-                    pass
-            self._quiesce(retract)
+            self._quiesce(retract_all)
         self.paused = mode
         return f"generation paused ({mode}); {len(self._inflight)} request(s) in flight"
 
@@ -317,6 +321,38 @@ class EngineLoop:
         busy = len(self._inflight) + len(self._pending)
         if busy:
             raise ApiError(400, f"cache not flushed: {busy} request(s) are running or waiting")
+
+
+def quiesce(engine, op, *args):
+    """``op(engine, *args)`` with no step in flight, scheduling nothing; its result.  ``score`` of no
+    sequences waits for a step launched ahead (overlap) and runs the between-steps hooks, and steps
+    nothing itself."""
+    out = []
+    engine.between_steps(lambda: out.append(op(engine, *args)))
+    engine.score([], [], SamplingParams())
+    return out[0]
+
+
+def end_requests(engine, ids: set[int], message: str) -> list:
+    """End the engine's requests ``ids`` (waiting or running) with finish_reason abort; their Sequences."""
+    sched, aborted = engine.scheduler, []
+    for seq in [s for s in sched.waiting if s.id in ids]:
+        sched.waiting.remove(seq)
+        seq.status = Status.FINISHED  # a waiting request holds no pages (new, or preempted)
+        aborted.append(seq)
+    running = [s for s in sched.running if s.id in ids]
+    sched.retire(running)
+    for seq in aborted + running:
+        seq.finish_reason, seq.error = "abort", message
+    return aborted + running
+
+
+def retract_all(engine) -> None:
+    while engine.scheduler.preempt_newest():  # pages freed; recomputed on continue, same bits
+        pass
+
+
+QUIESCED = {f.__name__: f for f in (end_requests, retract_all)}  # what a TP rank replays by name
 
 
 # ------------------------------------------------------------------ the HTTP side
@@ -431,7 +467,8 @@ class AlignedServer:
     trainer that disk updates are read into, and the torch.distributed group of distributed updates."""
 
     def __init__(self, spec, cfg, trainer, engine, *, model: str, checkpoint, preset, device, dtype, fp8: bool,
-                 host: str, port: int, text=None, weights_dirs=None, served_model_name: str | None = None):
+                 host: str, port: int, text=None, weights_dirs=None, served_model_name: str | None = None,
+                 lockstep=None):
         from ..models.text import CheckpointText
 
         self.spec, self.cfg, self.trainer, self.engine = spec, cfg, trainer, engine
@@ -445,13 +482,16 @@ class AlignedServer:
         # Version 0 and a first full payload: the receiver then knows the checksum of what it holds,
         # so a damaged delta later leaves it on its version instead of on none.
         self.rx = Receiver(engine.model.weights, version=0, check_finite=True)
-        apply_between_steps(engine, self.rx, Publisher(trainer.forward_weights, check_finite=True).publish())
+        source = trainer.forward_weights if lockstep is None else lambda: lockstep.shard(trainer.forward_weights())
+        apply_between_steps(engine, self.rx, Publisher(source, check_finite=True).publish())
+        if lockstep is not None:
+            self.info["tp"] = lockstep.world
         _, extras = engine.score([[0, 0]], [1], SamplingParams(), return_extras=True)
         self.limits = api.ModelLimits(model, engine.model.vocab_size, engine.model.max_position,
                                       engine.block_manager.fits_alone, tuple(engine.adapter_names),
                                       tuple(sorted(extras[0])), self.text.tokenizer,
                                       on_request=tuple(sorted(engine.runner.on_request_extras)))
-        self.loop = EngineLoop(engine)
+        self.loop = EngineLoop(engine, lockstep)
         self._update_lock = threading.Lock()  # one weight update at a time, read to apply
         self._group: dict | None = None
 
@@ -768,6 +808,8 @@ def create_app(server: AlignedServer, keys: ApiKeys | None = None) -> FastAPI:
 
     @app.get("/get_weights_checksum")
     async def get_weights_checksum():
+        if loop.lockstep is not None:
+            return error(ApiError(400, loop.lockstep.no_updates("/get_weights_checksum")))
         fn = lambda: {"weight_version": srv.engine.weight_version,  # noqa: E731
                       "checksum": weights_checksum(srv.engine.model.weights)}
         return await asyncio.wrap_future(loop.call(fn))
@@ -776,6 +818,8 @@ def create_app(server: AlignedServer, keys: ApiKeys | None = None) -> FastAPI:
     def update_route(path: str, model, fn):
         async def route(request: Request):
             try:
+                if loop.lockstep is not None:
+                    raise ApiError(400, loop.lockstep.no_updates(path))
                 req = await body_of(request, model)
                 return await asyncio.to_thread(fn, req)
             except Exception as e:
@@ -850,9 +894,10 @@ def _check_listen(host: str, port: int) -> None:
 
 def build(model: str, *, checkpoint=None, config=None, device=None, dtype=torch.bfloat16, fp8: bool = False,
           seed: int = 0, host: str = "127.0.0.1", port: int = 30000, weights_dirs=None,
-          served_model_name: str | None = None, **engine_kwargs) -> AlignedServer:
+          served_model_name: str | None = None, lockstep=None, **engine_kwargs) -> AlignedServer:
     """The model's trainer and engine (as ``load_pair`` builds them, without LoRA) behind an ``AlignedServer``,
-    with the checkpoint's tokenizer, EOS ids and generation defaults (``models/text.py``)."""
+    with the checkpoint's tokenizer, EOS ids and generation defaults (``models/text.py``).  ``lockstep``
+    (``tp_launch.Lockstep``): the engine serves this rank's tensor-parallel shards, stepped with the others."""
     from ..common.engine import Engine
     from ..models import model_module
     from ..models.loading import build_trainer, resolve_config, server_weights
@@ -866,11 +911,13 @@ def build(model: str, *, checkpoint=None, config=None, device=None, dtype=torch.
     trainer = build_trainer(spec, cfg, checkpoint, device=device, dtype=dtype, seed=seed, fp8=fp8)
     # The engine's thread decodes stop strings with a tokenizer of its own: the handlers' stays theirs.
     stops = {"eos_token_ids": text.eos_token_ids, "tokenizer": copy.deepcopy(text.tokenizer)}
-    engine = Engine(spec.server_cls(cfg, server_weights(trainer), lora_scale=None), **{**stops, **engine_kwargs})
+    weights = server_weights(trainer)
+    served = spec.server_cls(cfg, weights, lora_scale=None) if lockstep is None else lockstep.server_model(cfg, weights)
+    engine = Engine(served, **{**stops, **engine_kwargs})
     return AlignedServer(spec, cfg, trainer, engine, model=model, checkpoint=checkpoint,
                          preset=None if checkpoint else (config or "tiny"), device=device, dtype=dtype, fp8=fp8,
                          host=host, port=port, text=text, weights_dirs=weights_dirs,
-                         served_model_name=served_model_name)
+                         served_model_name=served_model_name, lockstep=lockstep)
 
 
 def access(host: str, api_key: str | None, admin_api_key: str | None,
