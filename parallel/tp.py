@@ -86,6 +86,12 @@ def unit_range(units: int, tp: int, position: int, what: str = "units") -> tuple
     raise ValueError(f"TP = {tp} does not fit {units} {what}: TP must divide them or be a multiple of them")
 
 
+def unit_count(units: int, tp: int, what: str = "units") -> int:
+    """How many of the ``units`` one TP position holds (``unit_range``'s width): what a ``local_config`` sets."""
+    lo, hi = unit_range(units, tp, 0, what)
+    return hi - lo
+
+
 def even_range(n: int, tp: int, position: int) -> tuple[int, int]:
     """[lo, hi) of slice ``position`` of n rows cut into tp contiguous slices, the first n % tp one longer."""
     q, r = divmod(n, tp)
