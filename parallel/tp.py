@@ -68,6 +68,7 @@ class Vocab:
 @dataclass(frozen=True)
 class TPPlan:
     """weights: {name, "{}" for the layer index: Column | Row | Vocab}; unnamed weights are replicated.
+    A name without "{}" is that one weight (a hybrid model names each layer's by its type).
     local_config(cfg, R): the config one rank's forward sees."""
     weights: dict[str, Column | Row | Vocab]
     num_layers: int

@@ -1,7 +1,7 @@
 """Server tensor parallelism of qwen35_gdn (Gated DeltaNet + gated attention + MoE) on gloo (CPU, forked ranks).
 
 Bitwise promises: per engine step the FP32 logits and routed experts, the scored log-probs (four sampling
-transforms) and sampled completions of TP 2 and TP 4 (shard positions permuted across ranks) equal the
+transforms) and sampled completions of TP 1, TP 2 and TP 4 (shard positions permuted across ranks) equal the
 one-device server's and the trainer's, over prompts of 63, 5, 129 and 1 tokens (GDN chunks of 64 crossed,
 chunked continuation and decode from each rank's own state slots).  The tiny preset with 4 q heads and 2
 k/v heads (its 3 q heads take no TP 2): at TP 4 a rank holds one value head and a replicated qk head and
@@ -40,7 +40,7 @@ def _tp_rank(rank, world, cfg, weights, prompts, positions):
     return run_engine(tp_server(Qwen35GdnServer, cfg, weights, tp_plan(cfg), position=positions[rank]), prompts)
 
 
-@pytest.mark.parametrize("positions", [(1, 0), (2, 0, 3, 1)], ids=lambda p: f"TP{len(p)}")
+@pytest.mark.parametrize("positions", [(0,), (1, 0), (2, 0, 3, 1)], ids=lambda p: f"TP{len(p)}")
 def test_tp_server_equals_one_device(pair, positions, tmp_path):
     prompts = prompts_of(LENS, pair.config.vocab_size, seed=2)
     ref = run_engine(pair.server.model, prompts)
