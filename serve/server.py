@@ -158,6 +158,7 @@ class EngineLoop:
                 if self.lockstep is not None:  # a rank lost or out of step: no collective can run again
                     message = (f"the tensor-parallel engine stopped (a rank died, hung past --tp-timeout or fell "
                                f"out of step); the server exits: {type(e).__name__}: {e}")
+                    self._take(block=False)  # what arrived while the collective waited ends here too
                     for job, item in list(self._by_rid.values()):
                         self._finish(job, item, Completion(item.prompt, [], torch.empty(0), "abort", message))
                     self.lockstep.lost(message)

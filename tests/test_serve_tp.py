@@ -170,3 +170,24 @@ def test_a_killed_rank_fails_the_request_and_rank_0_exits_1(servers):
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "the tensor-parallel engine stopped (a rank died" in reason["message"]
     assert proc.wait(30) == 1
+
+
+def test_a_hung_rank_times_out(tmp_path):
+    """A rank that stops answering (SIGSTOP) fails the request once --tp-timeout (3 s) passes; rank 0 exits 1."""
+    proc, client = start_server("qwen3", "--config", "tiny", "--tp", "2", "--tp-timeout", "3",
+                                log_path=tmp_path / "hung.log")
+    rank1 = int(open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()[0])
+    try:
+        os.kill(rank1, signal.SIGSTOP)
+        t0 = time.monotonic()
+        reason = client.generate([1, 2, 3], {"max_new_tokens": 5})["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "the tensor-parallel engine stopped" in reason["message"]
+        assert "Timed out" in reason["message"] and 2.5 < time.monotonic() - t0 < 20
+        assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            os.kill(rank1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
