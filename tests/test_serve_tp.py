@@ -139,7 +139,7 @@ def no_plan() -> str:
 
 
 @pytest.mark.parametrize("args, why", [
-    (lambda: [no_plan(), "--tp", "2"], r"(\w+) declares no tensor-parallel plan .* models that take --tp > 1: .*qwen3"),
+    (lambda: [no_plan(), "--tp", "2"], r"(\w+) declares no tensor-parallel plan .* models with a tp_plan: .*qwen3"),
     (["qwen3", "--config", "tiny", "--tp", "3"], "--tp 3 on qwen3: TP = 3 does not fit 4 q heads"),
     (["qwen3", "--config", "tiny", "--tp", "8"], "--tp 8 on qwen3: TP = 8 does not divide 4 q heads"),
 ], ids=["no-plan", "tp3-heads", "tp8-heads"])
