@@ -185,3 +185,20 @@ def test_pool_specs_share_one_sizing_interface():
                         (lambda: StateSlots(0), "num_slots must be an int >= 1, got 0")):
         with pytest.raises(ValueError, match=match):
             make()
+
+
+def test_ring_window_table_follows_the_window_not_the_context():
+    """A ring window pool's decode table is cdiv(window - 1, 64) + 2 columns at any max_position, and a prefill
+    step's follows its longest chunk; ``ring_table`` puts block b of a sequence in column b % width, only the
+    last ``width`` blocks (so an older held block never overwrites a live one), given-back blocks as page 0."""
+    from alignzoo.common.engine.model_runner import ring_table
+
+    ring = WindowPool({"k": (2, 24)}, torch.bfloat16, layers=1, window=128, ring=True)
+    flat = WindowPool({"k": (2, 24)}, torch.bfloat16, layers=1, window=128)
+    assert [ring.graph_width(m) for m in (64, 4096, 1 << 20)] == [1, 3, 3]
+    assert flat.graph_width(1 << 20) == (1 << 20) // PAGE_SIZE
+    assert [ring.ring_width(c) for c in (1, 2, 64, 1000)] == [3, 3, 4, 19]
+    tables = [[-1, -1, 7, 3, 9], [5], [-1, 4, 8, 2, 6, 1, 0]]
+    got = ring_table(tables, 4, 3)
+    assert got.tolist() == [[3, 9, 7], [5, 0, 0], [0, 6, 1], [0, 0, 0]]  # blocks 4, 5, 6 of the third in 1, 2, 0
+    assert ring_table(tables, 3, 8).tolist()[2] == [0, 4, 8, 2, 6, 1, 0, 0]  # wide enough: the linear table

@@ -278,14 +278,18 @@ class ModelRunner:
         if bucket is not None:
             staged = self._stage_sampler(bucket, [c.seq for c in chunks], steps)  # before the forward is launched
             for n in self.paged:
-                host[f"pools.{n}.block_table"] = self._block_table(tables[n], bucket, self.graph_widths[n])
+                host[f"pools.{n}.block_table"] = self._table(n, tables[n], bucket, self.graph_widths[n])
             logits, extras = self._replay(bucket, host)
             logits, extras = logits[:B], {k: v[:B] for k, v in extras.items()}
         else:
             # a step of prefill chunks only still asks for one row: no model meets R = 0
             host |= {"cu_seqlens_q": cu, "logit_rows": rows or [len(positions) - 1]}
+            longest_chunk = max(c.end - c.start for c in chunks)
             for n in self.paged:  # at least one page wide: a rate pool's tables are empty until a row completes
-                host[f"pools.{n}.block_table"] = self._block_table(tables[n], B, max([1, *map(len, tables[n])]))
+                width = max([1, *map(len, tables[n])])
+                if getattr(self.pools[n], "ring", False):
+                    width = min(width, self.pools[n].ring_width(longest_chunk))
+                host[f"pools.{n}.block_table"] = self._table(n, tables[n], B, width)
             batch = from_tensors({p: self._to_device(v, field_spec(p)[0]) for p, v in host.items()},
                                  max(b - a for a, b in zip(cu, cu[1:])))
             batch.host = HostLists(cu, [c.start for c in chunks], states)
@@ -363,6 +367,9 @@ class ModelRunner:
             return data.to(self.device, non_blocking=True)
         return torch.tensor(data, dtype=dtype, pin_memory=self._pin).to(self.device, non_blocking=True)
 
+    def _table(self, pool: str, tables: list[list[int]], rows: int, width: int) -> torch.Tensor:
+        return (ring_table if getattr(self.pools[pool], "ring", False) else self._block_table)(tables, rows, width)
+
     def _block_table(self, tables: list[list[int]], rows: int, width: int) -> torch.Tensor:
         """(rows, width) int32 host tensor, zero past each table and in pad rows.
         Python pads the tables only to the longest one and the rest of the width
@@ -396,3 +403,16 @@ class ModelRunner:
             dst.copy_(data, non_blocking=True)
         self.graphs.graphs[bs].replay()
         return self.graphs.logits[bs], self.graphs.extras.get(bs, {})
+
+
+def ring_table(tables: list[list[int]], rows: int, width: int) -> torch.Tensor:
+    """A window pool's ring block table (``WindowPool.ring``): (rows, width) int32, block b of a sequence in
+    column b % width.  Only a sequence's last ``width`` blocks are placed (a step reads no older one), so an
+    older block never overwrites a live one; given-back blocks (-1) and pad rows read page 0, masked by the
+    model as past its window."""
+    out = torch.zeros(rows, width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        for b in range(max(0, len(t) - width), len(t)):
+            if t[b] >= 0:
+                out[i, b % width] = t[b]
+    return out

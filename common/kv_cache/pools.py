@@ -96,13 +96,31 @@ class RatePool(PagedPool):
 @dataclass(frozen=True)
 class WindowPool(PagedPool):
     """A row per position, of which only the last ``window`` are ever read:
-    pages wholly behind it go back to the pool."""
+    pages wholly behind it go back to the pool.
+
+    ``ring``: the block table the model reads is a ring, block b of a sequence
+    in column ``b % width`` (``ring_table``), so its width follows the window
+    and a step's chunks, not the context: a decode graph's is
+    ``cdiv(window - 1, 64) + 2`` columns at any ``max_position``.  The model
+    reads ``block_table[seq, (pos // 64) % block_table.shape[1]]``; a model
+    whose kernels read the table in order keeps ``ring=False``."""
 
     window: int = 1
+    ring: bool = False
 
     def __post_init__(self):
         super().__post_init__()
         check_int("a window pool's window", self.window)
+
+    def graph_width(self, max_position: int) -> int:
+        if not self.ring:
+            return super().graph_width(max_position)
+        return min(super().graph_width(max_position), self.ring_width(1))
+
+    def ring_width(self, chunk: int) -> int:
+        """Ring columns for a step whose longest chunk is ``chunk`` tokens: its queries read positions from
+        (first - window + 1) to (first + chunk - 1), at most this many 64-position blocks."""
+        return cdiv(self.window - 1 + chunk - 1, PAGE_SIZE) + 1
 
     def ledger(self, num_pages: int, *, name: str, shuffle_seed: int | None = None) -> WindowManager:
         return WindowManager(num_pages, self.window, name=name, shuffle_seed=shuffle_seed)

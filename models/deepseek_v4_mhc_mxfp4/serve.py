@@ -58,7 +58,8 @@ class DeepseekV4Server(ServerBase):
 
     def cache_pools(self) -> dict:
         c = self.cfg
-        pools = {"win": WindowPool({"row": (1, c.head_dim)}, self.dtype, c.num_layers, window=c.sliding_window)}
+        pools = {"win": WindowPool({"row": (1, c.head_dim)}, self.dtype, c.num_layers, window=c.sliding_window,
+                                   ring=True)}
         rings = {}
         if c.csa_layers:
             rate = dict(c.compress_rates)[CSA]
@@ -128,8 +129,8 @@ class DeepseekV4Server(ServerBase):
         win = batch.pools["win"].block_table.long()
         j = pos[:, None] - W + 1 + torch.arange(W, device=dev)  # (n, W)
         jc = j.clamp(min=0)
-        parts = [(caches["win"][L]["row"].view(-1, D),
-                  win[seq_idx[:, None], jc // PAGE_SIZE] * PAGE_SIZE + jc % PAGE_SIZE, j >= 0)]
+        ring = (jc // PAGE_SIZE) % win.shape[1]  # the window's ring table (WindowPool.ring): its width follows W
+        parts = [(caches["win"][L]["row"].view(-1, D), win[seq_idx[:, None], ring] * PAGE_SIZE + jc % PAGE_SIZE, j >= 0)]
         pool = _pool_of(c, L)
         if pool is not None:
             rate, table_c = c.rate(L), batch.pools[pool].block_table.long()
