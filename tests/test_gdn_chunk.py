@@ -115,8 +115,8 @@ case(1, 2, 24, 20, [1, 63, 64, 65, 200], seed=2, calls=[
 ], **FAST)
 # the GPU's launch knobs, and others (two state K-tiles, four rows a step, solve blocks of two rows: every
 # level of left siblings; o in the state kernel, then in the output kernel)
-case(1, 2, 24, 20, [130], seed=5, calls=[[(0, 0, 30, 0)], [(0, 30, 100, 0)]], fused=True)
-case(1, 2, 24, 40, [100], seed=6, calls=[[(0, 0, 40, 0)], [(0, 40, 60, 0)]], bv=16, bw=16, br=4, bks=8, bi=8, bs=2,
+case(1, 2, 24, 20, [100], seed=5, calls=[[(0, 0, 30, 0)], [(0, 30, 70, 0)]], fused=True)
+case(1, 2, 24, 40, [75], seed=6, calls=[[(0, 0, 40, 0)], [(0, 40, 35, 0)]], bv=16, bw=16, br=4, bks=8, bi=8, bs=2,
      bro=4, bvo=8, fused=False)
 print("ok")
 """
