@@ -77,10 +77,10 @@ CASES: dict[str, ModelCase] = {
     # cuda_graphs: the indexer and the sparse attention run their element-wise paths on CUDA, which read
     # row widths on the host, until their Triton kernels land (issue 47); decode runs eager there
     "glm5_sparse_fp8": ModelCase(hf_atol=None, cuda_graphs=False),
-    # fp8: FP8 dense linears are not built yet (issue 48); hf_atol: ties as glm5's (top-24 of the C4 rows)
+    # hf_atol: ties as glm5's (top-24 of the C4 rows); fp8: q_a, q_b, kv, o_b and the shared expert as FP8 codes
     # cuda_graphs: the HCA rows' width is read on the host; the caches: 1/4 and 1/16 rows and a 40-token window
     # hold test_models' requests in fewer pages, so fewer preempt
-    "deepseek_v4_mhc_mxfp4": ModelCase(fp8=False, hf_atol=None, cuda_graphs=False, sharpen=sharpen_v4,
+    "deepseek_v4_mhc_mxfp4": ModelCase(hf_atol=None, cuda_graphs=False, sharpen=sharpen_v4,
                                        preempt_pages=5, overlap_cache=(4, 64)),
 }
 

@@ -85,6 +85,29 @@ def test_mxfp4_experts_keep_the_contract():
         _same(p.trainer.logprobs(seqs, [len(x) for x in prompts], sps), outs, "trainer")
 
 
+def test_fp8_dense_linears_beside_mxfp4_experts_keep_the_contract():
+    """fp8=True on the release's layout: the attention's and shared expert's linears as FP8 codes, the routed
+    experts MXFP4; trainer == sampled on a 310 / 33-token batch, and again after an Adam step's sync."""
+    p = make_pair("tiny-mxfp4", seed=5, fp8=True)
+    w = p.server.model.weights
+    assert w["layers.1.attn.q_b.weight"].dtype == torch.float8_e4m3fn
+    assert w["layers.1.moe.shared_down.weight"].dtype == torch.float8_e4m3fn
+    assert w["layers.1.attn.o_a.weight"].dtype == torch.bfloat16 and w["layers.1.moe.down.weight"].dtype == torch.uint8
+    t = p.trainer
+    opt = torch.optim.Adam([x for x in t.parameters() if x.requires_grad], lr=3e-3)
+    for step in range(2):
+        codes = w["layers.1.attn.q_b.weight"].clone()
+        prompts, sps, outs, seqs = _run(p, [310, 33], 6, seed=13 + step)
+        plens = [len(x) for x in prompts]
+        with torch.no_grad():
+            _same(t.logprobs(seqs, plens, sps), outs, f"trainer, step {step}")
+        (-sum(lp[torch.isfinite(lp)].sum() for lp in t.logprobs(seqs, plens, sps))).backward()
+        opt.step()
+        opt.zero_grad()
+        p.sync()
+        assert p.weights_match() and not torch.equal(w["layers.1.attn.q_b.weight"], codes)  # the step's codes shipped
+
+
 def test_a_broken_server_is_caught(pair, monkeypatch):
     """The test's teeth: the server attending without its sinks no longer gives the trainer's bits."""
     from alignzoo.models.deepseek_v4_mhc_mxfp4 import serve

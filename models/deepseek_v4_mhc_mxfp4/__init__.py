@@ -9,8 +9,11 @@ byte; a model with MXFP4 experts saves them the release's way, which transformer
 Not yet in the registry (``alignzoo.models``): ``load`` builds a pair through ``models/loading.py``;
 ``tests/test_deepseek_v4.py`` holds its contract (and router / index replay), ``tests/test_deepseek_v4_lora.py``
 its LoRA (the attention's q_a / q_b / kv / o_b and the routed experts; on MXFP4 experts separate only),
-``serve_vendor.py`` is the misaligned server on torch's kernels.  FP8 training of the dense linears (they load as
-bf16 / fp32 and save unquantized) and CUDA-graph decode are still to come.
+``serve_vendor.py`` is the misaligned server on torch's kernels.  ``fp8=True``: the attention's q_a / q_b / kv / o_b
+and the shared expert train as FP32 masters read as FP8 block codes, requantized once a step (``train.py`` says
+which linears stay in the model dtype); a release checkpoint's FP8 linears become those masters as code x scale in
+fp32, and the codes are requantized from them (with E8M0 scales, not the stored codes byte for byte); they save
+unquantized.  CUDA-graph decode is still to come.
 """
 from __future__ import annotations
 

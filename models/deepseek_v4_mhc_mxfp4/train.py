@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...common.compress import compress
 from ...common.dsa import index_scores, index_topk
-from ...common.layers import AdapterRows, Linear, Weight
+from ...common.layers import AdapterRows, Fp8Linear, Linear, Weight
 from ...common.matmul import matmul
 from ...common.mhc import hc_mix, hyper_connection, hyper_head
 from ...common.rmsnorm import rmsnorm, rmsnorm_unweighted
@@ -224,19 +224,20 @@ class Attention(OwnParams):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, index: int, *, device=None, dtype=None):
+    def __init__(self, cfg: DeepseekV4Config, index: int, *, fp8: bool = False, device=None, dtype=None):
         super().__init__()
         self.cfg, self.index = cfg, index
         kw = dict(device=device, dtype=dtype)
+        linear = Fp8Linear if fp8 else Linear
         N, H, t = cfg.hc_mult, cfg.hidden_size, cfg.layer_types[index]
         self.attn_hc = HyperParams(cfg.hc_weights, N * H, 3, device=device)
         self.attn_norm = Weight(H, device=device, dtype=torch.float32)
-        self.attn = Attention(cfg, index, **kw)
+        self.attn = Attention(cfg, index, linear=linear, **kw)
         self.compressor = Compressor(cfg, index, cfg.head_dim, t == CSA, **kw) if t in (CSA, HCA) else None
         self.indexer = Indexer(cfg, index, **kw) if t == CSA else None
         self.ffn_hc = HyperParams(cfg.hc_weights, N * H, 3, device=device)
         self.mlp_norm = Weight(H, device=device, dtype=torch.float32)
-        self.moe = MoEBlock(moe_spec(cfg, index), index, **kw)
+        self.moe = MoEBlock(moe_spec(cfg, index), index, linear=linear, **kw)
 
     tap = staticmethod(no_tap)
 
@@ -270,7 +271,15 @@ class Block(nn.Module):
 class DeepseekV4Trainer(TrainerBase):
     """Parameters are named as in ``weights.py``.  LoRA, ``logprobs`` and ``forward_weights``: ``models/base.py``
     (on MXFP4 experts the adapters run separate, inside the packed kernel); router replay: ``logprobs(...,
-    replay=completion extras)``."""
+    replay=completion extras)``.
+
+    ``fp8=True``: the attention's q_a, q_b, kv and o_b and the shared expert's gate_up / down are ``Fp8Linear``
+    (FP32 masters, read as e4m3 128x128 block codes made once per optimizer step; the server reads those codes).
+    The rest stays in the model dtype: o_a, read by ``grouped_o`` as G matmuls on row slices of its weight, not
+    through a linear module (FP8 would need a grouped FP8 GEMM); the indexer, which takes no gradient and whose
+    q_b / weights_proj the server reads through ``matmul_fwd``; the compressors, which share the indexer's class
+    (``Compressor``); mHC's fp32 coefficients, the router, the norms, the embedding and the head.  The routed
+    experts keep their own format (the model dtype, or MXFP4 codes when the checkpoint's are)."""
 
     model_name = NAME
     lora_targets = tuple(LORA_TARGETS)
@@ -279,14 +288,11 @@ class DeepseekV4Trainer(TrainerBase):
 
     def __init__(self, cfg: DeepseekV4Config, *, device=None, dtype=torch.bfloat16, activation_checkpointing=False,
                  fp8: bool = False):
-        if fp8:
-            raise NotImplementedError("deepseek_v4_mhc_mxfp4: unified FP8 training of the dense linears is not built "
-                                      "yet; the experts are MXFP4 when the checkpoint's are")
         super().__init__(cfg, activation_checkpointing=activation_checkpointing, fp8=fp8)
         kw = dict(device=device, dtype=dtype)
         N, H = cfg.hc_mult, cfg.hidden_size
         self.embed = Weight(cfg.vocab_size, H, **kw)
-        self.layers = nn.ModuleList(Block(cfg, i, **kw) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, fp8=fp8, **kw) for i in range(cfg.num_layers))
         self.hc_head = HyperParams(N, N * H, 1, device=device)
         self.norm = Weight(H, device=device, dtype=torch.float32)
         self.lm_head = None if cfg.tie_word_embeddings else Weight(cfg.vocab_size, H, **kw)
